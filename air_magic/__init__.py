@@ -1,0 +1,24 @@
+"""air_magic: run a notebook's training function on every GPU of the node, from one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .decorator import distributed
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "distributed", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext air_magic`: register the %%distributed magic."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """`%unload_ext air_magic`: remove the magic and stop the supervisor."""
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,170 @@
+"""The @distributed front door: validate settings, build a JobSpec, hand it to the runner.
+
+`Settings` is shared with the %%distributed magic, so both doors validate
+the same way and build the same job description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, ParamSpec, TypeVar
+
+from . import accelerators, runner
+from .errors import ConfigurationError
+from .job import JobResult, JobSpec
+
+#: Three hours, in seconds.
+DEFAULT_TIMEOUT: float = 3 * 60 * 60
+
+P = ParamSpec("P")
+R = TypeVar("R")
+_UNSET: Any = object()
+
+
+def check_timeout(timeout: object) -> float | None:
+    """Seconds as a positive number, or None for no limit."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ConfigurationError(
+            f"timeout must be a number of seconds or None (no limit), got {timeout!r}; "
+            f"for example timeout=3600 for one hour."
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ConfigurationError(
+            f"timeout must be more than 0 seconds, got {timeout!r}; pass None to run without a time limit."
+        )
+    return float(timeout)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to run: the arguments of `distributed(...)` and the options of `%%distributed`."""
+
+    num_accelerators: int | None = None
+    accelerator_type: str | None = None
+    timeout: float | None = DEFAULT_TIMEOUT
+    mlflow: bool = True
+    warm: bool | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timeout", check_timeout(self.timeout))
+        if self.num_accelerators is not None:
+            accelerators._check_count(self.num_accelerators, "num_accelerators")
+        if not isinstance(self.mlflow, bool):
+            raise ConfigurationError(f"mlflow must be True or False, got {self.mlflow!r}.")
+
+    def resolve(self) -> tuple[int, str]:
+        """World size and accelerator type on this node (raises ConfigurationError if they don't fit)."""
+        return accelerators.resolve(self.num_accelerators, self.accelerator_type)
+
+    def spec(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> JobSpec:
+        world_size, acc_type = self.resolve()
+        return JobSpec(
+            target=target, args=args, kwargs=kwargs, name=name, world_size=world_size,
+            accelerator_type=acc_type, timeout=self.timeout, mlflow=self.mlflow,
+            warm=self.warm, extra_env=dict(self.env),
+        )
+
+
+def legacy_names(settings: dict[str, Any], gpus: Any, gpu_type: Any) -> dict[str, Any]:
+    """Fold the old `gpus` / `gpu_type` arguments into the new ones, with a FutureWarning."""
+    for old, new, value in (("gpus", "num_accelerators", gpus), ("gpu_type", "accelerator_type", gpu_type)):
+        if value is _UNSET:
+            continue
+        if settings.get(new) is not None:
+            raise ConfigurationError(f"give either {new}= or the old {old}=, not both; use {new}=.")
+        warnings.warn(
+            f"distributed({old}=...) is deprecated; use {new}=... instead.", FutureWarning, stacklevel=3
+        )
+        if old == "gpu_type" and value is not None:
+            if not isinstance(value, str):
+                raise ConfigurationError(f"gpu_type must be a string such as 'H100', got {value!r}.")
+            value = accelerators.legacy_gpu_type(value, settings.get("num_accelerators"))
+        settings[new] = value
+    return settings
+
+
+class DistributedFunction(Generic[P, R]):
+    """A function prepared to run on every rank: call `.distributed(...)` to run it."""
+
+    def __init__(self, func: Callable[P, R], settings: Settings) -> None:
+        if not callable(func):
+            raise ConfigurationError(f"@distributed() must decorate a function, got {func!r}.")
+        self._func = func
+        self.settings = settings
+        functools.update_wrapper(self, func)
+
+    @property
+    def func(self) -> Callable[P, R]:
+        """The undecorated function, to run it here in the notebook."""
+        return self._func
+
+    def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Run on every rank; return the per-rank return values, indexed by global rank."""
+        return self.run(*args, **kwargs).values
+
+    def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
+        """Like `.distributed`, but return the whole JobResult (run directory, exit codes, timing)."""
+        name = getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function")
+        return runner.run(self.settings.spec(self._func, args, kwargs, name))
+
+    def with_overrides(self, **changes: Any) -> "DistributedFunction[P, R]":
+        """A copy with other settings, e.g. `train.with_overrides(num_accelerators=1, timeout=60)`."""
+        changes = legacy_names(changes, changes.pop("gpus", _UNSET), changes.pop("gpu_type", _UNSET))
+        unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+        if unknown:
+            raise ConfigurationError(
+                f"with_overrides() got unknown setting(s) {sorted(unknown)}; "
+                f"known: {sorted(f.name for f in dataclasses.fields(Settings))}."
+            )
+        return DistributedFunction(self._func, dataclasses.replace(self.settings, **changes))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        name = getattr(self._func, "__name__", "f")
+        raise TypeError(
+            f"{name} is decorated with @distributed(); call {name}.distributed(...) to run it on "
+            f"every rank, or {name}.func(...) to run it here in this process."
+        )
+
+    def __repr__(self) -> str:
+        return f"<distributed function {getattr(self._func, '__qualname__', self._func)!r} {self.settings}>"
+
+
+def distributed(
+    num_accelerators: int | None = None,
+    accelerator_type: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    *,
+    gpus: Any = _UNSET,
+    gpu_type: Any = _UNSET,
+    mlflow: bool = True,
+    warm: bool | None = None,
+    env: dict[str, str] | None = None,
+) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
+    """Prepare a function to run on one worker process per accelerator of this node.
+
+    num_accelerators: workers to start; None = every GPU (or 2 CPU workers without GPUs).
+    accelerator_type: 'GPU_<n>x<MODEL>' such as 'GPU_8xH100', or 'CPU'; None = detected.
+    timeout: seconds before every worker is stopped (default 3 h); None = no limit.
+    mlflow: record the call as an MLflow run that workers log to.
+    warm: start workers from the warm helper (None = the configured default).
+    env: extra environment variables for the workers.
+    """
+    if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
+        return distributed()(num_accelerators)  # type: ignore[return-value]
+    given = legacy_names(
+        {"num_accelerators": num_accelerators, "accelerator_type": accelerator_type}, gpus, gpu_type
+    )
+    settings = Settings(timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), **given)
+    settings.resolve()  # a setting that cannot fit this node fails here, at decoration
+
+    def wrap(func: Callable[P, R]) -> DistributedFunction[P, R]:
+        return DistributedFunction(func, settings)
+
+    return wrap

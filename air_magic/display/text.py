@@ -1,0 +1,63 @@
+"""Plain-text display: every rank's lines prefixed with the rank, the run link printed once.
+
+Used outside Jupyter (scripts, terminal IPython) and wherever widgets cannot
+show. Writes to the caller's sys.stdout, whole lines only, so lines of
+different ranks never interleave mid-line.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from ..events import Listener, RunContext
+from ..job import JobResult, RankState
+
+
+class TextDisplay(Listener):
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+        self.partial: dict[int, str] = {}
+
+    @property
+    def out(self) -> TextIO:
+        return self.stream or sys.stdout
+
+    def on_start(self, ctx: RunContext) -> None:
+        spec = ctx.spec
+        self.out.write(
+            f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}; logs in {ctx.run_dir}\n"
+        )
+        self.ctx = ctx
+        self.link_shown = False
+        self.show_link()
+
+    def show_link(self) -> None:
+        link = self.ctx.links.get("mlflow")
+        if link and not self.link_shown:
+            self.out.write(f"air_magic: MLflow run: {link}\n")
+            self.link_shown = True
+
+    def on_output(self, rank: int, text: str) -> None:
+        text = self.partial.pop(rank, "") + text.replace("\r\n", "\n")
+        lines = text.split("\n")
+        self.partial[rank] = lines.pop()
+        if lines:
+            self.out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+            self.out.flush()
+
+    def on_rank_state(self, rank: int, state: RankState) -> None:
+        if state in (RankState.FAILED,):
+            self.flush_rank(rank)
+
+    def flush_rank(self, rank: int) -> None:
+        rest = self.partial.pop(rank, "")
+        if rest:
+            self.out.write(f"[rank {rank}] {rest}\n")
+
+    def on_end(self, result: JobResult) -> None:
+        for rank in list(self.partial):
+            self.flush_rank(rank)
+        self.show_link()
+        self.out.write(f"air_magic: {result.spec.name} {result.status.value.lower()} in {result.elapsed:.1f} s\n")
+        self.out.flush()

@@ -1,0 +1,62 @@
+"""The listener interface: what the runner tells the display and the tracking of a call.
+
+The runner owns the call; listeners only hear about it. Each hook is called
+from the thread that made the call, so a listener needs no locking of its own
+unless it starts threads itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .job import JobResult, JobSpec, RankState
+
+
+@dataclass
+class RunContext:
+    """What a listener may know about a call in progress, and the one thing it may do: cancel."""
+
+    spec: JobSpec
+    run_dir: Path
+    log_paths: list[Path]
+    links: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the runner to stop every rank; safe to call from any thread."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started_at
+
+
+class Listener:
+    """No-op base: override the hooks you need."""
+
+    def on_start(self, ctx: RunContext) -> None:
+        """The run directory exists; workers are about to start."""
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment variables every worker should get (called after on_start)."""
+        return {}
+
+    def on_output(self, rank: int, text: str) -> None:
+        """New text from a rank's log (stdout and stderr, in order)."""
+
+    def on_rank_state(self, rank: int, state: RankState) -> None:
+        """A rank changed state."""
+
+    def poll(self) -> None:
+        """Called about every 50 ms while the call runs (refresh clocks, handle clicks)."""
+
+    def on_end(self, result: JobResult) -> None:
+        """The call is over; every worker is gone. `result.status` says how it ended."""

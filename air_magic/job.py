@@ -1,0 +1,80 @@
+"""The job description both front doors build, and what the runner hands back.
+
+`JobSpec` is everything the runner needs to start a call; `JobResult` is what
+came back, keyed by rank. These are plain dataclasses: no process, widget or
+tracking logic lives here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+class RankState(str, enum.Enum):
+    """Lifecycle of one rank as the display shows it."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class JobStatus(str, enum.Enum):
+    """How a call ended; the names are MLflow's run statuses."""
+
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    KILLED = "KILLED"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run and where: built by a front door, consumed by the runner."""
+
+    target: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    name: str
+    world_size: int
+    accelerator_type: str
+    timeout: float | None
+    mlflow: bool = True
+    warm: bool | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.accelerator_type.upper().startswith("GPU")
+
+
+@dataclass
+class RankResult:
+    """One rank's outcome: its return value, or why it did not return."""
+
+    rank: int
+    state: RankState = RankState.PENDING
+    value: Any = None
+    returncode: int | None = None
+    pid: int | None = None
+    log_path: Path | None = None
+
+
+@dataclass
+class JobResult:
+    """All ranks of one call, indexed by global rank, plus how the call ended."""
+
+    spec: JobSpec
+    run_dir: Path
+    ranks: list[RankResult]
+    status: JobStatus = JobStatus.FINISHED
+    error: BaseException | None = None
+    elapsed: float = 0.0
+
+    @property
+    def values(self) -> list[Any]:
+        """Return values as a list indexed by global rank."""
+        return [r.value for r in self.ranks]

@@ -1,0 +1,104 @@
+"""Serialize what a call runs (function or cell, plus its arguments) for the workers.
+
+cloudpickle pickles notebook functions and classes by value, which plain
+pickle and torch.multiprocessing cannot do. When something does not pickle,
+this module finds which argument or global is to blame and says so, before
+any worker starts. It does not start processes or read results.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import pickle
+import warnings
+from typing import Any, Callable, Iterable
+
+import cloudpickle
+
+from .errors import SerializationError
+
+#: Payloads above this many bytes get a PayloadSizeWarning.
+LARGE_PAYLOAD_BYTES = 256 * 1024 * 1024
+
+
+class PayloadSizeWarning(UserWarning):
+    """The serialized call is large; data should rather be loaded inside the function."""
+
+
+def _pickles(value: Any) -> Exception | None:
+    try:
+        cloudpickle.dump(value, _NullWriter())
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return exc
+    return None
+
+
+class _NullWriter(io.RawIOBase):
+    """A sink for trial pickling: measures nothing, keeps nothing."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)
+
+
+def referenced_globals(func: Callable[..., Any]) -> dict[str, Any]:
+    """Globals and closure values a function uses, nested code objects included."""
+    found: dict[str, Any] = {}
+    func = inspect.unwrap(func)
+    code = getattr(func, "__code__", None)
+    glb = getattr(func, "__globals__", {})
+    if code is None:
+        return found
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        for name in c.co_names:
+            if name in glb:
+                found[name] = glb[name]
+        stack.extend(k for k in c.co_consts if inspect.iscode(k))
+    for name, cell in zip(code.co_freevars, func.__closure__ or ()):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:
+            pass
+    return found
+
+
+def _culprits(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterable[str]:
+    for i, value in enumerate(args):
+        if (exc := _pickles(value)) is not None:
+            yield f"positional argument {i} ({type(value).__name__}): {exc}"
+    for key, value in kwargs.items():
+        if (exc := _pickles(value)) is not None:
+            yield f"argument {key!r} ({type(value).__name__}): {exc}"
+    names = getattr(target, "payload_globals", None)
+    used = names() if callable(names) else referenced_globals(target)
+    for name, value in used.items():
+        if (exc := _pickles(value)) is not None:
+            yield f"global {name!r} ({type(value).__name__}): {exc}"
+
+
+def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """cloudpickle `(target, args, kwargs)`, naming the culprit if it cannot be done."""
+    try:
+        blob = cloudpickle.dumps((target, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        found = list(_culprits(target, args, kwargs))
+        what = "; ".join(found) if found else f"the function itself: {exc}"
+        raise SerializationError(
+            f"cannot send this call to the workers: {what}. Create such objects inside the "
+            "function (locks, sockets, open files, database connections cannot cross processes) "
+            "or pass something that can be pickled."
+        ) from exc
+    if len(blob) > LARGE_PAYLOAD_BYTES:
+        warnings.warn(
+            f"the serialized call is {len(blob) / 2**20:.0f} MiB and is written to disk and read by "
+            "every rank; load large data inside the function (from files or a dataset) instead of "
+            "passing it or capturing it from the notebook.",
+            PayloadSizeWarning,
+            stacklevel=4,
+        )
+    return blob

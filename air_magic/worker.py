@@ -1,0 +1,113 @@
+"""What runs inside one rank's process: load the payload, run it, leave a result or an error file.
+
+This module imports no IPython, ipywidgets or MLflow: a worker carries only
+what the user's code imports. Its stdout and stderr are already the rank's
+log file when it starts (the supervisor points file descriptors 1 and 2 at
+it), so C and CUDA writes land there too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import cloudpickle
+
+from .errors import SerializationError, write_error_file
+
+_PR_SET_PDEATHSIG = 1
+#: Seconds a finished rank may spend in interpreter shutdown before it is ended.
+EXIT_GRACE = 30.0
+
+
+def result_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"rank-{rank}.result.pkl"
+
+
+def error_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"rank-{rank}.error"
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the supervisor goes, then check it has not already."""
+    parent = int(os.environ.get("AIR_MAGIC_SUPERVISOR_PID", "0"))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: rely on the supervisor's sweep
+        pass
+    if parent and os.getppid() != parent:
+        os._exit(70)
+
+
+def _apply_caller_context(spec: dict) -> None:
+    sys.path[:] = spec["sys_path"]
+    os.chdir(spec["cwd"])
+    sys.argv = [spec["name"]]
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, errors="backslashreplace")
+
+
+def _release_distributed() -> None:
+    """Destroy a process group the user left open, so the rank exits cleanly."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def _write_result(path: Path, value: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        cloudpickle.dump(value, f)
+    os.replace(tmp, path)
+
+
+def run(run_dir: Path, rank: int) -> int:
+    """Run this rank's share of the job; return the process exit code."""
+    spec = json.loads((run_dir / "job.json").read_text())
+    _apply_caller_context(spec)
+    faulthandler.enable()
+    try:
+        target, args, kwargs = cloudpickle.loads((run_dir / "payload.pkl").read_bytes())
+        value = target(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
+        write_error_file(error_path(run_dir, rank), exc)
+        _release_distributed()
+        return 1
+    _release_distributed()
+    try:
+        _write_result(result_path(run_dir, rank), value)
+    except Exception as exc:  # noqa: BLE001
+        err = SerializationError(
+            f"the return value of rank {rank} ({type(value).__name__}) could not be pickled: {exc}; "
+            "return plain data (numbers, lists, dicts, tensors moved to CPU) or None."
+        )
+        write_error_file(error_path(run_dir, rank), err)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a spawned worker: `python -c ... <run_dir> <rank>`."""
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    code = run(Path(argv[0]), int(argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leftover non-daemon threads must not keep a finished rank alive forever.
+    timer = threading.Timer(EXIT_GRACE, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+    sys.exit(code)
