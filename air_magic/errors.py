@@ -63,18 +63,35 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def write_error_file(path: Path, exc: BaseException) -> None:
+def format_remote(exc: BaseException, code_files: dict[str, str] | None = None) -> str:
+    """Format a traceback, putting back the real file of frames cloudpickle renamed '<dynamic-code>'."""
+    te = traceback.TracebackException.from_exception(exc)
+    current: traceback.TracebackException | None = te
+    error: BaseException | None = exc
+    while current is not None and error is not None:
+        for (frame, _), summary in zip(traceback.walk_tb(error.__traceback__), current.stack):
+            code = frame.f_code
+            real = (code_files or {}).get(f"{code.co_name}:{code.co_firstlineno}")
+            if summary.filename == "<dynamic-code>" and real:
+                summary.filename = real
+                summary._line = None  # re-read from linecache under the real name
+        current, error = current.__cause__ or current.__context__, error.__cause__ or error.__context__
+    return "".join(te.format())
+
+
+def write_error_file(path: Path, exc: BaseException, code_files: dict[str, str] | None = None) -> None:
     """Record `exc` for the caller: a JSON summary, and the pickled exception if it pickles."""
     record = {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "traceback": format_remote(exc, code_files),
         "pid": os.getpid(),
     }
-    _write_private(path.with_suffix(".json"), json.dumps(record).encode())
+    _write_private(path, json.dumps(record).encode())
+    # an exception that pickles but cannot be rebuilt is useless, hence the round trip
     try:
         blob = cloudpickle.dumps(exc)
-        cloudpickle.loads(blob)  # an exception that pickles but cannot be rebuilt is useless
+        cloudpickle.loads(blob)
     except Exception:
         return
     _write_private(path.with_suffix(".pkl"), blob)
@@ -82,7 +99,7 @@ def write_error_file(path: Path, exc: BaseException) -> None:
 
 def read_error_file(path: Path, rank: int) -> BaseException | None:
     """Rebuild the exception a rank recorded at `path`, or None if it left no record."""
-    meta = path.with_suffix(".json")
+    meta = path
     if not meta.exists():
         return None
     record = json.loads(meta.read_text())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import io
+import linecache
+import os
 import pickle
 import warnings
 from typing import Any, Callable, Iterable
@@ -67,6 +69,30 @@ def referenced_globals(func: Callable[..., Any]) -> dict[str, Any]:
     return found
 
 
+def cell_sources(func: Any) -> dict[str, Any]:
+    """Where the function's code came from, so a remote traceback can show the cell's lines.
+
+    cloudpickle renames the file of code it pickles by value to
+    '<dynamic-code>', and IPython keeps cell sources only in the kernel's
+    linecache. This records each code object's file, keyed by name and first
+    line, and the lines of files that exist only in linecache.
+    """
+    files: dict[str, list[str]] = {}
+    code_files: dict[str, str] = {}
+    code = getattr(inspect.unwrap(func), "__code__", None) if not inspect.iscode(func) else func
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        name = c.co_filename
+        code_files[f"{c.co_name}:{c.co_firstlineno}"] = name
+        if name not in files and not os.path.exists(name):
+            lines = linecache.getlines(name)
+            if lines:
+                files[name] = lines
+        stack.extend(k for k in c.co_consts if inspect.iscode(k))
+    return {"files": files, "code": code_files}
+
+
 def _culprits(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterable[str]:
     for i, value in enumerate(args):
         if (exc := _pickles(value)) is not None:
@@ -82,9 +108,9 @@ def _culprits(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ite
 
 
 def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """cloudpickle `(target, args, kwargs)`, naming the culprit if it cannot be done."""
+    """cloudpickle `(target, args, kwargs, cell sources)`, naming the culprit if it cannot be done."""
     try:
-        blob = cloudpickle.dumps((target, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        blob = cloudpickle.dumps((target, args, kwargs, cell_sources(target)), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         found = list(_culprits(target, args, kwargs))
         what = "; ".join(found) if found else f"the function itself: {exc}"

@@ -154,7 +154,7 @@ class _Run:
             self.result.ranks[rank].returncode = code
             if code == 0:
                 self.set_state(rank, RankState.DONE)
-            elif self.stop_reason is None or error_path(self.run_dir, rank).with_suffix(".json").exists():
+            elif self.stop_reason is None or error_path(self.run_dir, rank).exists():
                 self.failures.append(rank)
                 self.set_state(rank, RankState.FAILED)
                 self.stop(f"rank {rank} failed")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import json
+import linecache
 import os
 import signal
 import sys
@@ -31,7 +32,7 @@ def result_path(run_dir: Path, rank: int) -> Path:
 
 
 def error_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f"rank-{rank}.error"
+    return run_dir / f"rank-{rank}.error.json"
 
 
 def _die_with_parent() -> None:
@@ -80,10 +81,12 @@ def run(run_dir: Path, rank: int) -> int:
     _apply_caller_context(spec)
     faulthandler.enable()
     try:
-        target, args, kwargs = cloudpickle.loads((run_dir / "payload.pkl").read_bytes())
+        target, args, kwargs, sources = cloudpickle.loads((run_dir / "payload.pkl").read_bytes())
+        for filename, lines in sources["files"].items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         value = target(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
-        write_error_file(error_path(run_dir, rank), exc)
+        write_error_file(error_path(run_dir, rank), exc, code_files=locals().get("sources", {}).get("code"))
         _release_distributed()
         return 1
     _release_distributed()

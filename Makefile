@@ -1,0 +1,30 @@
+# Two commands do all the set-up (see README.md):
+#   make demo   - create .venv, install air_magic, run the quickstart notebook on this machine
+#   make test   - create .venv, install air_magic with its test tools, run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test bench browser
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# The CPU build of torch on machines without an NVIDIA driver; the default (CUDA) build elsewhere.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[test]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.16'
+	touch $@
+
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+demo: $(VENV)/.installed
+	$(PY) demo_notebooks/run.py demo_notebooks/quickstart.ipynb
+
+test: $(VENV)/.installed browser
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed
+	$(PY) bench/launch.py

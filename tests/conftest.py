@@ -1,0 +1,58 @@
+"""Fixtures: a real Jupyter kernel per module, private run directories, and a process-leak check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import Kernel, leftover_processes
+
+os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests that want MLflow set their own store
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(request):
+    """Fail any test that leaves a worker, a worker's child, or an orphaned supervisor behind."""
+    before = {p.pid for p in psutil.process_iter()}
+    yield
+    keep = getattr(request.node, "keep_supervisors", set())
+    left = [p for p in leftover_processes(before) if p.pid not in keep and not _live_supervisor(p)]
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()[:3]) for p in left]}"
+
+
+def _live_supervisor(proc: psutil.Process) -> bool:
+    """A kernel's supervisor is meant to outlive a test while its kernel lives."""
+    try:
+        cmd = " ".join(proc.cmdline())
+        return "air_magic.supervisor" in cmd and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("nb")
+    (path / "runs").mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def kernel(workdir):
+    """A real ipykernel shared by the tests of one module, with air_magic importable."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"})
+    yield k
+    pid = k.pid
+    sup = [c for c in psutil.Process(pid).children(recursive=True)] if psutil.pid_exists(pid) else []
+    k.shutdown()
+    gone, alive = psutil.wait_procs(sup, timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, f"kernel shutdown left {alive}"

@@ -1,0 +1,147 @@
+"""Test helpers: a real Jupyter kernel to run cells in, and a finder for leftover processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from jupyter_client.manager import KernelManager
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class CellResult:
+    """What one executed cell produced."""
+
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None
+    error: dict | None = None
+    displays: list[dict] = field(default_factory=list)
+
+    @property
+    def ename(self) -> str | None:
+        return None if self.error is None else self.error["ename"]
+
+    @property
+    def traceback(self) -> str:
+        text = "" if self.error is None else "\n".join(self.error["traceback"])
+        return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+    def check(self) -> "CellResult":
+        assert self.error is None, f"cell raised {self.ename}:\n{self.traceback}\nstdout:\n{self.stdout}"
+        return self
+
+
+class Kernel:
+    """A real ipykernel in its own process, driven with jupyter_client."""
+
+    def __init__(self, cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        kernel_env = dict(os.environ)
+        kernel_env.update(env or {})
+        kernel_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), kernel_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.km.start_kernel(cwd=str(cwd), env=kernel_env, extra_arguments=["--HistoryManager.enabled=False"])
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid  # type: ignore[union-attr]
+
+    def execute(self, code: str, timeout: float = 120, on_output=None) -> CellResult:
+        out = CellResult()
+
+        def hook(msg: dict) -> None:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    out.stdout += content["text"]
+                else:
+                    out.stderr += content["text"]
+                if on_output is not None:
+                    on_output(content["text"])
+            elif kind == "execute_result":
+                out.result = content["data"].get("text/plain")
+            elif kind == "error":
+                out.error = content
+            elif kind in ("display_data", "update_display_data"):
+                out.displays.append(content)
+
+        self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
+        return out
+
+    def send(self, code: str) -> str:
+        """Start a cell without waiting for it; returns the message id."""
+        return self.kc.execute(code, allow_stdin=False)
+
+    def collect(self, msg_id: str, timeout: float = 120) -> CellResult:
+        """Gather the output of a cell started with send() until it is idle."""
+        out = CellResult()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"cell did not finish in {timeout} s; output so far:\n{out.stdout}")
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    out.stdout += content["text"]
+                else:
+                    out.stderr += content["text"]
+            elif kind == "execute_result":
+                out.result = content["data"].get("text/plain")
+            elif kind == "error":
+                out.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                return out
+
+    def interrupt(self) -> None:
+        self.km.interrupt_kernel()
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def ours(proc: psutil.Process) -> bool:
+    """A process air_magic started: a supervisor, a worker, or anything a worker started."""
+    try:
+        if "AIR_MAGIC_JOB" in proc.environ():
+            return True
+        return any("air_magic.supervisor" in part or "air_magic.worker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def leftover_processes(before: set[int], wait: float = 10.0) -> list[psutil.Process]:
+    """air_magic processes that were not there before, after waiting up to `wait` s for them to go."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for proc in psutil.process_iter():
+            if proc.pid in before or proc.pid == os.getpid():
+                continue
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE and ours(proc):
+                    left.append(proc)
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def python() -> str:
+    return sys.executable
