@@ -12,9 +12,12 @@ __all__ = ["__version__", "distributed", "load_ipython_extension", "unload_ipyth
 
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext air_magic`: register the %%distributed magic."""
+    from . import launcher, runner
     from .magics import load_ipython_extension as load
 
     load(ipython)
+    if launcher.warm_default():
+        launcher.supervisor(runner.runs_root())  # warm up in the background: imports torch, not CUDA
 
 
 def unload_ipython_extension(ipython: Any) -> None:

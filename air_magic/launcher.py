@@ -49,12 +49,13 @@ class JobHandle:
 class SupervisorClient:
     """One running supervisor process and the thread that reads its events."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, warm: bool) -> None:
         self.log_path = log_path
+        self.warm = warm
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT)],
+                [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), *(["--warm"] if warm else [])],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=fd,
@@ -112,6 +113,13 @@ class SupervisorClient:
         with self._lock:
             self._jobs.pop(job_id, None)
 
+    def retire(self) -> None:
+        """Let the supervisor finish the jobs it has, then exit; new jobs go to a new one."""
+        try:
+            self.send({"op": "retire"})
+        except AirMagicError:
+            pass
+
     def close(self, timeout: float = 10.0) -> None:
         """End the supervisor; it stops whatever workers it still has first."""
         try:
@@ -130,12 +138,20 @@ _client: SupervisorClient | None = None
 _client_lock = threading.Lock()
 
 
-def supervisor(runs_root: Path) -> SupervisorClient:
-    """The kernel's supervisor, started on first use and again if it died."""
+def warm_default() -> bool:
+    """Warm start unless AIR_MAGIC_WARM is 0/false/no/off."""
+    return os.environ.get("AIR_MAGIC_WARM", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def supervisor(runs_root: Path, replace: SupervisorClient | None = None) -> SupervisorClient:
+    """The kernel's supervisor, started on first use, again if it died, or anew when `replace` went stale."""
     global _client
     with _client_lock:
+        if replace is not None and _client is replace:
+            replace.retire()
+            _client = None
         if _client is None or not _client.alive:
-            _client = SupervisorClient(runs_root / f"supervisor-{os.getpid()}.log")
+            _client = SupervisorClient(runs_root / f"supervisor-{os.getpid()}.log", warm_default())
         return _client
 
 

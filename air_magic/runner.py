@@ -169,13 +169,15 @@ class _Run:
             return True
         return False
 
-    def wait(self) -> None:
+    def wait(self) -> str:
         deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
         while True:
             event = self.handle.next_event(_POLL)
             while event is not None:
+                if event["event"] == "stale":
+                    return "stale"
                 if self.on_event(event):
-                    return
+                    return "finished"
                 event = self.handle.next_event(0)
             self.pump_logs()
             self.notify("poll")
@@ -199,7 +201,10 @@ class _Run:
         self.launch_error: str | None = None
         self.notify("on_start", self.ctx)
         client = launcher.supervisor(runs_root())
+        warm = launcher.warm_default() if self.spec.warm is None else self.spec.warm
         request = {
+            "mode": "fork" if warm else "spawn",
+            "sys_path": list(sys.path),
             "world_size": self.spec.world_size,
             "executable": sys.executable,
             "run_dir": str(self.run_dir),
@@ -210,7 +215,11 @@ class _Run:
         try:
             self.handle = client.launch(self.job_id, request)
             try:
-                self.wait()
+                if self.wait() == "stale":  # the warm supervisor no longer matches: use a fresh one
+                    client.forget(self.job_id)
+                    client = launcher.supervisor(runs_root(), replace=client)
+                    self.handle = client.launch(self.job_id, request)
+                    self.wait()
             except KeyboardInterrupt:
                 self.stop("interrupted")
                 self.wait_stopped()

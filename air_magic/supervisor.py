@@ -1,38 +1,55 @@
 """The supervisor process: starts each job's workers, stops whole process trees, reports exits.
 
 One per kernel, started by launcher.py in its own session. It reads requests
-on stdin and writes events on stdout, one JSON object a line. It is a child
-subreaper, so processes a worker leaves behind are re-parented here and can
-still be found and ended. It never imports IPython; it imports torch only to
-host each job's rendezvous store on 127.0.0.1 (so no rank listens on another
-interface). Policy (when to stop a job) belongs to the runner; this process
-carries it out.
+on stdin and writes events on stdout, one JSON object a line.
 
-End-of-file on stdin means the kernel is gone: every job is stopped and the
-supervisor exits.
+- Warm start: with `--warm` it imports torch once, never initializes CUDA,
+  and forks each worker from that state (fork speed, milliseconds), then the
+  child takes the caller's environment, working directory and sys.path as
+  they are at call time. Without it, or for a job that asks for `spawn`,
+  every worker is a fresh interpreter (posix_spawn). The supervisor stays
+  single-threaded so forking is safe: even the rendezvous store runs in a
+  process of its own (store.py).
+- Staleness: a warm supervisor answers `stale` instead of forking when the
+  interpreter differs, a preloaded module's file changed on disk, the caller's
+  sys.path would import another copy of a preloaded package, or an
+  environment variable read at import time differs; the runner then starts a
+  fresh supervisor.
+- Clean-up: it is a child subreaper, so processes a worker leaves behind are
+  re-parented here and can still be found (by the AIR_MAGIC_JOB variable they
+  inherit) and ended. End-of-file on stdin, or a new parent pid, means the
+  kernel is gone: every job is stopped and the supervisor exits.
+
+Policy (when to stop a job) belongs to the runner; this process carries it out.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import importlib.util
 import json
 import os
+import random
 import select
 import signal
 import socket
 import sys
-import threading
+import sysconfig
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
 _WORKER_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.worker import main; main()"
+_STORE_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.store import main; main()"
 _TICK = 0.1
+#: Variables read when torch is imported: a warm supervisor with other values is stale.
+IMPORT_TIME_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHASHSEED", "TORCH_HOME", "PYTORCH_NVML_BASED_CUDA_CHECK")
+#: Modules a warm supervisor imports up front; AIR_MAGIC_PRELOAD (comma-separated) replaces the list.
+PRELOAD = ("torch", "torch.distributed", "numpy")
 
 
 @dataclass
@@ -45,8 +62,7 @@ class Job:
     exited: dict[int, int] = field(default_factory=dict)  # rank -> return code
     kill_at: float | None = None
     grace: float = 3.0
-    store: Any = None
-    store_fd: int | None = None
+    store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
 
     @property
@@ -68,26 +84,60 @@ def _become_subreaper() -> None:
         pass
 
 
-def _serve_store(job: Job, port: int, fd: int) -> None:
-    """Host the job's TCPStore on the socket bound to 127.0.0.1 (imports torch: run in a thread)."""
-    try:
-        from torch.distributed import TCPStore
+class Preloaded:
+    """What a warm supervisor imported, and how to tell that it no longer matches the caller."""
 
-        job.store = TCPStore(
-            "127.0.0.1", port, job.world_size, True,
-            timedelta(minutes=30), wait_for_workers=False,
-            master_listen_fd=fd, use_libuv=False,
-        )
-    except Exception as exc:  # noqa: BLE001 - ranks will report the rendezvous failure
-        print(f"air_magic supervisor: store for job {job.id} failed: {exc!r}", file=sys.stderr, flush=True)
+    def __init__(self, warm: bool) -> None:
+        self.modules: dict[str, str] = {}
+        self.files: dict[str, int] = {}
+        self.env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+        if not warm:
+            return
+        wanted = os.environ.get("AIR_MAGIC_PRELOAD")
+        for name in [n.strip() for n in wanted.split(",") if n.strip()] if wanted is not None else PRELOAD:
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                continue
+            module = __import__(name)
+            self.modules[name.split(".")[0]] = os.path.dirname(getattr(module, "__file__", "") or "")
+        stdlib = sysconfig.get_paths()["stdlib"]
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if path and not path.startswith(stdlib):
+                try:
+                    self.files[path] = os.stat(path).st_mtime_ns
+                except OSError:
+                    pass
+
+    def stale_reason(self, msg: dict[str, Any]) -> str | None:
+        if msg["executable"] != sys.executable:
+            return f"the interpreter is now {msg['executable']}"
+        env = msg["env"]
+        for key, value in self.env.items():
+            if env.get(key) != value:
+                return f"{key} changed"
+        for top, where in self.modules.items():
+            spec = importlib.machinery.PathFinder.find_spec(top, msg["sys_path"])
+            if spec is not None and spec.origin and os.path.dirname(spec.origin) != where:
+                return f"sys.path now finds {top} at {spec.origin}"
+        for path, mtime in self.files.items():
+            try:
+                if os.stat(path).st_mtime_ns != mtime:
+                    return f"{path} changed on disk"
+            except OSError:
+                return f"{path} is gone"
+        return None
 
 
 class Supervisor:
-    def __init__(self) -> None:
+    def __init__(self, warm: bool) -> None:
         self.jobs: dict[str, Job] = {}
         self.owner: dict[int, tuple[str, int]] = {}  # worker pid -> (job, rank)
         self.parent = os.getppid()
         self.closing = False
+        self.retiring = False
+        self.wake: tuple[int, int] | None = None
+        self.preloaded = Preloaded(warm)
+        self.warm = warm
 
     # -- requests ----------------------------------------------------------
     def handle(self, msg: dict[str, Any]) -> None:
@@ -102,52 +152,124 @@ class Supervisor:
                     self.stop(job, 0.0)
                 else:
                     _emit({"job": msg["job"], "event": "finished"})
+        elif op == "retire":
+            self.retiring = True
         elif op == "stop":
             job = self.jobs.get(msg["job"])
             if job is not None:
                 self.stop(job, float(msg.get("grace", 3.0)))
 
     def launch(self, msg: dict[str, Any]) -> None:
+        fork = msg.get("mode") == "fork"
+        if fork and self.warm:
+            reason = self.preloaded.stale_reason(msg)
+            if reason is not None:
+                _emit({"job": msg["job"], "event": "stale", "reason": reason})
+                return
         job = Job(msg["job"], int(msg["world_size"]))
         self.jobs[job.id] = job
         env = dict(msg["env"])
-        have_torch = importlib.util.find_spec("torch") is not None
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        if have_torch:
-            sock.listen(max(128, 4 * job.world_size))
-            job.store_fd = sock.detach()  # the store owns the descriptor from now on
-            threading.Thread(target=_serve_store, args=(job, port, job.store_fd), daemon=True).start()
-            env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-        else:
-            sock.close()
         env.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.world_size),
             LOCAL_WORLD_SIZE=str(job.world_size), NODE_RANK="0", GROUP_RANK="0",
             AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()),
         )
+        if importlib.util.find_spec("torch") is not None:
+            sock.listen(max(128, 4 * job.world_size))
+            job.store_pid = self.start_store(msg, env, sock, port, job.world_size, fork)
+            env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+        sock.close()
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        boot = _WORKER_BOOT.format(parent=msg["package_parent"])
         for rank in range(job.world_size):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank))
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
             log = msg["logs"][rank]
-            pid = os.posix_spawn(
-                msg["executable"],
-                [msg["executable"], "-c", boot, msg["run_dir"], str(rank)],
-                rank_env,
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                    (os.POSIX_SPAWN_OPEN, 1, log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
-                    (os.POSIX_SPAWN_DUP2, 1, 2),
-                ],
-                setsid=True,
-                setsigdef=(signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD),
-            )
+            if fork:
+                pid = self.fork_worker(msg["run_dir"], rank, rank_env, log)
+            else:
+                pid = os.posix_spawn(
+                    msg["executable"],
+                    [msg["executable"], "-c", _WORKER_BOOT.format(parent=msg["package_parent"]), msg["run_dir"], str(rank)],
+                    rank_env,
+                    file_actions=[
+                        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                        (os.POSIX_SPAWN_OPEN, 1, log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+                        (os.POSIX_SPAWN_DUP2, 1, 2),
+                    ],
+                    setsid=True,
+                    setsigdef=(signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD),
+                )
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
-            _emit({"job": job.id, "event": "started", "rank": rank, "pid": pid, "port": port})
+            _emit({"job": job.id, "event": "started", "rank": rank, "pid": pid, "port": port, "mode": "fork" if fork else "spawn"})
+
+    def start_store(self, msg: dict[str, Any], env: dict[str, str], sock: socket.socket, port: int, n: int, fork: bool) -> int:
+        """A process serving the job's TCPStore on `sock` (forked when warm, else spawned)."""
+        if fork and "torch" in sys.modules:
+            pid = self._fork_child(lambda: self._serve_store_here(sock.fileno(), port, n), env=env, log=None)
+            return pid
+        return os.posix_spawn(
+            msg["executable"],
+            [msg["executable"], "-c", _STORE_BOOT.format(parent=msg["package_parent"]), str(port), str(n)],
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, sock.fileno(), 3),
+            ],
+            setsid=True,
+            setsigdef=(signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD),
+        )
+
+    @staticmethod
+    def _serve_store_here(fd: int, port: int, n: int) -> int:
+        from .store import serve
+
+        serve(fd, port, n)
+        return 0
+
+    def fork_worker(self, run_dir: str, rank: int, env: dict[str, str], log: str) -> int:
+        def body() -> int:
+            from pathlib import Path
+
+            from .worker import run_forked
+
+            _reset_inherited_state(env)
+            return run_forked(Path(run_dir), rank)
+
+        return self._fork_child(body, env=env, log=log)
+
+    def _fork_child(self, body: Any, env: dict[str, str], log: str | None) -> int:
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 70
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            for fd in (null, out, *(self.wake or ())):
+                os.close(fd)
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.environ.clear()
+            os.environ.update(env)
+            code = body()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - a broken fork must never return into the supervisor
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
 
     # -- process trees -----------------------------------------------------
     def processes(self, job: Job) -> dict[int, psutil.Process]:
@@ -165,7 +287,7 @@ class Supervisor:
         except psutil.Error:
             mine = []
         for c in mine:
-            if c.pid in found or c.pid in self.owner:
+            if c.pid in found or c.pid in self.owner or c.pid == job.store_pid:
                 continue
             try:
                 if c.environ().get("AIR_MAGIC_JOB") == job.id or c.pid in job.seen:
@@ -211,7 +333,7 @@ class Supervisor:
                 return
             owner = self.owner.pop(pid, None)
             if owner is None:
-                continue  # an adopted orphan
+                continue  # the store, or an adopted orphan
             job = self.jobs.get(owner[0])
             if job is not None:
                 code = os.waitstatus_to_exitcode(status)
@@ -224,27 +346,34 @@ class Supervisor:
             if job.kill_at is not None and now >= job.kill_at:
                 self.signal_job(job, signal.SIGKILL)
                 job.kill_at = now + _TICK
-            if len(job.exited) < len(job.pids) or len(job.pids) < job.world_size and job.kill_at is None:
+            if len(job.exited) < len(job.pids) or (len(job.pids) < job.world_size and job.kill_at is None):
                 continue
+            if job.store_pid is not None:
+                try:
+                    os.kill(job.store_pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                job.store_pid = None
             leftovers = self.processes(job)
             if leftovers and job.kill_at is None:
                 self.stop(job, job.grace)  # a finished job's stray children get TERM, then KILL
                 continue
             if not leftovers:
-                job.store = None
                 del self.jobs[job.id]
                 _emit({"job": job.id, "event": "finished"})
 
     def run(self) -> None:
         _become_subreaper()
-        rfd, wfd = os.pipe()
+        self.wake = os.pipe()
+        rfd, wfd = self.wake
         os.set_blocking(wfd, False)
         signal.set_wakeup_fd(wfd)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: self.close())
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _emit({"event": "ready", "pid": os.getpid(), "warm": sorted(self.preloaded.modules)})
         buf = b""
-        while not (self.closing and not self.jobs):
+        while not ((self.closing or self.retiring) and not self.jobs):
             ready, _, _ = select.select([0, rfd] if not self.closing else [rfd], [], [], _TICK)
             if rfd in ready:
                 os.read(rfd, 4096)
@@ -269,5 +398,19 @@ class Supervisor:
             self.stop(job, 1.0)
 
 
+def _reset_inherited_state(env: dict[str, str]) -> None:
+    """In a forked worker: give it what a fresh interpreter would have had."""
+    random.seed()  # a fresh interpreter seeds from the OS; forks would share one stream
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # fresh interpreters draw a random initial seed too
+    threads = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # OpenMP read the supervisor's value at import
+
+
 def main() -> None:
-    Supervisor().run()
+    Supervisor(warm="--warm" in sys.argv[1:]).run()

@@ -8,6 +8,7 @@ it), so C and CUDA writes land there too.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import json
@@ -102,15 +103,27 @@ def run(run_dir: Path, rank: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of a spawned worker: `python -c ... <run_dir> <rank>`."""
-    argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
-    code = run(Path(argv[0]), int(argv[1]))
+def finish(code: int) -> int:
+    """Flush the rank's output and make sure a finished rank cannot linger."""
     sys.stdout.flush()
     sys.stderr.flush()
     # Leftover non-daemon threads must not keep a finished rank alive forever.
     timer = threading.Timer(EXIT_GRACE, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
-    sys.exit(code)
+    return code
+
+
+def run_forked(run_dir: Path, rank: int) -> int:
+    """Entry point of a worker forked from the warm supervisor; returns the exit code."""
+    _die_with_parent()  # the parent-death signal does not survive fork
+    code = finish(run(run_dir, rank))
+    atexit._run_exitfuncs()  # the fork ends with os._exit: run what a normal exit would
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a spawned worker: `python -c ... <run_dir> <rank>`."""
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    sys.exit(finish(run(Path(argv[0]), int(argv[1]))))

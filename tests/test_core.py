@@ -185,7 +185,8 @@ def test_interrupt_stops_workers_and_next_call_works(nb):
     nb.interrupt()
     out = nb.collect(msg, timeout=30)
     assert out.ename == "KeyboardInterrupt"
-    assert leftover_processes(set(), wait=5) == [] or all("air_magic.supervisor" in " ".join(p.cmdline()) for p in leftover_processes(set(), wait=5))
+    left = leftover_processes(set(), wait=5, kind="job")
+    assert left == [], [(p.pid, p.ppid(), p.cmdline()) for p in left]
     assert nb.execute("rank.distributed()").check().result == "[0, 1]"
 
 
@@ -235,9 +236,13 @@ def test_killed_kernel_leaves_no_worker(workdir):
         ).check()
         k.send("forever.distributed()")
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len([p for p in leftover_processes(before, wait=0) if "AIR_MAGIC_JOB" in p.environ()]) < 4:
+        while time.monotonic() < deadline and len(list((workdir / "runs").glob("*forever*/rank-*.log"))) < 2:
             time.sleep(0.2)
-        assert len(leftover_processes(before, wait=0)) >= 5  # supervisor, 2 workers, 2 sleeps
+        logs = list((workdir / "runs").glob("*forever*/rank-*.log"))
+        while time.monotonic() < deadline and not all("up" in p.read_text() for p in logs):
+            time.sleep(0.2)
+        tree = psutil.Process(k.pid).children(recursive=True)
+        assert len(tree) >= 5, tree  # supervisor, 2 workers, 2 sleeps (and the store)
         os.kill(k.pid, signal.SIGKILL)
         k.km.provisioner.process.wait()
         assert leftover_processes(before, wait=10) == []
