@@ -86,8 +86,12 @@ class SupervisorClient:
                 handle.events.put(event)
         with self._lock:
             handles = list(self._jobs.values())
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
         for handle in handles:
-            handle.events.put({"event": "supervisor-died"})
+            handle.events.put({"event": "supervisor-died", "returncode": code, "log": str(self.log_path)})
 
     def send(self, message: dict[str, Any]) -> None:
         data = (json.dumps(message) + "\n").encode()

@@ -165,7 +165,9 @@ class _Run:
             self.stop_reason = self.stop_reason or "launch failed"
         elif kind in ("finished", "supervisor-died"):
             if kind == "supervisor-died":
-                self.launch_error = "air_magic's supervisor process died"
+                code = event.get("returncode")
+                how = "" if code is None else f" ({describe_returncode(code)})"
+                self.launch_error = f"air_magic's supervisor process died{how}; its log: {event.get('log')}"
             return True
         return False
 

@@ -393,6 +393,8 @@ class Supervisor:
 
     def close(self) -> None:
         """The kernel is gone or asked us to go: stop every job, then leave."""
+        if not self.closing:
+            print(f"air_magic supervisor {os.getpid()}: closing, stopping {len(self.jobs)} job(s)", file=sys.stderr, flush=True)
         self.closing = True
         for job in self.jobs.values():
             self.stop(job, 1.0)
@@ -413,4 +415,7 @@ def _reset_inherited_state(env: dict[str, str]) -> None:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash of the supervisor itself leaves a trace in its log
     Supervisor(warm="--warm" in sys.argv[1:]).run()

@@ -1,0 +1,100 @@
+"""Launch benchmark: air_magic (first call, fresh-process and warm) vs torchrun vs accelerate's notebook_launcher.
+
+Every method runs the same trivial job (init the process group, all-reduce one
+tensor, destroy the group) on N ranks, timed from the call to the results back,
+inside one real Jupyter kernel, in the same run. GPUs and nccl when the node
+has them, else CPU workers and gloo.
+
+    python bench/launch.py [--ranks 2] [--repeat 5] [--out bench/results/launch.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from helpers import Kernel  # noqa: E402
+
+JOB = '''
+import os, torch, torch.distributed as dist
+def job():
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    t = torch.ones(1, device="cuda" if gpu else "cpu")
+    dist.all_reduce(t)
+    value = t.item()
+    dist.destroy_process_group()
+    return value
+'''
+
+SETUP = '''
+import json, subprocess, sys, time, statistics
+from air_magic import distributed
+{job}
+N = {ranks}
+timed = {{}}
+def clock(name, fn):
+    t0 = time.perf_counter(); out = fn(); dt = time.perf_counter() - t0
+    timed.setdefault(name, []).append(dt)
+    return out
+with open({script!r}, "w") as f:
+    f.write({job_src!r} + "\\nif __name__ == '__main__':\\n    job()\\n")
+'''
+
+CALLS = {
+    "air_magic first call (starts helper)": "clock(NAME, lambda: distributed(N, mlflow=False)(job).distributed())",
+    "air_magic warm": "clock(NAME, lambda: distributed(N, mlflow=False, warm=True)(job).distributed())",
+    "air_magic fresh processes (warm=False)": "clock(NAME, lambda: distributed(N, mlflow=False, warm=False)(job).distributed())",
+    "torchrun": "clock(NAME, lambda: subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(N), {script!r}], check=True, capture_output=True))",
+    "accelerate notebook_launcher": "from accelerate import notebook_launcher; clock(NAME, lambda: notebook_launcher(job, num_processes=N))",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "launch.json")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="air-magic-bench-"))
+    (work / "runs").mkdir()
+    script = str(work / "job.py")
+    k = Kernel(work, env={"AIR_MAGIC_RUNS_DIR": str(work / "runs")})
+    try:
+        k.execute(SETUP.format(job=JOB, ranks=args.ranks, script=script, job_src=JOB)).check()
+        k.execute(f"NAME = {list(CALLS)[0]!r}\n" + CALLS[list(CALLS)[0]]).check()
+        for _ in range(args.repeat):
+            for name, code in list(CALLS.items())[1:]:
+                k.execute(f"NAME = {name!r}\n" + code.format(script=script), timeout=300).check()
+        raw = json.loads(k.execute("print(json.dumps(timed))").check().stdout.strip().splitlines()[-1])
+        machine = k.execute("import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')").check().stdout.strip()
+    finally:
+        k.shutdown()
+    med = {name: statistics.median(ts) for name, ts in raw.items()}
+    warm = med["air_magic warm"]
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "ranks": args.ranks, "device": machine,
+        "host": f"{platform.machine()}, {__import__('os').cpu_count()} cores", "repeat": args.repeat,
+        "seconds": raw, "median": med,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"{args.ranks} ranks on {machine} ({report['host']}), median of {args.repeat} (first call: 1 run)")
+    print(f"| method | median s | x air_magic warm |\n|---|---|---|")
+    for name, m in med.items():
+        print(f"| {name} | {m:.3f} | {m / warm:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
