@@ -1,0 +1,127 @@
+"""The same paths on real GPUs (nccl). Skipped on machines without two NVIDIA GPUs."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from air_magic import accelerators
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(accelerators.detect().gpu_count < 2, reason="needs 2 NVIDIA GPUs"),
+]
+
+DDP = """
+from air_magic import distributed
+
+@distributed()
+def train(steps: int, lr: float):
+    import os, torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda(), device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    torch.manual_seed(1 + dist.get_rank())
+    x, y = torch.randn(512, 256, device="cuda"), torch.randn(512, 1, device="cuda")
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+    print(f"rank {dist.get_rank()} on {torch.cuda.get_device_name(local)}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return {"rank": dist.get_rank(), "device": local, "first": losses[0], "last": losses[-1], "checksum": checksum}
+"""
+
+
+def gpu_pids() -> set[int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        pids = set()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pids |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        return pids
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def test_ddp_trains_on_every_gpu_through_the_decorator(kernel):
+    """@distributed() with no arguments uses every GPU, trains a DDP model with nccl and returns per-rank results."""
+    kernel.execute(DDP).check()
+    out = kernel.execute("res = train.distributed(steps=50, lr=0.05); print(res)").check()
+    print(out.stdout)
+    res = eval(out.stdout.strip().splitlines()[-1])
+    n = accelerators.detect().gpu_count
+    assert [r["rank"] for r in res] == list(range(n)) and [r["device"] for r in res] == list(range(n))
+    assert all(r["last"] < r["first"] for r in res)
+    assert len({round(r["checksum"], 6) for r in res}) == 1, "DDP keeps parameters identical on every rank"
+    assert kernel.execute("train.settings").check().result is not None
+    typ = kernel.execute("from air_magic import accelerators; accelerators.resolve(None, None)").check().result
+    assert f"GPU_{n}x" in typ
+
+
+def test_cuda_used_in_the_notebook_does_not_matter(kernel):
+    """After the notebook itself initialized CUDA, warm and fresh-process calls still run on the GPUs."""
+    kernel.execute(DDP).check()
+    kernel.execute("import torch; x = torch.ones(1, device='cuda'); torch.cuda.synchronize()").check()
+    for warm in (True, False):
+        out = kernel.execute(f"len(train.with_overrides(warm={warm}).distributed(steps=3, lr=0.01))").check()
+        assert out.result == str(accelerators.detect().gpu_count)
+
+
+def test_failure_and_interrupt_free_the_gpus(kernel):
+    """A rank failure and a kernel interrupt leave no process of the run holding GPU memory."""
+    kernel.execute(
+        "@distributed()\ndef holds(fail):\n    import os, time, torch\n    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "    x = torch.empty(2**30, device='cuda')\n    print('holding', os.getpid(), flush=True)\n"
+        "    if fail and os.environ['RANK'] == '1':\n        raise RuntimeError('rank 1 fails')\n    time.sleep(600)\n"
+    ).check()
+    before = gpu_pids()
+    err = kernel.execute("holds.distributed(True)")
+    assert err.ename == "RuntimeError" and "rank 1" in err.traceback
+    time.sleep(1)
+    assert gpu_pids() - before == set()
+    msg = kernel.send("holds.distributed(False)")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(gpu_pids() - before) < accelerators.detect().gpu_count:
+        time.sleep(0.5)
+    assert len(gpu_pids() - before) >= 2, "both ranks hold GPU memory"
+    kernel.interrupt()
+    assert kernel.collect(msg, timeout=60).ename == "KeyboardInterrupt"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and gpu_pids() - before:
+        time.sleep(0.5)
+    assert gpu_pids() - before == set()
+
+
+def test_nccl_job_listens_on_loopback_only(kernel):
+    """While a 2-GPU nccl job runs, every listening socket of the job's processes is on 127.0.0.1."""
+    kernel.execute(DDP).check()
+    kernel.execute(
+        "@distributed()\ndef waits():\n    import os, time, torch, torch.distributed as dist\n"
+        "    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n    dist.init_process_group('nccl')\n"
+        "    t = torch.ones(1, device='cuda'); dist.all_reduce(t)\n    print('ready', flush=True)\n    time.sleep(8)\n    return t.item()"
+    ).check()
+    msg = kernel.send("waits.distributed()")
+    time.sleep(6)
+    listening = []
+    for proc in psutil.Process(kernel.pid).children(recursive=True):
+        try:
+            listening += [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass
+    assert kernel.collect(msg, timeout=60).error is None
+    assert listening, "the job's store at least was listening"
+    assert all(addr.ip == "127.0.0.1" for addr in listening), listening
