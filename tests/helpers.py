@@ -116,11 +116,17 @@ class Kernel:
 
 
 def ours(proc: psutil.Process) -> bool:
-    """A process air_magic started: a supervisor, a worker, or anything a worker started."""
+    """A process this checkout's air_magic started: a supervisor, a worker, or anything a worker started.
+
+    Processes of another checkout of air_magic on the same machine are not ours to judge or kill.
+    """
     try:
-        if "AIR_MAGIC_JOB" in proc.environ():
-            return True
-        return any("air_magic.supervisor" in part or "air_magic.worker" in part for part in proc.cmdline())
+        env, cmd = proc.environ(), proc.cmdline()
+        started = "AIR_MAGIC_JOB" in env or any(
+            "air_magic.supervisor" in part or "air_magic.worker" in part for part in cmd
+        )
+        here = any(str(ROOT) in part for part in cmd) or str(ROOT) in env.get("PYTHONPATH", "").split(os.pathsep)
+        return started and here
     except psutil.Error:
         return False
 
