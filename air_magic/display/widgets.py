@@ -111,7 +111,10 @@ class Panel(Listener):
         else:
             self.phase = _ENDED[result.status]
         self.cancel_button.disabled = True
-        self.cancel_button.description = "Cancelled" if self.phase == "cancelled" else "Ended"
+        if self.phase == "cancelled":
+            self.cancel_button.description = "Cancelled"
+        else:
+            self.cancel_button.layout.visibility = "hidden"  # keeps the header's layout steady
         self._show_status(result.elapsed)
         self._show_link()
 
