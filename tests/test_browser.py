@@ -36,6 +36,15 @@ def forever():
         time.sleep(0.2)
 forever.distributed()""",
     "print('next cell ran', 6 * 7)",
+    """@distributed(num_accelerators=2, accelerator_type="CPU")
+def flood():
+    import os, sys
+    if os.environ["RANK"] == "0":
+        block = "".join(f"line {i:07d} " + "x" * 86 + "\\n" for i in range(10_000))  # 1 MB
+        for _ in range(200):
+            sys.stdout.write(block)
+    print("flood over on rank", os.environ["RANK"])
+flood.distributed()""",
 ]
 
 
@@ -103,3 +112,28 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(lab):
         cell = nb.run(3)
         cell.get_by_text("next cell ran 42").wait_for(timeout=60_000)
         nb.screenshot("panel-next-cell.png")
+
+
+def test_a_200_mb_flood_leaves_the_page_responsive_and_shows_a_bounded_tail(lab):
+    """While a rank prints 200 MB the page keeps answering, and the tab ends with a note of the lines left out."""
+    with browser_page() as page:
+        nb = Notebook(page, lab, "panel.ipynb")
+        nb.run(0)
+        nb.wait_done(0)
+        cell = nb.run(4)
+        slowest = 0.0
+        deadline = time.monotonic() + 300
+        while "*" in cell.locator(".jp-InputPrompt").inner_text() or not cell.locator(".air-magic-log").count():
+            assert time.monotonic() < deadline, "the flood cell did not finish"
+            t0 = time.monotonic()
+            page.evaluate("1")
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.2)
+        nb.wait_done(4)
+        log = cell.locator(".air-magic-log[data-rank='0']")
+        log.get_by_text("flood over on rank 0").wait_for(timeout=30_000)
+        text = log.inner_text()
+        assert "earlier line(s) not shown" in text and "rank-0.log" in text
+        assert len(text) < 64 * 1024
+        assert slowest < 5.0, f"the page stopped answering for {slowest:.1f} s"
+        nb.screenshot("panel-flood.png")

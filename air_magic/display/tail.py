@@ -95,13 +95,20 @@ class TailBuffer:
             body = f"{body}\n{self.partial}" if body else self.partial
         return body
 
+    def note_html(self, log_path: str | None = None) -> str:
+        """An escaped HTML note on how many lines were left out and where the full log is ('' if none)."""
+        if not self.omitted:
+            return ""
+        where = f"; full log: {html.escape(log_path)}" if log_path else ""
+        return (
+            f'<div class="air-magic-omitted" style="color:#b35900;font-style:italic">'
+            f"… {self.omitted:,} earlier line(s) not shown{where}</div>"
+        )
+
+    def body_html(self) -> str:
+        """The kept text as an escaped HTML <pre>."""
+        return f'<pre style="margin:0;white-space:pre-wrap;word-break:break-all">{html.escape(self.text())}</pre>'
+
     def html(self, log_path: str | None = None) -> str:
-        """The tail as escaped HTML, with a note on what was left out and where the full log is."""
-        note = ""
-        if self.omitted:
-            where = f"; full log: {html.escape(log_path)}" if log_path else ""
-            note = (
-                f'<div class="air-magic-omitted" style="color:#b35900;font-style:italic">'
-                f"… {self.omitted:,} earlier line(s) not shown{where}</div>"
-            )
-        return f"{note}<pre style=\"margin:0;white-space:pre-wrap;word-break:break-all\">{html.escape(self.text())}</pre>"
+        """The note, then the tail, as escaped HTML."""
+        return self.note_html(log_path) + self.body_html()

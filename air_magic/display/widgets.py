@@ -125,8 +125,12 @@ class Panel(Listener):
         self.ctx.cancel()
 
     def _log_html(self, rank: int) -> str:
-        inner = self.tails[rank].html(str(self.ctx.log_paths[rank]))
-        return f'<div class="air-magic-log" data-rank="{rank}" style="{_LOG_STYLE}"><div>{inner}</div></div>'
+        tail = self.tails[rank]
+        # the note stays above the scrolling area, which is pinned to its newest line
+        return (
+            f'<div class="air-magic-log" data-rank="{rank}">{tail.note_html(str(self.ctx.log_paths[rank]))}'
+            f'<div style="{_LOG_STYLE}"><div>{tail.body_html()}</div></div></div>'
+        )
 
     def _flush(self) -> None:
         for rank in sorted(self.dirty):
