@@ -116,17 +116,11 @@ class Kernel:
 
 
 def ours(proc: psutil.Process) -> bool:
-    """A process this checkout's air_magic started: a supervisor, a worker, or anything a worker started.
-
-    Processes of another checkout of air_magic on the same machine are not ours to judge or kill.
-    """
+    """A process air_magic started: a supervisor, a worker, or anything a worker started."""
     try:
-        env, cmd = proc.environ(), proc.cmdline()
-        started = "AIR_MAGIC_JOB" in env or any(
-            "air_magic.supervisor" in part or "air_magic.worker" in part for part in cmd
-        )
-        here = any(str(ROOT) in part for part in cmd) or str(ROOT) in env.get("PYTHONPATH", "").split(os.pathsep)
-        return started and here
+        if "AIR_MAGIC_JOB" in proc.environ():
+            return True
+        return any("air_magic.supervisor" in part or "air_magic.worker" in part for part in proc.cmdline())
     except psutil.Error:
         return False
 
