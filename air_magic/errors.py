@@ -45,6 +45,10 @@ class DistributedTimeoutError(AirMagicError, TimeoutError):
 class JobCancelledError(AirMagicError):
     """The call was cancelled from the panel; every worker was stopped."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback: a cancel is a request, not a bug.
+        return [f"{type(self).__name__}: {self}"]
+
 
 class RemoteTraceback(Exception):
     """Carries a rank's formatted traceback as the `__cause__` of the error raised here."""

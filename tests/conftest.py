@@ -47,7 +47,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def kernel(workdir):
     """A real ipykernel shared by the tests of one module, with air_magic importable."""
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"})
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"})
     yield k
     pid = k.pid
     sup = [c for c in psutil.Process(pid).children(recursive=True)] if psutil.pid_exists(pid) else []

@@ -1,13 +1,52 @@
-"""How a call shows its progress: a widget panel in Jupyter, plain lines elsewhere."""
+"""How a call shows its progress: a widget panel in Jupyter, plain lines elsewhere.
+
+`AIR_MAGIC_DISPLAY` chooses: `auto` (default: the panel inside a Jupyter
+kernel that has ipywidgets, plain lines elsewhere), `panel`, or `text`
+(plain lines everywhere, e.g. for notebooks executed headless by
+nbclient/papermill, whose saved output cannot show a live panel).
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
+from ..errors import ConfigurationError
 from ..events import Listener
 from ..job import JobSpec
 
+_MODES = ("auto", "panel", "text")
+
+
+def in_widget_kernel() -> bool:
+    """True inside a Jupyter (ipykernel) kernel where ipywidgets can be imported."""
+    ipython = sys.modules.get("IPython")  # a script that never imported IPython is not in a kernel
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False  # a terminal IPython has no kernel
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
+def display_mode() -> str:
+    """The chosen mode from $AIR_MAGIC_DISPLAY, checked."""
+    mode = os.environ.get("AIR_MAGIC_DISPLAY", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ConfigurationError(
+            f"AIR_MAGIC_DISPLAY={mode!r} is not a display mode; use one of {', '.join(_MODES)}."
+        )
+    return mode
+
 
 def make_display(spec: JobSpec) -> Listener:
-    """The plain-text display; the panel replaces it inside a Jupyter kernel."""
+    """The panel inside a Jupyter kernel that can show widgets, the plain-text display otherwise."""
+    mode = display_mode()
+    if mode == "panel" or (mode == "auto" and in_widget_kernel()):
+        from .widgets import Panel
+
+        return Panel()
     from .text import TextDisplay
 
     return TextDisplay()

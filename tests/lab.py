@@ -1,0 +1,203 @@
+"""JupyterLab in headless Chromium, for tests and benchmarks that need a real browser.
+
+`Lab` starts a Jupyter server on 127.0.0.1 with a random token in a private
+root directory (its own settings, so no news or update pop-ups), with
+air_magic importable by its kernels. `browser_page` drives Debian's Chromium
+(/usr/bin/chromium) through Playwright; no browser is downloaded.
+`Notebook` runs cells by keyboard, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+
+from helpers import ROOT
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run",
+]
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_notebook(path: Path, cells: list[str]) -> Path:
+    """A notebook of code cells with the python3 kernel."""
+    nb = {
+        "cells": [
+            {"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+             "source": src}
+            for i, src in enumerate(cells)
+        ],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(nb))
+    return path
+
+
+class Lab:
+    """A JupyterLab server on 127.0.0.1 with a token, serving `root`."""
+
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.token = secrets.token_hex(16)
+        settings = root / ".lab-settings" / "@jupyterlab" / "apputils-extension"
+        settings.mkdir(parents=True, exist_ok=True)
+        (settings / "notification.jupyterlab-settings").write_text(
+            json.dumps({"fetchNews": "false", "checkForUpdates": False})
+        )
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        full_env["JUPYTERLAB_SETTINGS_DIR"] = str(root / ".lab-settings")
+        full_env["JUPYTERLAB_WORKSPACES_DIR"] = str(root / ".lab-workspaces")
+        full_env["JUPYTER_RUNTIME_DIR"] = str(root / ".runtime")
+        self.log = open(root / "jupyterlab.log", "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+                "--allow-root",
+            ],
+            cwd=root, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, notebook: str) -> str:
+        return f"{self.base}/lab/tree/{notebook}?token={self.token}"
+
+    def api(self, path: str, method: str = "GET") -> Any:
+        req = urllib.request.Request(
+            f"{self.base}/api/{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = resp.read()
+        return json.loads(body) if body else None
+
+    def _wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited; see {self.root / 'jupyterlab.log'}")
+            try:
+                self.api("status")
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"JupyterLab did not answer in {timeout} s; see {self.root / 'jupyterlab.log'}")
+
+    def kernel_pids(self) -> list[int]:
+        """Process ids of the kernels this server started."""
+        kids = psutil.Process(self.proc.pid).children(recursive=True)
+        return [p.pid for p in kids if any("ipykernel" in part for part in p.cmdline())]
+
+    def close(self) -> None:
+        """Shut the server and its kernels down, waiting for every process it started."""
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        try:
+            self.api("shutdown", method="POST")
+        except OSError:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        _, alive = psutil.wait_procs(kids, timeout=20)
+        for p in alive:
+            p.kill()
+        self.log.close()
+
+
+@contextmanager
+def browser_page(width: int = 1280, height: int = 900) -> Iterator[Any]:
+    """A Playwright page in headless Debian Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            yield page
+        finally:
+            browser.close()
+
+
+class Notebook:
+    """A notebook open in JupyterLab, driven by keyboard and mouse."""
+
+    def __init__(self, page: Any, lab: Lab, name: str) -> None:
+        self.page = page
+        page.goto(lab.url(name))
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        # ready when the server has the notebook's kernel idle and the page has connected to it
+        deadline = time.monotonic() + 120
+        while True:
+            sessions = [s for s in lab.api("sessions") if s["path"].endswith(name)]
+            if sessions and sessions[0]["kernel"]["execution_state"] == "idle":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the kernel of {name} never became idle")
+            time.sleep(0.3)
+        page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=60_000)
+
+    def cell(self, index: int) -> Any:
+        return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+
+    def run(self, index: int) -> Any:
+        """Start cell `index` (Shift+Enter in its editor) and return its locator."""
+        cell = self.cell(index)
+        cell.locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Shift+Enter")
+        return cell
+
+    def wait_done(self, index: int, timeout: float = 120) -> Any:
+        """Wait until cell `index` shows an execution count (not '*')."""
+        cell = self.cell(index)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            prompt = cell.locator(".jp-InputPrompt").inner_text().strip()
+            if prompt and "*" not in prompt and prompt != "[ ]:":
+                return cell
+            time.sleep(0.2)
+        shot = self.screenshot(f"timeout-cell-{index}.png")
+        raise TimeoutError(f"cell {index} did not finish in {timeout} s; screenshot: {shot}")
+
+    def screenshot(self, name: str) -> Path:
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / name
+        self.page.screenshot(path=str(path), full_page=True)
+        return path

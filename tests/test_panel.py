@@ -1,0 +1,230 @@
+"""The live panel (SPEC §3) in a real kernel, the Cancel route, floods, and the plain-text display."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import ROOT, Kernel
+from widget_state import WidgetMirror, click, run_cell
+
+from air_magic.display.tail import TailBuffer
+
+SETUP = """
+import os, sys, time
+from air_magic import distributed
+"""
+
+
+@pytest.fixture(scope="module")
+def lab_kernel(workdir):
+    """A real ipykernel in its default display mode (the panel), with air_magic importable."""
+    env = {"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"}
+    k = Kernel(workdir, env=env)
+    run_cell(k, SETUP, WidgetMirror()).check()
+    yield k
+    kids = psutil.Process(k.pid).children(recursive=True) if psutil.pid_exists(k.pid) else []
+    k.shutdown()
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, f"kernel shutdown left {alive}"
+
+
+def test_panel_shows_a_tab_per_rank_with_its_own_output_and_final_state(lab_kernel):
+    """Each rank's stdout and stderr land in its own tab, titled with its state, and nothing floods the cell's stdout."""
+    mirror = WidgetMirror()
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU")
+def hello():
+    import os, sys
+    r = int(os.environ["RANK"])
+    print(f"hello from rank {r}")
+    print(f"warning on rank {r}", file=sys.stderr)
+    return r * 10
+hello.distributed()
+""",
+        mirror,
+    ).check()
+    assert out.result == "[0, 10]"
+    panel = mirror.panel()
+    assert panel["titles"] == ["rank 0: done", "rank 1: done"]
+    for rank, log in enumerate(panel["logs"]):
+        assert f"hello from rank {rank}" in log and f"warning on rank {rank}" in log
+        assert f"hello from rank {1 - rank}" not in log
+    assert "finished" in panel["status"] and "2 rank(s)" in panel["status"]
+    assert "MLflow run: not recorded" in panel["link"]
+    assert panel["button_state"]["disabled"] is True
+    assert "[rank 0]" not in out.stdout, "the panel replaces the plain lines"
+
+
+def test_cancel_click_while_the_cell_runs_stops_every_process_and_the_kernel_stays_usable(lab_kernel):
+    """A Button click sent while the cell is busy ends every worker and child within 5 s with a one-line 'cancelled' error."""
+    mirror = WidgetMirror()
+    seen: dict[str, float] = {}
+
+    def click_once_running(m: WidgetMirror) -> None:
+        if "clicked" in seen or not m.of_model("TabModel"):
+            return
+        panel = m.panel()
+        if all("pid " in log for log in panel["logs"]):
+            click(lab_kernel, panel["button"])
+            seen["clicked"] = time.monotonic()
+
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU")
+def forever():
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"pid {os.getpid()} child {child.pid}", flush=True)
+    while True:
+        time.sleep(0.2)
+forever.distributed()
+""",
+        mirror,
+        while_running=click_once_running,
+    )
+    ended = time.monotonic()
+    assert "clicked" in seen, "the panel never showed both ranks running"
+    assert out.ename == "JobCancelledError", out.traceback
+    assert len(out.error["traceback"]) == 1 and "was cancelled" in out.traceback
+    assert ended - seen["clicked"] < 5.0
+    panel = mirror.panel()
+    assert panel["titles"] == ["rank 0: stopped", "rank 1: stopped"]
+    assert "cancelled" in panel["status"]
+    pids = [int(pid) for log in panel["logs"] for pid in re.findall(r"pid (\d+) child (\d+)", log)[0]]
+    assert len(pids) == 4
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
+
+
+def test_a_200_mb_flood_keeps_a_bounded_tail_and_the_full_log_on_disk(lab_kernel):
+    """A rank printing 200 MB reaches the browser as small bounded updates that say how many lines were left out."""
+    mirror = WidgetMirror()
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU")
+def flood():
+    import os, sys
+    if os.environ["RANK"] == "0":
+        block = "".join(f"line {i:07d} " + "x" * 86 + "\\n" for i in range(10_000))  # 1 MB
+        for _ in range(200):
+            sys.stdout.write(block)
+        print("flood done")
+    else:
+        print("quiet rank")
+    return os.environ["AIR_MAGIC_RUN_DIR"]
+run_dir = flood.distributed()[0]
+""",
+        mirror,
+        timeout=300,
+    ).check()
+    panel = mirror.panel()
+    assert panel["titles"] == ["rank 0: done", "rank 1: done"]
+    flood_tab, quiet_tab = panel["logs"]
+    assert "flood done" in flood_tab and "quiet rank" in quiet_tab
+    assert "earlier line(s) not shown" in flood_tab and "rank-0.log" in flood_tab
+    shown = int(flood_tab.split("…")[1].split("earlier")[0].replace(",", ""))
+    kept = flood_tab.count("\nline ") + flood_tab.count(">line ")
+    assert shown + kept + 1 == 2_000_001  # every line is either shown or counted
+    assert len(flood_tab) < 64 * 1024
+    assert mirror.update_bytes < 20 * 1024 * 1024, "the browser got a bounded stream, not the flood"
+    run_dir = run_cell(lab_kernel, "run_dir", WidgetMirror()).check().result.strip("'")
+    assert os.path.getsize(Path(run_dir) / "rank-0.log") >= 200_000_000
+    assert "[rank 0]" not in out.stdout
+
+
+def test_a_script_prints_rank_prefixed_lines_and_the_link_once(tmp_path):
+    """Outside Jupyter the call prints plain '[rank N]' lines and the run link exactly once."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        """
+import sys
+from air_magic import distributed, runner
+from air_magic.display import make_display
+from air_magic.events import Listener
+
+class Link(Listener):
+    def on_start(self, ctx):
+        ctx.links["mlflow"] = "http://127.0.0.1:5000/#/experiments/0/runs/abc"
+
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def hello():
+    import os
+    print("hello from rank", os.environ["RANK"])
+    return 1
+
+spec = hello.settings.spec(hello.func, (), {}, "hello")
+display = make_display(spec)
+print("display:", type(display).__name__)
+print(runner.run(spec, [Link(), display]).values)
+"""
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AIR_MAGIC_RUNS_DIR=str(tmp_path / "runs"))
+    env.pop("AIR_MAGIC_DISPLAY", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "display: TextDisplay" in lines
+    assert "[rank 0] hello from rank 0" in lines and "[rank 1] hello from rank 1" in lines
+    assert sum("MLflow run: http://127.0.0.1:5000/#/experiments/0/runs/abc" in line for line in lines) == 1
+    assert lines[-1] == "[1, 1]"
+
+
+def test_terminal_ipython_gets_the_plain_text_display(tmp_path):
+    """A terminal IPython session (no kernel) picks the plain-text display, not the panel."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("AIR_MAGIC_DISPLAY", None)
+    code = (
+        "from air_magic.display import make_display; from air_magic.decorator import distributed; "
+        "f = distributed(num_accelerators=2, accelerator_type='CPU')(print); "
+        "print('display:', type(make_display(f.settings.spec(print, (), {}, 'p'))).__name__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "IPython", "--HistoryManager.enabled=False", "--colors=nocolor", "-c", code],
+        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "display: TextDisplay" in done.stdout
+
+
+def test_an_unknown_display_mode_is_a_clear_error(monkeypatch):
+    """AIR_MAGIC_DISPLAY with an unknown value names the valid choices."""
+    from air_magic.display import make_display
+    from air_magic.errors import ConfigurationError
+
+    monkeypatch.setenv("AIR_MAGIC_DISPLAY", "fancy")
+    with pytest.raises(ConfigurationError, match="auto, panel, text"):
+        make_display(None)  # type: ignore[arg-type]
+
+
+def test_tail_buffer_bounds_lines_cuts_long_lines_and_counts_what_it_dropped():
+    """The tail keeps the newest lines within its budgets, cuts huge lines, and counts every line it left out."""
+    tail = TailBuffer(max_lines=3, max_chars=1000, max_line_chars=10)
+    tail.feed("a\nb\nc")
+    tail.feed("\nd\n" + "y" * 25 + "\nprogress 1\rprogress 2\rprog")
+    tail.feed("ress 3")
+    assert tail.total_lines == 5 and tail.omitted == 2
+    assert list(tail.lines) == ["c", "d", "yyyyyyyyyy … [15 more characters]"]
+    assert tail.partial == "progress 3"
+    tail.feed("\n" + "\n".join(str(i) for i in range(10_000)) + "\n")
+    assert list(tail.lines) == ["9997", "9998", "9999"] and tail.omitted == 10_003
+    assert "10,003 earlier line(s) not shown; full log: /x/rank-0.log" in tail.html("/x/rank-0.log")
+    small = TailBuffer(max_lines=100, max_chars=20)
+    small.feed("0123456789\n0123456789\nabc\n")
+    assert list(small.lines) == ["0123456789", "abc"] and small.omitted == 1
+    escaped = TailBuffer()
+    escaped.feed("<b>x</b>\n")
+    assert "&lt;b&gt;x&lt;/b&gt;" in escaped.html() and "<b>x" not in escaped.html()
