@@ -330,3 +330,15 @@ def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_p
         assert "default_timeout" in bad.traceback + bad.stderr and "more than 0" in bad.traceback + bad.stderr
     finally:
         notebook.shutdown()
+
+
+def test_black_with_the_project_settings_formats_distributed_cells_as_python():
+    """pyproject.toml's python_cell_magics makes black format the body of a %%distributed cell, which it skips otherwise."""
+    import black
+
+    config = black.parse_pyproject_toml(str(ROOT / "pyproject.toml"))
+    mode = black.Mode(is_ipynb=True, python_cell_magics=set(config["python_cell_magics"]))
+    cell = "%%distributed --gpus 2\nx=[1,2 ,3]\nx"
+    assert black.format_cell(cell, fast=False, mode=mode) == "%%distributed --gpus 2\nx = [1, 2, 3]\nx"
+    with pytest.raises(black.NothingChanged):
+        black.format_cell(cell, fast=False, mode=black.Mode(is_ipynb=True))
