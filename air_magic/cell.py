@@ -87,7 +87,7 @@ class CellProgram:
     filename: str
     first_line: str = ""
     line_offset: int = 1
-    globals: dict[str, Any] = field(default_factory=dict)
+    used_globals: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -116,7 +116,7 @@ class CellProgram:
             value = namespace[name]
             if name in hidden and hidden[name] is value:
                 continue
-            program.globals[name] = value
+            program.used_globals[name] = value
         return program
 
     def numbered_source(self) -> str:
@@ -132,13 +132,13 @@ class CellProgram:
     # -- what payload.serialize asks of a target -----------------------------
     def payload_globals(self) -> dict[str, Any]:
         """The notebook globals this cell takes along, so an unpicklable one can be named."""
-        return dict(self.globals)
+        return dict(self.used_globals)
 
     def payload_sources(self) -> dict[str, Any]:
         """The cell's lines, and those of notebook functions it uses, for remote tracebacks."""
         files: dict[str, list[str]] = {}
         code: dict[str, str] = {}
-        for func in _notebook_code(self.globals.values()):
+        for func in _notebook_code(self.used_globals.values()):
             found = cell_sources(func)
             files.update(found["files"])
             code.update(found["code"])
@@ -150,7 +150,7 @@ class CellProgram:
         """Run the cell in a fresh namespace made of the globals it uses; return its last expression's value."""
         lines = self.cell_lines()
         linecache.cache[self.filename] = (sum(map(len, lines)), None, lines, self.filename)
-        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **self.globals}
+        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **self.used_globals}
         tree = ast.parse(self.numbered_source(), self.filename)
         last: ast.Expression | None = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -161,4 +161,4 @@ class CellProgram:
         return eval(compile(last, self.filename, "eval"), namespace)
 
     def __repr__(self) -> str:
-        return f"<CellProgram {self.filename} using {sorted(self.globals)}>"
+        return f"<CellProgram {self.filename} using {sorted(self.used_globals)}>"

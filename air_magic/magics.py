@@ -27,6 +27,10 @@ from .job import JobResult
 _DEFAULT: Any = object()  # an option the cell did not give: the configured default applies
 
 
+def _given(value: Any, default: Any) -> Any:
+    return default if value is _DEFAULT else value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -132,11 +136,10 @@ class DistributedMagics(Magics):
         return self._settings(args)
 
     def _settings(self, args: argparse.Namespace) -> Settings:
-        pick = lambda given, default: default if given is _DEFAULT else given  # noqa: E731
         return Settings(
-            num_accelerators=pick(args.num_accelerators, self.default_num_accelerators),
-            accelerator_type=pick(args.accelerator_type, self.default_accelerator_type),
-            timeout=pick(args.timeout, self.default_timeout),
+            num_accelerators=_given(args.num_accelerators, self.default_num_accelerators),
+            accelerator_type=_given(args.accelerator_type, self.default_accelerator_type),
+            timeout=_given(args.timeout, self.default_timeout),
             mlflow=self.mlflow and not args.no_mlflow,
         )
 
