@@ -45,8 +45,14 @@ def ends_with_semicolon(source: str) -> bool:
     last = None
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-                                tokenize.DEDENT, tokenize.ENDMARKER):
+            if tok.type not in (
+                tokenize.COMMENT,
+                tokenize.NL,
+                tokenize.NEWLINE,
+                tokenize.INDENT,
+                tokenize.DEDENT,
+                tokenize.ENDMARKER,
+            ):
                 last = tok
     except (tokenize.TokenError, SyntaxError):
         return False
@@ -154,7 +160,8 @@ class CellProgram:
         tree = ast.parse(self.numbered_source(), self.filename)
         last: ast.Expression | None = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            last = ast.Expression(tree.body[-1].value)
+            tree.body.pop()
         exec(compile(tree, self.filename, "exec"), namespace)
         if last is None:
             return None

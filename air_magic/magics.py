@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import keyword
 import sys
+from types import FrameType
 from typing import Any
 
 from IPython.core.magic import Magics, cell_magic, magics_class
@@ -47,9 +48,7 @@ def _seconds(text: str) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected seconds such as 3600, or none for no limit, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected seconds such as 3600, or none for no limit, got {text!r}") from None
     try:
         return check_timeout(value)
     except ConfigurationError:
@@ -71,7 +70,7 @@ def _cell_file(shell: Any, text: str) -> tuple[str, int | None]:
     that name, so it is the nearest frame whose file IPython's compiler knows.
     """
     known: dict[str, int] = getattr(shell.compile, "_filename_map", {})
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if name in known:
@@ -145,22 +144,36 @@ class DistributedMagics(Magics):
 
     @magic_arguments()
     @argument(
-        "--gpus", "--num-accelerators", dest="num_accelerators", type=_count, default=_DEFAULT, metavar="N",
+        "--gpus",
+        "--num-accelerators",
+        dest="num_accelerators",
+        type=_count,
+        default=_DEFAULT,
+        metavar="N",
         help="Workers to start, one per accelerator. Default: every GPU of the node (2 CPU workers without GPUs), "
         "or c.DistributedMagics.default_num_accelerators.",
     )
     @argument(
-        "--accelerator-type", dest="accelerator_type", default=_DEFAULT, metavar="T",
+        "--accelerator-type",
+        dest="accelerator_type",
+        default=_DEFAULT,
+        metavar="T",
         help="'GPU_<n>x<MODEL>' such as GPU_8xH100, or CPU (gloo workers). Default: detected.",
     )
     @argument(
-        "--timeout", type=_seconds, default=_DEFAULT, metavar="S",
+        "--timeout",
+        type=_seconds,
+        default=_DEFAULT,
+        metavar="S",
         help="Seconds before every worker is stopped; 'none' for no limit. Default: 10800 (3 h), "
         "or c.DistributedMagics.default_timeout.",
     )
     @argument("--no-mlflow", action="store_true", help="Do not record this cell as an MLflow run.")
     @argument(
-        "--out", type=_identifier, default=None, metavar="NAME",
+        "--out",
+        type=_identifier,
+        default=None,
+        metavar="NAME",
         help="Also store the per-rank list of results in the notebook under NAME.",
     )
     @cell_magic
@@ -181,16 +194,16 @@ class DistributedMagics(Magics):
             dist.get_rank()
         """
         __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+        shell = self.shell
+        assert shell is not None, "DistributedMagics is registered with a shell"
         args = parse_argstring(self.distributed, line)
         settings = self._settings(args)
         first_line = f"%%distributed {line}".rstrip()
-        filename, number = _cell_file(self.shell, f"{first_line}\n{cell}")
+        filename, number = _cell_file(shell, f"{first_line}\n{cell}")
         try:
-            program = CellProgram.build(
-                cell, filename, self.shell.user_ns, self.shell.user_ns_hidden, first_line=first_line
-            )
+            program = CellProgram.build(cell, filename, shell.user_ns, shell.user_ns_hidden, first_line=first_line)
         except SyntaxError as exc:
-            if _uses_ipython_syntax(self.shell, cell):
+            if _uses_ipython_syntax(shell, cell):
                 exc.add_note(
                     "%%distributed cells are plain Python: IPython syntax (%magics, !commands) runs only "
                     "in the notebook, not on the workers."
@@ -201,7 +214,7 @@ class DistributedMagics(Magics):
         self.last_result = result
         values = result.values
         if args.out:
-            self.shell.user_ns[args.out] = values
+            shell.user_ns[args.out] = values
         return None if ends_with_semicolon(cell) else values
 
 

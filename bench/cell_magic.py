@@ -62,7 +62,9 @@ def main() -> None:
             timed(kc, f"@distributed({args.gpus}, mlflow=False)\ndef work():\n{indented}")
             magic = [timed(kc, f"%%distributed --gpus {args.gpus} --no-mlflow\n{body}") for _ in range(args.repeat)]
             deco = [timed(kc, "work.distributed()") for _ in range(args.repeat)]
-            print(f"{name:16s} %%distributed {statistics.median(magic):6.2f} s   @distributed {statistics.median(deco):6.2f} s")
+            print(
+                f"{name:16s} %%distributed {statistics.median(magic):6.2f} s   @distributed {statistics.median(deco):6.2f} s"
+            )
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)

@@ -168,7 +168,14 @@ def test_help_lists_every_option(loaded):
     pages = [p["data"]["text/plain"] for p in out.reply.get("payload", []) if p.get("source") == "page"]
     assert pages, f"no help page in the reply: {out.reply}"
     text = re.sub(r"\x1b\[[0-9;]*m", "", pages[0])
-    for option in ["--gpus N", "--num-accelerators N", "--accelerator-type T", "--timeout S", "--no-mlflow", "--out NAME"]:
+    for option in [
+        "--gpus N",
+        "--num-accelerators N",
+        "--accelerator-type T",
+        "--timeout S",
+        "--no-mlflow",
+        "--out NAME",
+    ]:
         assert option in text, option
     assert "last expression" in text
 
@@ -262,7 +269,9 @@ def test_cell_error_shows_original_exception_the_rank_and_the_cell_lines(loaded)
     assert out.ename == "TrainingDiverged", out.traceback
     assert "rank 1 of 2" in out.traceback and "loss is nan" in out.traceback
     count = out.cell.execution_count
-    cell_file = loaded.value(f"[n for n, c in get_ipython().compile._filename_map.items() if c == {count}][0]").strip("'")
+    cell_file = loaded.value(f"[n for n, c in get_ipython().compile._filename_map.items() if c == {count}][0]").strip(
+        "'"
+    )
     helper_count = count - 1
     helper_file = loaded.value(
         f"[n for n, c in get_ipython().compile._filename_map.items() if c == {helper_count}][0]"
@@ -360,5 +369,10 @@ def test_cell_all_reduces_over_nccl_on_every_gpu_without_cuda_in_the_kernel(load
         "(dist.get_rank(), torch.cuda.current_device(), t.item())\n"
     ).check()
     total = float(gpus * (gpus + 1) // 2)
-    assert loaded.value(f"Out[{out.cell.execution_count}] == [(r, r, {total}) for r in range({gpus})]") == "True", out.result
-    assert loaded.value("'torch' not in __import__('sys').modules or not __import__('torch').cuda.is_initialized()") == "True"
+    assert loaded.value(f"Out[{out.cell.execution_count}] == [(r, r, {total}) for r in range({gpus})]") == "True", (
+        out.result
+    )
+    assert (
+        loaded.value("'torch' not in __import__('sys').modules or not __import__('torch').cuda.is_initialized()")
+        == "True"
+    )
