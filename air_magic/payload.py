@@ -77,6 +77,9 @@ def cell_sources(func: Any) -> dict[str, Any]:
     linecache. This records each code object's file, keyed by name and first
     line, and the lines of files that exist only in linecache.
     """
+    own = getattr(func, "payload_sources", None)
+    if callable(own):  # a target that is not a function (a cell) says where its code came from
+        return own()
     files: dict[str, list[str]] = {}
     code_files: dict[str, str] = {}
     code = getattr(inspect.unwrap(func), "__code__", None) if not inspect.iscode(func) else func

@@ -1,0 +1,239 @@
+"""IPython glue for air_magic: the %%distributed cell magic and `%load_ext air_magic`.
+
+Only glue lives here: option parsing (IPython's `magic_arguments`), the
+defaults users set in `ipython_kernel_config.py` (traitlets config on
+`DistributedMagics`), and registration. The cell becomes a `CellProgram`
+(cell.py) and takes the same path as the decorator: `Settings(...).spec(...)`
+then `runner.run(spec)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import keyword
+import sys
+from types import FrameType
+from typing import Any
+
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
+
+from . import launcher, runner
+from .cell import CellProgram, ends_with_semicolon
+from .decorator import DEFAULT_TIMEOUT, Settings, check_timeout
+from .errors import ConfigurationError
+from .job import JobResult
+
+_DEFAULT: Any = object()  # an option the cell did not give: the configured default applies
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is _DEFAULT else value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of workers such as 2, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds such as 3600, or none for no limit, got {text!r}") from None
+    try:
+        return check_timeout(value)
+    except ConfigurationError:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 seconds, got {text!r}; use --timeout none for no limit"
+        ) from None
+
+
+def _identifier(text: str) -> str:
+    if not text.isidentifier() or keyword.iskeyword(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid Python variable name")
+    return text
+
+
+def _cell_file(shell: Any, text: str) -> tuple[str, int | None]:
+    """IPython's file name for the cell being run, and its execution count.
+
+    The cell's own code (`get_ipython().run_cell_magic(...)`) is compiled under
+    that name, so it is the nearest frame whose file IPython's compiler knows.
+    """
+    known: dict[str, int] = getattr(shell.compile, "_filename_map", {})
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name in known:
+            return name, known[name]
+        frame = frame.f_back
+    # called some other way (run_cell_magic from code): give the text a name of its own
+    return shell.compile.cache(text, getattr(shell, "execution_count", 0)), None
+
+
+def _uses_ipython_syntax(shell: Any, cell: str) -> bool:
+    try:
+        return bool(shell.transform_cell(cell).strip() != cell.strip())
+    except Exception:  # noqa: BLE001 - only used to word an error better
+        return False
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """The %%distributed cell magic; its defaults are config, e.g. `c.DistributedMagics.default_timeout = 600`."""
+
+    default_timeout = Float(
+        DEFAULT_TIMEOUT,
+        allow_none=True,
+        help="Seconds before a %%distributed cell's workers are stopped, when the cell gives no --timeout. "
+        "None: no limit.",
+    ).tag(config=True)
+    default_accelerator_type = Unicode(
+        None,
+        allow_none=True,
+        help="Accelerator type when the cell gives no --accelerator-type: 'CPU', 'GPU', 'GPU_<n>x<MODEL>'. "
+        "None: detected.",
+    ).tag(config=True)
+    default_num_accelerators = Integer(
+        None,
+        allow_none=True,
+        help="Workers to start when the cell gives no --gpus. None: every GPU (2 CPU workers without GPUs).",
+    ).tag(config=True)
+    mlflow = Bool(
+        True, help="Record each %%distributed cell as an MLflow run. False: as if every cell had --no-mlflow."
+    ).tag(config=True)
+
+    #: The JobResult of the last cell that finished (run directory, exit codes, timing).
+    last_result: JobResult | None = None
+
+    @validate("default_timeout")
+    def _valid_timeout(self, proposal: dict[str, Any]) -> float | None:
+        try:
+            return check_timeout(proposal["value"])
+        except ConfigurationError as exc:
+            raise TraitError(f"c.DistributedMagics.default_timeout: {exc}") from None
+
+    @validate("default_num_accelerators")
+    def _valid_count(self, proposal: dict[str, Any]) -> int | None:
+        value = proposal["value"]
+        if value is not None and value < 1:
+            raise TraitError(f"c.DistributedMagics.default_num_accelerators must be at least 1 or None, got {value}.")
+        return value
+
+    def settings(self, line: str) -> Settings:
+        """The Settings of a `%%distributed` line: its options over the configured defaults."""
+        args = parse_argstring(self.distributed, line)
+        return self._settings(args)
+
+    def _settings(self, args: argparse.Namespace) -> Settings:
+        return Settings(
+            num_accelerators=_given(args.num_accelerators, self.default_num_accelerators),
+            accelerator_type=_given(args.accelerator_type, self.default_accelerator_type),
+            timeout=_given(args.timeout, self.default_timeout),
+            mlflow=self.mlflow and not args.no_mlflow,
+        )
+
+    @magic_arguments()
+    @argument(
+        "--gpus",
+        "--num-accelerators",
+        dest="num_accelerators",
+        type=_count,
+        default=_DEFAULT,
+        metavar="N",
+        help="Workers to start, one per accelerator. Default: every GPU of the node (2 CPU workers without GPUs), "
+        "or c.DistributedMagics.default_num_accelerators.",
+    )
+    @argument(
+        "--accelerator-type",
+        dest="accelerator_type",
+        default=_DEFAULT,
+        metavar="T",
+        help="'GPU_<n>x<MODEL>' such as GPU_8xH100, or CPU (gloo workers). Default: detected.",
+    )
+    @argument(
+        "--timeout",
+        type=_seconds,
+        default=_DEFAULT,
+        metavar="S",
+        help="Seconds before every worker is stopped; 'none' for no limit. Default: 10800 (3 h), "
+        "or c.DistributedMagics.default_timeout.",
+    )
+    @argument("--no-mlflow", action="store_true", help="Do not record this cell as an MLflow run.")
+    @argument(
+        "--out",
+        type=_identifier,
+        default=None,
+        metavar="NAME",
+        help="Also store the per-rank list of results in the notebook under NAME.",
+    )
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> list[Any] | None:
+        """Run this cell on one worker process per accelerator (or N CPU workers with gloo).
+
+        The cell runs on every rank with the notebook's globals it uses
+        (functions, classes, constants; modules by reference) and RANK,
+        LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Each rank's
+        output is streamed live. The result of the cell is the value of its
+        last expression on every rank, as a list indexed by rank. Names the
+        cell assigns stay on the workers; use --out or the result to bring
+        values back.
+
+            %%distributed --gpus 2
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            dist.get_rank()
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+        shell = self.shell
+        assert shell is not None, "DistributedMagics is registered with a shell"
+        args = parse_argstring(self.distributed, line)
+        settings = self._settings(args)
+        first_line = f"%%distributed {line}".rstrip()
+        filename, number = _cell_file(shell, f"{first_line}\n{cell}")
+        try:
+            program = CellProgram.build(cell, filename, shell.user_ns, shell.user_ns_hidden, first_line=first_line)
+        except SyntaxError as exc:
+            if _uses_ipython_syntax(shell, cell):
+                exc.add_note(
+                    "%%distributed cells are plain Python: IPython syntax (%magics, !commands) runs only "
+                    "in the notebook, not on the workers."
+                )
+            raise
+        name = "cell" if number is None else f"cell In[{number}]"
+        result = runner.run(settings.spec(program, (), {}, name))
+        self.last_result = result
+        values = result.values
+        if args.out:
+            shell.user_ns[args.out] = values
+        return None if ends_with_semicolon(cell) else values
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register %%distributed; loading again is harmless."""
+    if "DistributedMagics" not in ipython.magics_manager.registry:
+        ipython.register_magics(DistributedMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove %%distributed and stop the supervisor (and any worker it still has)."""
+    manager = ipython.magics_manager
+    magics = manager.registry.pop("DistributedMagics", None)
+    if magics is not None:
+        for table in manager.magics.values():
+            for name, func in list(table.items()):
+                if getattr(func, "__self__", None) is magics:
+                    del table[name]
+        configurables = getattr(ipython, "configurables", [])
+        if magics in configurables:
+            configurables.remove(magics)
+    launcher.shutdown()
