@@ -50,7 +50,8 @@ class Kernel:
         self.km = KernelManager(kernel_name="python3")
         kernel_env = dict(os.environ)
         kernel_env.update(env or {})
-        kernel_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), kernel_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        paths = [str(ROOT), (env or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+        kernel_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         self.km.start_kernel(cwd=str(cwd), env=kernel_env, extra_arguments=["--HistoryManager.enabled=False"])
         self.kc = self.km.client()
         self.kc.start_channels()
