@@ -81,8 +81,8 @@ def test_cuda_used_in_the_notebook_does_not_matter(kernel):
         assert out.result == str(accelerators.detect().gpu_count)
 
 
-def test_failure_and_interrupt_free_the_gpus(kernel):
-    """A rank failure and a kernel interrupt leave no process of the run holding GPU memory."""
+def test_failure_timeout_and_interrupt_free_the_gpus(kernel):
+    """A rank failure, a timeout and a kernel interrupt each leave no process of the run holding GPU memory."""
     kernel.execute(
         "@distributed()\ndef holds(fail):\n    import os, time, torch\n    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
         "    x = torch.empty(2**30, device='cuda')\n    print('holding', os.getpid(), flush=True)\n"
@@ -91,6 +91,10 @@ def test_failure_and_interrupt_free_the_gpus(kernel):
     before = gpu_pids()
     err = kernel.execute("holds.distributed(True)")
     assert err.ename == "RuntimeError" and "rank 1" in err.traceback
+    time.sleep(1)
+    assert gpu_pids() - before == set()
+    err = kernel.execute("holds.with_overrides(timeout=20).distributed(False)", timeout=120)
+    assert err.ename == "DistributedTimeoutError"
     time.sleep(1)
     assert gpu_pids() - before == set()
     msg = kernel.send("holds.distributed(False)")
