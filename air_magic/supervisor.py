@@ -237,7 +237,8 @@ class Supervisor:
             from .worker import run_forked
 
             _reset_inherited_state(env)
-            return run_forked(Path(run_dir), rank)
+            run_forked(Path(run_dir), rank)  # ends the process
+            return 70
 
         return self._fork_child(body, env=env, log=log)
 

@@ -16,7 +16,6 @@ import linecache
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import cloudpickle
@@ -24,8 +23,6 @@ import cloudpickle
 from .errors import SerializationError, write_error_file
 
 _PR_SET_PDEATHSIG = 1
-#: Seconds a finished rank may spend in interpreter shutdown before it is ended.
-EXIT_GRACE = 30.0
 
 
 def result_path(run_dir: Path, rank: int) -> Path:
@@ -103,27 +100,33 @@ def run(run_dir: Path, rank: int) -> int:
     return 0
 
 
-def finish(code: int) -> int:
-    """Flush the rank's output and make sure a finished rank cannot linger."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leftover non-daemon threads must not keep a finished rank alive forever.
-    timer = threading.Timer(EXIT_GRACE, os._exit, args=(code,))
-    timer.daemon = True
-    timer.start()
-    return code
+def finish(code: int) -> None:
+    """End the rank the way a normal exit would, minus interpreter teardown.
+
+    Python's atexit handlers run (MLflow's asynchronous logging flushes there),
+    output is flushed, then the process ends at once: the rank's function has
+    returned and its result is on disk, so waiting for leftover non-daemon
+    threads or for CUDA's orderly teardown would only delay the caller.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
-def run_forked(run_dir: Path, rank: int) -> int:
-    """Entry point of a worker forked from the warm supervisor; returns the exit code."""
+def run_forked(run_dir: Path, rank: int) -> None:
+    """Entry point of a worker forked from the warm supervisor."""
     _die_with_parent()  # the parent-death signal does not survive fork
-    code = finish(run(run_dir, rank))
-    atexit._run_exitfuncs()  # the fork ends with os._exit: run what a normal exit would
-    return code
+    finish(run(run_dir, rank))
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a spawned worker: `python -c ... <run_dir> <rank>`."""
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
-    sys.exit(finish(run(Path(argv[0]), int(argv[1]))))
+    finish(run(Path(argv[0]), int(argv[1])))
