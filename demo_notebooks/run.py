@@ -31,6 +31,12 @@ from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
 _LINK = re.compile(r"MLflow run: (\S+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def strip_ansi(text: str) -> str:
+    """Text without the colour codes IPython puts in tracebacks."""
+    return _ANSI.sub("", text)
 
 
 @dataclass
@@ -170,7 +176,7 @@ def execute(
     try:
         client.execute(env=full_env, cwd=str(workdir))
     except CellExecutionError as exc:
-        error = str(exc)
+        error = strip_ansi(str(exc))
     elapsed = time.time() - started
     output.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, output)
