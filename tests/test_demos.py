@@ -72,6 +72,7 @@ def assert_loss_goes_down(losses: list[float], what: str) -> None:
     assert sum(tail) / len(tail) < 0.8 * sum(head) / len(head), f"{what}: loss did not go down: {losses}"
 
 
+@pytest.mark.timeout(900)
 def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_store(demo_dir):
     """`run.py quickstart.ipynb` trains on 2 ranks, logs the loss at every step to MLflow's local default store and prints where the copy, results and run are."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # MLflow's own default
@@ -103,6 +104,7 @@ def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_sto
     assert f"96 loss values logged to MLflow run {run_id.group(1)}" in out
 
 
+@pytest.mark.timeout(900)
 def test_ddp_notebook_ships_the_notebooks_model_and_keeps_replicas_identical(demo_dir):
     """The DDP demo: every rank gets the model built in the notebook, the loss goes down, and parameters are identical on every rank after training."""
     got = run_demo(
@@ -122,6 +124,7 @@ def test_ddp_notebook_ships_the_notebooks_model_and_keeps_replicas_identical(dem
         assert_loss_goes_down(losses, f"rank {rank}")
 
 
+@pytest.mark.timeout(900)
 def test_fsdp_notebook_shards_every_parameter_across_the_ranks(demo_dir):
     """The FSDP2 demo: each rank holds half of every parameter as a Shard(0) DTensor, and the loss goes down."""
     got = run_demo(
@@ -166,6 +169,7 @@ def test_deepspeed_notebook_runs_zero_stage_2_and_3(demo_dir):
             assert held == -(-full // 2), f"ZeRO-3 rank {r['rank']} holds {held} of {full} elements of {name}"
 
 
+@pytest.mark.timeout(900)
 def test_distributed_magic_notebook_trains_ddp_from_a_cell(demo_dir):
     """The %%distributed demo: a cell using the notebook's class and helper trains DDP on 2 ranks; loss goes down, replicas identical."""
     got = run_demo(
@@ -196,6 +200,7 @@ def test_every_demo_picks_its_backend_in_one_visible_line_and_says_so():
         assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), f"{path.name} has outputs"
 
 
+@pytest.mark.timeout(900)
 def test_large_captured_dataset_warns_with_its_size_and_small_arguments_reach_every_rank(kernel):
     """A 267 MiB tensor captured from the notebook gives a PayloadSizeWarning naming it, its size and the advice, in every cell that sends it; the call still works."""
     kernel.execute("import torch\nfrom air_magic import distributed\nbig = torch.arange(70_000_000, dtype=torch.float32)").check()
