@@ -57,6 +57,7 @@ def kernel_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The kernel's environment: this one, with air_magic importable even when it is not installed."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("AIR_MAGIC_DISPLAY", "text")  # a saved notebook cannot show a live panel: keep plain lines
     env.update(extra or {})
     return env
 
