@@ -13,6 +13,7 @@ import io
 import linecache
 import os
 import pickle
+import sys
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -37,13 +38,50 @@ def _pickles(value: Any) -> Exception | None:
 
 
 class _NullWriter(io.RawIOBase):
-    """A sink for trial pickling: measures nothing, keeps nothing."""
+    """A sink for trial pickling: counts the bytes, keeps nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        return len(b)
+        n = memoryview(b).nbytes
+        self.size += n
+        return n
+
+
+def _pickled_size(value: Any) -> int:
+    sink = _NullWriter()
+    try:
+        cloudpickle.dump(value, sink, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - it pickled as part of the whole; alone it only needs sizing
+        return 0
+    return sink.size
+
+
+def _largest_part(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Which argument or global makes up most of a large payload, e.g. "global 'data' (300 MiB)"."""
+    parts = [(f"positional argument {i}", v) for i, v in enumerate(args)]
+    parts += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    names = getattr(target, "payload_globals", None)
+    used = names() if callable(names) else referenced_globals(target)
+    parts += [(f"global {k!r}", v) for k, v in used.items() if not inspect.ismodule(v)]
+    if not parts:
+        return ""
+    size, name = max((_pickled_size(v), name) for name, v in parts)
+    return f" ({name}: {size / 2**20:.0f} MiB)" if size else ""
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel that points a warning raised in serialize() at the first frame outside air_magic."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1 is serialize() itself
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def referenced_globals(func: Callable[..., Any]) -> dict[str, Any]:
@@ -123,11 +161,12 @@ def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
             "or pass something that can be pickled."
         ) from exc
     if len(blob) > LARGE_PAYLOAD_BYTES:
+        # Pointed at the user's cell, so each cell that sends too much data warns, not only the first.
         warnings.warn(
-            f"the serialized call is {len(blob) / 2**20:.0f} MiB and is written to disk and read by "
-            "every rank; load large data inside the function (from files or a dataset) instead of "
-            "passing it or capturing it from the notebook.",
+            f"the serialized call is {len(blob) / 2**20:.0f} MiB{_largest_part(target, args, kwargs)} "
+            "and is written to disk and read by every rank; load large data inside the function "
+            "(from files or a dataset) instead of passing it or capturing it from the notebook.",
             PayloadSizeWarning,
-            stacklevel=4,
+            stacklevel=_user_stacklevel(),
         )
     return blob
