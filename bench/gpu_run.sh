@@ -10,7 +10,14 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$out/nvidia-sm
 n=$(nvidia-smi -L | wc -l)
 for what in "$@"; do
   case $what in
-    tests) timeout 400 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py tests/test_warm.py 2>&1 | grep -v 'WARNING | Kernel is running' | tee "$out/pytest.log" ;;
+    tests)
+      { timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py tests/test_warm.py
+        timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_magic.py; } 2>&1 | grep -v 'WARNING | Kernel is running' | tee "$out/pytest.log" ;;
+    phases) for r in 2 "$n"; do timeout 120 python3 bench/launch_phases.py --ranks "$r" 2>&1 | grep -v '^\[rank\|^air_magic'; done | tee "$out/phases.log" ;;
+    scaling)
+      for v in 0 0,1; do
+        CUDA_VISIBLE_DEVICES=$v timeout 280 python3 bench/gpu_demos.py demo_notebooks/ddp.ipynb demo_notebooks/fsdp.ipynb demo_notebooks/deepspeed.ipynb --out "$out/scale-$v.json"
+      done 2>&1 | tee "$out/scaling.log" ;;
     bench)
       for r in 2 "$n"; do
         timeout 240 python3 bench/launch.py --ranks "$r" --repeat 5 --out "$out/launch-$r.json" 2>&1 | grep -v WARN | tail -8
