@@ -55,16 +55,6 @@ def _apply_caller_context(spec: dict) -> None:
             reconfigure(line_buffering=True, errors="backslashreplace")
 
 
-def _release_distributed() -> None:
-    """Destroy a process group the user left open, so the rank exits cleanly."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-
-
 def _write_result(path: Path, value: object) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -85,9 +75,7 @@ def run(run_dir: Path, rank: int) -> int:
         value = target(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
         write_error_file(error_path(run_dir, rank), exc, code_files=locals().get("sources", {}).get("code"))
-        _release_distributed()
         return 1
-    _release_distributed()
     try:
         _write_result(result_path(run_dir, rank), value)
     except Exception as exc:  # noqa: BLE001
