@@ -112,7 +112,12 @@ class Notebook:
 
 
 def kernel_env(workdir: Path) -> dict[str, str]:
-    return {"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"}
+    """Plain-text display (these tests read `[rank N]` lines), private runs and MLflow store."""
+    return {
+        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
+        "AIR_MAGIC_DISPLAY": "text",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
+    }
 
 
 @pytest.fixture(scope="module")
