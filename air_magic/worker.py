@@ -80,6 +80,10 @@ def run(run_dir: Path, rank: int) -> int:
     spec = json.loads((run_dir / "job.json").read_text())
     _apply_caller_context(spec)
     faulthandler.enable()
+    if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):  # the call has an MLflow run: see mlflow_worker.py
+        from .mlflow_worker import install
+
+        install()
     try:
         target, args, kwargs, sources = cloudpickle.loads((run_dir / "payload.pkl").read_bytes())
         for filename, lines in sources["files"].items():
@@ -107,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
     code = run(Path(argv[0]), int(argv[1]))
+    if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):
+        from .mlflow_worker import flush
+
+        flush()
     sys.stdout.flush()
     sys.stderr.flush()
     # Leftover non-daemon threads must not keep a finished rank alive forever.
