@@ -184,41 +184,55 @@ atexit.register(shutdown)
 
 # -- the watchdog process ---------------------------------------------------
 def watchdog_main() -> None:
-    """Run the UI command given as JSON in argv[1] until stdin closes, then end its process group."""
+    """Run the UI command given as JSON in argv[1] until stdin closes or the parent goes, then end it all."""
+    import ctypes
+
     cmd = json.loads(sys.argv[1])
+    parent = os.getppid()
+    try:  # orphans of the UI (uvicorn under a dead `mlflow server`) are re-parented here
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # we signal our own group below
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-    while child.poll() is None:
-        ready, _, _ = select.select([0], [], [], 1.0)
-        if ready and not os.read(0, 4096):
-            break
-    _end_group(child)
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_default_signals)
+    try:
+        while child.poll() is None and os.getppid() == parent:
+            ready, _, _ = select.select([0], [], [], 1.0)
+            if ready and not os.read(0, 4096):
+                break
+    finally:
+        _end_all(child)
 
 
-def _end_group(child: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(0, signal.SIGTERM)
-    except OSError:
-        pass
-    try:
-        child.wait(STOP_GRACE)
-    except subprocess.TimeoutExpired:
-        pass
+def _default_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _end_all(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM every descendant, SIGKILL what is left after the grace, and reap them all."""
     import psutil
 
     me = psutil.Process()
-    rest = me.children(recursive=True)
-    for p in rest:
+    procs = me.children(recursive=True)
+    for p in procs:
         try:
-            p.kill()
+            p.terminate()
         except psutil.Error:
             pass
-    psutil.wait_procs(rest, timeout=5)
-    # Grandchildren re-parented elsewhere stay in our process group: end them too.
-    for p in psutil.process_iter():
-        try:
-            if p.pid != me.pid and os.getpgid(p.pid) == me.pid:
+    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in {*alive, *me.children(recursive=True)} if p.is_running()]
+        for p in alive:
+            try:
                 p.kill()
-        except (psutil.Error, OSError):
-            pass
+            except psutil.Error:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            return
+        time.sleep(0.1)

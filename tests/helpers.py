@@ -7,6 +7,7 @@ import re
 import queue
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import psutil
 from jupyter_client.manager import KernelManager
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Inherited by every kernel, supervisor and worker a test starts, so leak checks see only this run's processes.
+SESSION = os.environ.setdefault("AIR_MAGIC_TEST_SESSION", uuid.uuid4().hex)
 
 
 @dataclass
@@ -115,17 +118,35 @@ class Kernel:
         self.km.shutdown_kernel(now=False)
 
 
-def ours(proc: psutil.Process) -> bool:
-    """A process air_magic started: a supervisor, a worker, or anything a worker started."""
+def ours(proc: psutil.Process, kind: str | None = None) -> bool:
+    """A process this test run started through air_magic: a supervisor, a worker, or anything a worker started.
+
+    kind="job" keeps only workers and what they started (they carry AIR_MAGIC_JOB).
+    """
     try:
-        if "AIR_MAGIC_JOB" in proc.environ():
-            return True
-        return any("air_magic.supervisor" in part or "air_magic.worker" in part for part in proc.cmdline())
+        env = proc.environ()
+        if env.get("AIR_MAGIC_TEST_SESSION") != SESSION:
+            return False
+        if "AIR_MAGIC_JOB" not in env and not any("air_magic" in part for part in proc.cmdline()):
+            return False  # a kernel or another helper of the tests, not something air_magic started
+        if kind == "job":
+            return not is_supervisor(proc)
+        return True
     except psutil.Error:
         return False
 
 
-def leftover_processes(before: set[int], wait: float = 10.0) -> list[psutil.Process]:
+def is_supervisor(proc: psutil.Process) -> bool:
+    """The supervisor itself, not a worker forked from it (those share its command line)."""
+    try:
+        mine = "air_magic.supervisor" in " ".join(proc.cmdline())
+        parent = proc.parent()
+        return mine and (parent is None or "air_magic.supervisor" not in " ".join(parent.cmdline()))
+    except psutil.Error:
+        return False
+
+
+def leftover_processes(before: set[int], wait: float = 10.0, kind: str | None = None) -> list[psutil.Process]:
     """air_magic processes that were not there before, after waiting up to `wait` s for them to go."""
     deadline = time.monotonic() + wait
     while True:
@@ -134,7 +155,7 @@ def leftover_processes(before: set[int], wait: float = 10.0) -> list[psutil.Proc
             if proc.pid in before or proc.pid == os.getpid():
                 continue
             try:
-                if proc.status() != psutil.STATUS_ZOMBIE and ours(proc):
+                if proc.status() != psutil.STATUS_ZOMBIE and ours(proc, kind):
                     left.append(proc)
             except psutil.Error:
                 pass
