@@ -1,0 +1,147 @@
+"""Cost of `mlflow.log_metric` inside a distributed call, and a count that every metric arrived.
+
+Runs one call of `--ranks` CPU workers, each logging `loss` at every one of
+`--steps` steps to MLflow's default local store (a fresh working directory
+with no tracking URI: `sqlite:///mlflow.db`), timing each `log_metric` call
+inside the worker. Then counts the metrics in the store, checks every rank's
+log for "database is locked", and prints one JSON line (also written to
+bench/results/mlflow_logging.json). For comparison it also times the same
+loop in one plain process with MLflow's default synchronous logging.
+
+    python bench/mlflow_logging.py                 # 8 ranks x 2000 steps
+    python bench/mlflow_logging.py --ranks 2 --steps 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SYNC_PROBE = r"""
+import json, os, sys, time
+import mlflow
+client = mlflow.MlflowClient()
+run = client.create_run(client.create_experiment("sync-probe"))
+os.environ["MLFLOW_RUN_ID"] = run.info.run_id
+mlflow.log_metric("warm", 0.0)
+steps = int(sys.argv[1])
+t = time.perf_counter()
+for i in range(steps):
+    mlflow.log_metric("loss", 1.0 / (i + 1), step=i)
+print(json.dumps({"sync_us_per_call": (time.perf_counter() - t) / steps * 1e6}))
+"""
+
+
+def step_loop(steps: int, step_seconds: float) -> dict[str, float]:
+    """One rank: `steps` steps of `step_seconds` busy work, each followed by mlflow.log_metric('loss')."""
+    import os
+    import time
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    spent = 0.0
+    worst = 0.0
+    for i in range(steps):
+        end = time.perf_counter() + step_seconds
+        while time.perf_counter() < end:
+            pass
+        t = time.perf_counter()
+        mlflow.log_metric("loss", 1.0 / (i + 1) + rank, step=i)
+        dt = time.perf_counter() - t
+        spent += dt
+        worst = max(worst, dt)
+    return {"rank": rank, "us_per_call": spent / steps * 1e6, "worst_ms": worst * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--step-ms", type=float, default=2.0, help="busy work per step (ms)")
+    args = parser.parse_args()
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ.pop("MLFLOW_EXPERIMENT_NAME", None)
+    work = Path(tempfile.mkdtemp(prefix="air_magic-mlflow-bench-"))
+    os.chdir(work)  # MLflow's default store is ./mlflow.db: a fresh one here
+    os.environ["AIR_MAGIC_RUNS_DIR"] = str(work / "runs")
+
+    import mlflow
+
+    from air_magic import distributed
+    from air_magic.mlflow_ui import shutdown
+
+    job = distributed(num_accelerators=args.ranks, accelerator_type="CPU", timeout=3600)(step_loop)
+    t = time.perf_counter()
+    with open(os.devnull, "w") as quiet, _redirect(quiet):
+        result = job.run(args.steps, args.step_ms / 1000)
+    wall = time.perf_counter() - t
+    shutdown()
+
+    client = mlflow.MlflowClient(f"sqlite:///{work}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, runs
+    run = runs[0]
+    history = client.get_metric_history(run.info.run_id, "loss")
+    logs = "".join(p.read_text(errors="replace") for p in sorted(result.run_dir.glob("rank-*.log")))
+    per_rank = result.values
+    sync = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", SYNC_PROBE, str(min(args.steps, 300))],
+            capture_output=True, text=True, check=True, cwd=work,
+        ).stdout.strip().splitlines()[-1]
+    )
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu_count": os.cpu_count(),
+        "mlflow": mlflow.__version__,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "step_ms": args.step_ms,
+        "expected_metrics": args.ranks * args.steps,
+        "stored_metrics": len(history),
+        "all_arrived": len(history) == args.ranks * args.steps,
+        "database_locked_errors": logs.count("database is locked"),
+        "failed_batches": logs.count("Failed to log run data"),
+        "run_status": client.get_run(run.info.run_id).info.status,
+        "call_wall_s": round(wall, 1),
+        "us_per_log_metric_mean_over_ranks": round(sum(r["us_per_call"] for r in per_rank) / len(per_rank), 1),
+        "us_per_log_metric_max_rank": round(max(r["us_per_call"] for r in per_rank), 1),
+        "worst_single_call_ms": round(max(r["worst_ms"] for r in per_rank), 1),
+        "sync_us_per_call_one_process": round(sync["sync_us_per_call"], 1),
+    }
+    report["overhead_pct_of_step"] = round(report["us_per_log_metric_mean_over_ranks"] / (args.step_ms * 10), 2)
+    print(json.dumps(report))
+    out = ROOT / "bench" / "results" / "mlflow_logging.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    if not report["all_arrived"] or report["database_locked_errors"]:
+        sys.exit(1)
+
+
+class _redirect:
+    """Send the call's per-rank lines to `stream` (the numbers, not 16,000 log lines, are the output)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.saved = sys.stdout
+        sys.stdout = self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout = self.saved
+
+
+if __name__ == "__main__":
+    main()
