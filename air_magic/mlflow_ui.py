@@ -38,11 +38,16 @@ STOP_GRACE = 5.0
 
 
 def jupyter_base_url() -> str | None:
-    """The base URL of the Jupyter server that started this kernel, or None outside Jupyter.
+    """The base URL of the Jupyter server that started this kernel, or None outside Jupyter
+    (or when jupyter-server-proxy is not installed).
 
     A Jupyter server writes `jpserver-<pid>.json` in the runtime directory; the
     kernel's parent process is that server.
     """
+    import importlib.util
+
+    if importlib.util.find_spec("jupyter_server_proxy") is None:
+        return None  # no proxy route in that server: the direct link is the one that works
     try:
         from jupyter_core.paths import jupyter_runtime_dir
     except ImportError:

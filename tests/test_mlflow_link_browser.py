@@ -57,7 +57,7 @@ class JupyterServer:
         (root / "runs").mkdir()
         self.log = open(root / "jupyter.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "server", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
+            [sys.executable, "-m", "jupyter", "server", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={self.port}",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}"],
             cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -67,7 +67,9 @@ class JupyterServer:
                 self.api("GET", "/api/status")
                 return
             except (urllib.error.URLError, ConnectionError):
-                assert self.proc.poll() is None and time.monotonic() < deadline, (root / "jupyter.log").read_text()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise AssertionError("jupyter server did not start:\n" + (root / "jupyter.log").read_text())
                 time.sleep(0.5)
 
     def api(self, method: str, path: str, body: dict | None = None) -> dict:
