@@ -96,6 +96,19 @@ class MlflowTracker(Listener):
         return found.experiment_id, name
 
     def on_start(self, ctx: RunContext) -> None:
+        try:
+            self._start(ctx)
+        except Exception as exc:  # noqa: BLE001 - an unreachable tracking server must not stop training
+            self.run_id = None
+            warnings.warn(
+                f"air_magic: MLflow tracking is off for this call because the run could not be created "
+                f"({type(exc).__name__}: {exc}). Check MLFLOW_TRACKING_URI, or pass mlflow=False "
+                f"(--no-mlflow for %%distributed) to run without MLflow.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _start(self, ctx: RunContext) -> None:
         import mlflow
         from mlflow import MlflowClient
         from mlflow.entities import Param

@@ -307,3 +307,36 @@ classic.distributed(2000)
     history = client.get_metric_history(run_id, "loss")
     assert len(history) == 8 * 2000
     assert sorted({m.step for m in history}) == list(range(2000))
+
+
+def test_configured_server_link_is_that_servers_run_page():
+    """With an http(s) tracking URI the link is the configured server's page for the run, and no local UI starts."""
+    from air_magic import mlflow_ui
+
+    before = {p.pid for p in mlflow_ui_processes()}
+    url = mlflow_ui.run_url("https://mlflow.example.org/", "7", "abc123")
+    assert url == "https://mlflow.example.org/#/experiments/7/runs/abc123"
+    assert not mlflow_ui._uis and not mlflow_ui_processes(before)
+
+
+def test_unreachable_tracking_server_warns_and_the_call_still_runs(nb):
+    """When the run cannot be created, the call runs without MLflow and a warning says why and how to turn it off."""
+    out = nb.execute(
+        """
+import warnings
+os.environ.update(MLFLOW_TRACKING_URI="http://127.0.0.1:9", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+try:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        @distributed(num_accelerators=2)
+        def still():
+            return 3
+        print("RESULT", still.distributed())
+finally:
+    del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+print("WARNED", [str(w.message) for w in caught if "MLflow tracking is off" in str(w.message)])
+""",
+        timeout=300,
+    ).check()
+    assert "RESULT [3, 3]" in out.stdout
+    assert "pass mlflow=False" in out.stdout and "127.0.0.1:9" in out.stdout
