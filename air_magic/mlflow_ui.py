@@ -198,9 +198,9 @@ def watchdog_main() -> None:
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # we signal our own group below
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the pipe or the parent's exit ends us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_default_signals)
     try:
         while child.poll() is None and os.getppid() == parent:
             ready, _, _ = select.select([0], [], [], 1.0)
@@ -208,11 +208,6 @@ def watchdog_main() -> None:
                 break
     finally:
         _end_all(child)
-
-
-def _default_signals() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _end_all(child: subprocess.Popen[bytes]) -> None:

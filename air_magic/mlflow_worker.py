@@ -18,8 +18,9 @@ import importlib.machinery
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 
 def _patch(mlflow: ModuleType) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import ROOT
 
 pytestmark = [
@@ -55,7 +54,7 @@ class JupyterServer:
             MLFLOW_TRACKING_URI="",
         )
         (root / "runs").mkdir()
-        self.log = open(root / "jupyter.log", "wb")
+        self.log = open(root / "jupyter.log", "wb")  # noqa: SIM115 - open as long as the server runs
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "server", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={self.port}",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}"],
@@ -181,6 +180,8 @@ for ui in mlflow_ui._uis.values():
                 body = page.inner_text("body")
                 assert "train" in body, "the run's name is on the page"
                 assert "loss" in body
+                seen = page.request.get(jupyter.url + link.split("#")[0] + f"ajax-api/2.0/mlflow/runs/get?run_id={run_id}")
+                assert seen.ok and [m["key"] for m in seen.json()["run"]["data"]["metrics"]] == ["loss"]
             finally:
                 browser.close()
     finally:

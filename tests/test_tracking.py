@@ -10,7 +10,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import ROOT, Kernel, leftover_processes
 
 mlflow = pytest.importorskip("mlflow")
