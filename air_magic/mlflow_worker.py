@@ -78,15 +78,29 @@ def install() -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
-def flush() -> None:
-    """Send what MLflow's asynchronous logging still holds and stop its threads, before interpreter shutdown."""
+def flush(timeout: float = 120.0) -> None:
+    """Send what MLflow's asynchronous logging still holds and stop its threads, before interpreter shutdown.
+
+    Bounded by `timeout` seconds, so an unreachable tracking server cannot keep a finished rank alive.
+    """
     mlflow = sys.modules.get("mlflow")
     if mlflow is None:
         return
     fluent = sys.modules.get("mlflow.tracking.fluent")
     # Shutting the queue down (not just flushing it) also ends its threads, so the rank can exit.
     shut_down = getattr(fluent, "_shut_down_async_logging", None) or mlflow.flush_async_logging
-    try:
-        shut_down()
-    except Exception as exc:  # noqa: BLE001 - reported in the rank's log; the result stands
-        print(f"air_magic: MLflow could not send the last metrics of this rank: {exc!r}", file=sys.stderr)
+
+    def run() -> None:
+        try:
+            shut_down()
+        except Exception as exc:  # noqa: BLE001 - reported in the rank's log; the result stands
+            print(f"air_magic: MLflow could not send the last metrics of this rank: {exc!r}", file=sys.stderr)
+
+    import threading
+
+    sender = threading.Thread(target=run, name="air_magic-mlflow-flush", daemon=True)
+    sender.start()
+    sender.join(timeout)
+    if sender.is_alive():
+        print(f"air_magic: MLflow was still sending this rank's last metrics after {timeout:g} s; "
+              "the rank exits without waiting longer.", file=sys.stderr)
