@@ -68,6 +68,10 @@ def run(run_dir: Path, rank: int) -> int:
     spec = json.loads((run_dir / "job.json").read_text())
     _apply_caller_context(spec)
     faulthandler.enable()
+    if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):  # the call has an MLflow run: see mlflow_worker.py
+        from .mlflow_worker import install
+
+        install()
     try:
         target, args, kwargs, sources = cloudpickle.loads((run_dir / "payload.pkl").read_bytes())
         for filename, lines in sources["files"].items():
@@ -97,6 +101,10 @@ def finish(code: int) -> None:
     threads or for CUDA's orderly teardown would only delay the caller.
     """
     try:
+        if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):
+            from .mlflow_worker import flush
+
+            flush()  # MLflow's queued metrics, before anything else ends
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):

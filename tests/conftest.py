@@ -29,10 +29,10 @@ def no_leftover_processes(request):
 
 
 def _live_supervisor(proc: psutil.Process) -> bool:
-    """A kernel's supervisor is meant to outlive a test while its kernel lives."""
+    """A kernel's supervisor (and its local MLflow UI) is meant to outlive a test while its kernel lives."""
     try:
         cmd = " ".join(proc.cmdline())
-        return "air_magic.supervisor" in cmd and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
+        return ("air_magic.supervisor" in cmd or "air_magic.mlflow_ui" in cmd) and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
     except psutil.Error:
         return False
 

@@ -138,8 +138,10 @@ def ours(proc: psutil.Process, kind: str | None = None) -> bool:
 
 
 def is_supervisor(proc: psutil.Process) -> bool:
-    """The supervisor itself, not a worker forked from it (those share its command line)."""
+    """A per-kernel helper (the supervisor, the MLflow UI), not a worker forked from the supervisor."""
     try:
+        if "air_magic.mlflow_ui" in " ".join(proc.cmdline()) or "mlflow" in proc.name():
+            return True
         mine = "air_magic.supervisor" in " ".join(proc.cmdline())
         parent = proc.parent()
         return mine and (parent is None or "air_magic.supervisor" not in " ".join(parent.cmdline()))

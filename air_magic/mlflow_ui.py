@@ -1,0 +1,238 @@
+"""The link to an MLflow run, and the local MLflow UI started on demand when no server is configured.
+
+With an http(s) tracking URI the link is that server's run page. With a local
+store (sqlite, files) this module starts one `mlflow server` per store and
+kernel, bound to 127.0.0.1 on a free port, over the same store, and reuses it
+for later calls. When the kernel was started by a Jupyter server, the link
+goes through that server's `/proxy/absolute/<port>/` route (jupyter-server-proxy,
+enabled by `jupyter-config/`), with MLflow's `--static-prefix` set to match:
+the browser then reaches the UI through Jupyter itself, with Jupyter's
+authentication, so an SSH tunnel to Jupyter is enough.
+
+The UI runs under a small watchdog process (`python -m air_magic.mlflow_ui`)
+in its own session. The watchdog reads a pipe from the kernel; when the kernel
+exits (or is killed) the pipe closes and the watchdog ends the UI's whole
+process group. This module does not import mlflow.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+_PKG_PARENT = str(Path(__file__).resolve().parent.parent)
+_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.mlflow_ui import watchdog_main; watchdog_main()"
+#: Seconds the UI gets between SIGTERM and SIGKILL.
+STOP_GRACE = 5.0
+
+
+def jupyter_base_url() -> str | None:
+    """The base URL of the Jupyter server that started this kernel, or None outside Jupyter
+    (or when jupyter-server-proxy is not installed).
+
+    A Jupyter server writes `jpserver-<pid>.json` in the runtime directory; the
+    kernel's parent process is that server.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("jupyter_server_proxy") is None:
+        return None  # no proxy route in that server: the direct link is the one that works
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+    except ImportError:
+        return None
+    for pid in {os.getppid(), int(os.environ.get("JPY_PARENT_PID", "0") or 0)} - {0}:
+        info = Path(jupyter_runtime_dir()) / f"jpserver-{pid}.json"
+        try:
+            data = json.loads(info.read_text())
+        except (OSError, ValueError):
+            continue
+        base = str(data.get("base_url") or "/")
+        return base if base.endswith("/") else base + "/"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalUI:
+    """One local MLflow UI over one store, owned by this process."""
+
+    store_uri: str
+    port: int
+    prefix: str  # MLflow's --static-prefix, "" for none
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def direct_url(self) -> str:
+        """The UI's address on this machine (works without Jupyter)."""
+        return f"http://127.0.0.1:{self.port}{self.prefix}/"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = STOP_GRACE + 5) -> None:
+        """Close the watchdog's pipe; it ends the UI's process group, then exits."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+
+
+_uis: dict[str, LocalUI] = {}
+_lock = threading.Lock()
+
+
+def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
+    """The running UI for `store_uri`, started now (without waiting for it) if there is none."""
+    with _lock:
+        ui = _uis.get(store_uri)
+        if ui is not None and ui.alive:
+            return ui
+        port = _free_port()
+        prefix = f"{jupyter_base}proxy/absolute/{port}" if jupyter_base is not None else ""
+        from .runner import runs_root
+
+        log_path = runs_root() / f"mlflow-ui-{os.getpid()}-{port}.log"
+        cmd = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", store_uri, "--workers", "1",
+        ]
+        if prefix:
+            cmd += ["--static-prefix", prefix]
+        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PYTHONUNBUFFERED="1")
+        env.pop("MLFLOW_RUN_ID", None)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), json.dumps(cmd)],
+                stdin=subprocess.PIPE, stdout=fd, stderr=fd, env=env,
+                start_new_session=True, close_fds=True,
+            )
+        finally:
+            os.close(fd)
+        ui = LocalUI(store_uri, port, prefix, proc, log_path)
+        _uis[store_uri] = ui
+        return ui
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
+    """A link that opens the run in an MLflow UI that is really there, or None if there is no such UI."""
+    fragment = f"#/experiments/{experiment_id}/runs/{run_id}"
+    scheme = urlparse(tracking_uri).scheme
+    if scheme in ("http", "https"):
+        return tracking_uri.rstrip("/") + "/" + fragment
+    if scheme not in ("sqlite", "file", "postgresql", "mysql", "mssql", ""):
+        return None  # databricks and other hosted stores have their own UI links
+    base = jupyter_base_url()
+    ui = local_ui(tracking_uri, base)
+    if base is not None:
+        return f"{ui.prefix}/{fragment}"  # same origin as the notebook page: goes through Jupyter
+    return ui.direct_url + fragment
+
+
+def wait_ready(ui: LocalUI, timeout: float = 120.0) -> None:
+    """Block until the UI answers its health check (for tests and scripts that open the link at once)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not ui.alive:
+            raise RuntimeError(f"the local MLflow UI exited; its log: {ui.log_path}")
+        try:
+            with urllib.request.urlopen(f"{ui.direct_url}health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the local MLflow UI did not answer in {timeout:g} s; its log: {ui.log_path}")
+
+
+def shutdown() -> None:
+    """Stop every UI this process started."""
+    with _lock:
+        uis = list(_uis.values())
+        _uis.clear()
+    for ui in uis:
+        ui.stop()
+
+
+atexit.register(shutdown)
+
+
+# -- the watchdog process ---------------------------------------------------
+def watchdog_main() -> None:
+    """Run the UI command given as JSON in argv[1] until stdin closes or the parent goes, then end it all."""
+    import ctypes
+
+    cmd = json.loads(sys.argv[1])
+    parent = os.getppid()
+    try:  # orphans of the UI (uvicorn under a dead `mlflow server`) are re-parented here
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the pipe or the parent's exit ends us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        while child.poll() is None and os.getppid() == parent:
+            ready, _, _ = select.select([0], [], [], 1.0)
+            if ready and not os.read(0, 4096):
+                break
+    finally:
+        _end_all(child)
+
+
+def _end_all(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM every descendant, SIGKILL what is left after the grace, and reap them all."""
+    import psutil
+
+    me = psutil.Process()
+    procs = me.children(recursive=True)
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in {*alive, *me.children(recursive=True)} if p.is_running()]
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            return
+        time.sleep(0.1)
