@@ -65,7 +65,7 @@ def nb(store):
     """A kernel with no MLflow configuration; killed outright at the end, after which no MLflow UI may remain."""
     ui_before = {p.pid for p in mlflow_ui_processes()}
     procs_before = {p.pid for p in psutil.process_iter()}
-    k = Kernel(store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "MLFLOW_TRACKING_URI": ""})
+    k = Kernel(store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""})
     k.execute("import os, time, re\nimport mlflow\nfrom air_magic import distributed").check()
     yield k
     k.kc.stop_channels()
