@@ -15,7 +15,7 @@ for what in "$@"; do
         timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_magic.py; } 2>&1 | grep -v 'WARNING | Kernel is running' | tee "$out/pytest.log" ;;
     phases) for r in 2 "$n"; do timeout 120 python3 bench/launch_phases.py --ranks "$r" 2>&1 | grep -v '^\[rank\|^air_magic'; done | tee "$out/phases.log" ;;
     scaling)
-      for v in 0 0,1; do
+      for v in ${SCALING:-0 0,1}; do
         CUDA_VISIBLE_DEVICES=$v timeout 280 python3 bench/gpu_demos.py demo_notebooks/ddp.ipynb demo_notebooks/fsdp.ipynb demo_notebooks/deepspeed.ipynb --out "$out/scale-$v.json"
       done 2>&1 | tee "$out/scaling.log" ;;
     bench)
@@ -24,7 +24,7 @@ for what in "$@"; do
         timeout 180 python3 bench/ddp_step.py --ranks "$r" --out "$out/ddp-$r.json" 2>&1 | tail -2
         [ "$r" = "$n" ] && break
       done 2>&1 | tee "$out/bench.log" ;;
-    demos) timeout 500 python3 bench/gpu_demos.py 2>&1 | tee "$out/demos.log" ;;
+    demos) timeout 500 python3 bench/gpu_demos.py ${DEMOS:-} 2>&1 | tee "$out/demos.log" ;;
   esac
 done
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$out/nvidia-smi-after.csv"
