@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +25,7 @@ from .errors import (
     AirMagicError,
     DistributedTimeoutError,
     JobCancelledError,
+    RunDirectoryFullError,
     WorkerDiedError,
     annotate,
     describe_returncode,
@@ -38,6 +40,8 @@ from .worker import error_path, result_path
 STOP_GRACE = 3.0
 _POLL = 0.05
 _READ_CHUNK = 1 << 20
+#: With less free space than this under the run directory, a failed write is put down to a full disk.
+DISK_FULL_BYTES = 1 << 20
 
 
 def runs_root() -> Path:
@@ -94,11 +98,18 @@ class _Run:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name)[:40]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"{stamp}-{safe}-", dir=runs_root()))
         self.logs = [self.run_dir / f"rank-{r}.log" for r in range(spec.world_size)]
-        for log in self.logs:
-            _private_file(log)
-        _private_file(self.run_dir / "payload.pkl", blob)
         job = {"name": spec.name, "sys_path": list(sys.path), "cwd": os.getcwd()}
-        _private_file(self.run_dir / "job.json", json.dumps(job).encode())
+        try:
+            for log in self.logs:
+                _private_file(log)
+            _private_file(self.run_dir / "payload.pkl", blob)
+            _private_file(self.run_dir / "job.json", json.dumps(job).encode())
+        except OSError as exc:  # nothing has started: leave no half-written run behind
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise AirMagicError(
+                f"could not write the run directory under {self.run_dir.parent}: {exc.strerror or exc}. "
+                "Free some space there, or set AIR_MAGIC_RUNS_DIR to a directory with room; nothing was started."
+            ) from exc
         self.ctx = RunContext(spec, self.run_dir, self.logs)
         self.result = JobResult(
             spec, self.run_dir, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
@@ -260,6 +271,27 @@ class _Run:
             f"Last lines of its output:\n{tail_text(log) or '(no output)'}\nFull log: {log}"
         )
 
+    def disk_full_error(self) -> BaseException | None:
+        """A rank failed or left no result while the run directory's disk is full: say so, not just 'exit 1'."""
+        try:
+            free = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            return None
+        if free >= DISK_FULL_BYTES or not (self.failures or self.launch_error or self.missing_results()):
+            return None
+        ranks = ", ".join(map(str, self.failures or self.missing_results()))
+        error = RunDirectoryFullError(
+            f"the disk holding the run directory {self.run_dir} is full ({free:,} bytes free), so rank(s) {ranks} "
+            "could not write their output, result or error; every worker was stopped. Free some space there, "
+            "or set AIR_MAGIC_RUNS_DIR to a directory on a disk with room. What the ranks wrote before is kept there."
+        )
+        if self.failures:
+            error.__cause__ = self.rank_error(self.failures[0])
+        return error
+
+    def missing_results(self) -> list[int]:
+        return [r.rank for r in self.result.ranks if not result_path(self.run_dir, r.rank).exists()]
+
     def outcome_error(self) -> BaseException | None:
         where = f"Logs of every rank are in {self.run_dir}."
         if self.stop_reason == "interrupted":
@@ -272,6 +304,9 @@ class _Run:
             )
         if self.stop_reason == "cancelled":
             return JobCancelledError(f"{self.spec.name} was cancelled; every worker was stopped. {where}")
+        full = self.disk_full_error()
+        if full is not None:
+            return full
         if self.failures:
             first = self.rank_error(self.failures[0])
             others = [
