@@ -64,6 +64,7 @@ class Job:
     grace: float = 3.0
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
 
     @property
     def live_workers(self) -> list[int]:
@@ -286,12 +287,21 @@ class Supervisor:
             mine = psutil.Process().children(recursive=True)
         except psutil.Error:
             mine = []
+        me = os.getpid()
+        known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
         for c in mine:
-            if c.pid in found or c.pid in self.owner or c.pid == job.store_pid:
+            if c.pid in found or c.pid in known:
                 continue
             try:
-                if c.environ().get("AIR_MAGIC_JOB") == job.id or c.pid in job.seen:
+                tag = c.environ().get("AIR_MAGIC_JOB")
+                if tag == job.id or c.pid in job.seen:
                     found[c.pid] = c
+                elif tag is None and c.ppid() == me and c.create_time() >= job.started - 1:
+                    # An orphan we adopted that carries no job tag: it dropped its environment (env={}), or
+                    # it was forked from a warm worker, whose /proc environ is ours. Only a job running
+                    # when it was born can have started it, so each such job counts it as its own.
+                    found[c.pid] = c
+                    found.update((d.pid, d) for d in c.children(recursive=True))
             except psutil.Error:
                 pass
         for pid, p in list(found.items()):
