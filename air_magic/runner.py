@@ -13,6 +13,7 @@ import codecs
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ from typing import Any
 from . import launcher, payload
 from .errors import (
     AirMagicError,
+    ConfigurationError,
     DistributedTimeoutError,
     JobCancelledError,
     RunDirectoryFullError,
@@ -52,8 +54,26 @@ def runs_root() -> Path:
     else:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         path = Path(cache) / "air_magic" / "runs"
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):  # parents too: mkdir(parents=True) would give them the umask's mode
+        p.mkdir(mode=0o700, exist_ok=True)
+    _check_private_root(path)
     return path
+
+
+def _check_private_root(path: Path) -> None:
+    """Refuse a runs directory that another user owns, or may rename our run directories in."""
+    info = path.stat()
+    if info.st_uid not in (os.getuid(), 0):
+        raise ConfigurationError(
+            f"the runs directory {path} belongs to another user (uid {info.st_uid}), who could read or replace "
+            "what the workers load; set AIR_MAGIC_RUNS_DIR to a directory of your own."
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise ConfigurationError(
+            f"the runs directory {path} is writable by other users without the sticky bit, so they could swap a "
+            f"run directory for their own; run `chmod go-w {path}` or set AIR_MAGIC_RUNS_DIR to a private directory."
+        )
 
 
 def _private_file(path: Path, data: bytes = b"") -> None:
