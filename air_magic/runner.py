@@ -136,7 +136,8 @@ class _Run:
         )
         self.tails = [LogTail(p) for p in self.logs]
         self.stop_reason: str | None = None
-        self.failures: list[int] = []  # ranks in the order they failed
+        self.failures: list[int] = []  # ranks in the order their exits were seen
+        self.exited_at: dict[int, float] = {}  # rank -> wall time the supervisor reaped it
         self.job_id = uuid.uuid4().hex
 
     # -- listeners ---------------------------------------------------------
@@ -183,6 +184,7 @@ class _Run:
         elif kind == "exited":
             rank, code = event["rank"], event["returncode"]
             self.result.ranks[rank].returncode = code
+            self.exited_at[rank] = float(event.get("at", time.time()))
             if code == 0:
                 self.set_state(rank, RankState.DONE)
             elif self.stop_reason is None or error_path(self.run_dir, rank).exists():
@@ -280,6 +282,14 @@ class _Run:
         self.notify("on_end", self.result)
         return self.result
 
+    def failed_at(self, rank: int) -> float:
+        """When a rank failed: when it wrote its error record, else when its exit was reaped."""
+        when = self.exited_at.get(rank, float("inf"))
+        try:
+            return min(when, error_path(self.run_dir, rank).stat().st_mtime_ns / 1e9)
+        except OSError:
+            return when
+
     def rank_error(self, rank: int) -> BaseException:
         exc = read_error_file(error_path(self.run_dir, rank), rank)
         log = self.logs[rank]
@@ -306,7 +316,7 @@ class _Run:
             "or set AIR_MAGIC_RUNS_DIR to a directory on a disk with room. What the ranks wrote before is kept there."
         )
         if self.failures:
-            error.__cause__ = self.rank_error(self.failures[0])
+            error.__cause__ = self.rank_error(min(self.failures, key=self.failed_at))
         return error
 
     def missing_results(self) -> list[int]:
@@ -328,10 +338,11 @@ class _Run:
         if full is not None:
             return full
         if self.failures:
-            first = self.rank_error(self.failures[0])
-            others = [
-                f"rank {r}: {self.rank_error(r)!r}".splitlines()[0] for r in self.failures[1:]
-            ]
+            # The rank that failed first is the cause; peers that lost it fail a moment later (gloo's
+            # "Connection closed by peer") and may even exit sooner, so order by when each failed.
+            ranks = sorted(self.failures, key=self.failed_at)
+            first = self.rank_error(ranks[0])
+            others = [f"rank {r}: {self.rank_error(r)!r}".splitlines()[0] for r in ranks[1:]]
             if others:
                 annotate(first, "other ranks that failed too: " + "; ".join(others))
             return first

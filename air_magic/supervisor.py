@@ -348,7 +348,7 @@ class Supervisor:
             if job is not None:
                 code = os.waitstatus_to_exitcode(status)
                 job.exited[owner[1]] = code
-                _emit({"job": job.id, "event": "exited", "rank": owner[1], "returncode": code})
+                _emit({"job": job.id, "event": "exited", "rank": owner[1], "returncode": code, "at": time.time()})
 
     def tick(self) -> None:
         now = time.monotonic()
