@@ -99,6 +99,8 @@ def diverges():
         print(f"rank {rank} step {i}", flush=True)
     if rank == 1:
         time.sleep(0.5)  # let rank 0 block in the collective first
+        # a slow exit: rank 0's "Connection closed by peer" then ends its process first, yet is not the cause
+        import atexit; atexit.register(time.sleep, 1.5)
         print(f"FAULT_AT {time.time()}", flush=True)
         raise LossIsNaN("loss is nan at step 3")
     dist.all_reduce(torch.ones(1))  # never completes: rank 1 is gone
@@ -109,6 +111,7 @@ report(error, ended)
     rep = reported(out.stdout)
     assert rep["type"] == "LossIsNaN" and "loss is nan" in rep["message"]
     assert "raised on rank 1 of 2" in rep["notes"][0]
+    assert "other ranks that failed too: rank 0" in rep["notes"][1], "the peer's own error is listed after"
     (run_dir,) = run_dirs(out.stdout)
     assert rep["ended"] - fault_time(run_dir, 1) < 30  # the figure is measured in bench/faults.py
     assert_nothing_left(before)
