@@ -28,6 +28,7 @@ from .errors import (
     DistributedTimeoutError,
     JobCancelledError,
     RunDirectoryFullError,
+    SerializationError,
     WorkerDiedError,
     annotate,
     describe_returncode,
@@ -354,7 +355,16 @@ class _Run:
                 return AirMagicError(f"rank {rank.rank} ended without leaving a result. {where}")
             import cloudpickle
 
-            rank.value = cloudpickle.loads(path.read_bytes())
+            try:
+                rank.value = cloudpickle.loads(path.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - it pickled there but does not rebuild here
+                error = SerializationError(
+                    f"the return value of rank {rank.rank} could not be rebuilt in this process: "
+                    f"{type(exc).__name__}: {exc}. Return plain data (numbers, lists, dicts, tensors moved to CPU) "
+                    f"whose types this notebook can import. It is kept in {path}."
+                )
+                error.__cause__ = exc
+                return error
         return None
 
 
