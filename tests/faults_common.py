@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import cloudpickle
 import psutil
-
+import pytest
 from helpers import leftover_processes
 
 from air_magic import distributed, runner
@@ -111,3 +111,19 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
     wrapped = distributed(**settings)(func)
     spec = wrapped.settings.spec(func, args, {}, func.__name__)
     return runner.run(spec, [listener or Recorder()])
+
+
+def _nothing() -> int:
+    return 0
+
+
+@pytest.fixture(scope="module")
+def here_runs(tmp_path_factory):
+    """Runs started from the test process keep their directories under pytest's temporary directory,
+    and that process's supervisor is started before the first test (so no leak check waits on it)."""
+    patch = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("here-runs")
+    patch.setenv("AIR_MAGIC_RUNS_DIR", str(root))
+    run_here(_nothing)
+    yield root
+    patch.undo()

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
-import threading
 import time
-import warnings
 from pathlib import Path
 
 import psutil
 import pytest
-
-from faults_common import (
+from faults_common import (  # noqa: F401 - here_runs is a fixture
     Recorder,
     alive,
     assert_nothing_left,
     assert_nothing_lost,
     fault_time,
+    here_runs,
     pids_in,
     run_dirs,
     run_here,
@@ -37,10 +36,8 @@ from air_magic.errors import (
     ConfigurationError,
     JobCancelledError,
     RunDirectoryFullError,
-    SerializationError,
 )
 from air_magic.job import JobStatus, RankState
-from air_magic.payload import PayloadSizeWarning
 
 SETUP = """
 import os, sys, time, json, threading
@@ -57,6 +54,9 @@ def report(error, ended):
     print("REPORT " + json.dumps({"type": type(error).__name__, "message": str(error),
           "notes": getattr(error, "__notes__", []), "ended": ended}))
 """
+
+
+pytestmark = pytest.mark.usefixtures("here_runs")
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,9 @@ def test_two_kernels_run_side_by_side_and_a_shutdown_or_restart_mid_run_leaves_n
         a.send("forever.distributed('A')")
         b.send("forever.distributed('B')")
         dir_a, dir_b = _wait_for_logs(runs_a, "A"), _wait_for_logs(runs_b, "B")
-        port = {t: (d / "rank-0.log").read_text().split(f"{t} port ")[1].split()[0] for t, d in (("A", dir_a), ("B", dir_b))}
+        port = {
+            t: (d / "rank-0.log").read_text().split(f"{t} port ")[1].split()[0] for t, d in (("A", dir_a), ("B", dir_b))
+        }
         assert port["A"] != port["B"] and dir_a != dir_b
         pids_a, pids_b = pids_in(dir_a, 0) + pids_in(dir_a, 1), pids_in(dir_b, 0) + pids_in(dir_b, 1)
         assert len(alive(pids_a)) == 4 and len(alive(pids_b)) == 4
@@ -364,7 +366,7 @@ print("REPORT " + json.dumps(results))
 
 def _try_to_take_the_port() -> dict:
     import os
-    import socket
+
     import torch.distributed as dist
 
     port = int(os.environ["MASTER_PORT"])
@@ -409,6 +411,9 @@ def test_unpicklable_returns_a_gigabyte_and_unpicklable_exceptions_give_a_result
 class NoPickle(Exception):
     def __reduce__(self):
         raise TypeError("this exception refuses to be pickled")
+class Unloadable:
+    def __reduce__(self):  # pickles on the rank, fails when the notebook unpickles it
+        return (int, ("not a number",))
 class BadStr(Exception):
     def __str__(self):
         raise RuntimeError("str() is broken")
@@ -425,9 +430,11 @@ def gives(kind):
         raise NoPickle("cannot travel")
     if rank == 1 and kind == "badstr":
         raise BadStr()
+    if rank == 1 and kind == "unloadable":
+        return Unloadable()
     return rank
 summary = {}
-for kind in ("lock", "big", "nopickle", "badstr"):
+for kind in ("lock", "big", "nopickle", "badstr", "unloadable"):
     value, error, ended = timed(gives, kind)
     summary[kind] = {"error": type(error).__name__, "text": "" if error is None or kind == "badstr" else str(error),
                      "notes": getattr(error, "__notes__", []),
@@ -444,10 +451,13 @@ print("REPORT " + json.dumps(summary))
     assert got["nopickle"]["error"] == "RankFailedError"
     assert "NoPickle: cannot travel" in got["nopickle"]["text"] and "rank 1" in got["nopickle"]["notes"][0]
     assert got["badstr"]["error"] == "BadStr" and "rank 1 of 2" in got["badstr"]["notes"][0]
+    assert got["unloadable"]["error"] == "SerializationError"
+    assert "return value of rank 1 could not be rebuilt" in got["unloadable"]["text"]
+    assert "invalid literal for int()" in got["unloadable"]["text"]
     assert_nothing_left(before)
     dirs = run_dirs(out.stdout)
-    assert len(dirs) == 4
-    for d, kind in zip(dirs, ("lock", "big", "nopickle", "badstr")):
+    assert len(dirs) == 5
+    for d, kind in zip(dirs, ("lock", "big", "nopickle", "badstr", "unloadable")):
         assert_nothing_lost(d, {r: [f"rank {r} {kind}"] for r in (0, 1)}, out.stdout)
 
 
@@ -566,7 +576,10 @@ print("REPORT " + json.dumps({"value": value, "error": type(error).__name__}))
         assert b"\rprogress 0%\rprogress 25%\rprogress 50%\rprogress 75%\rprogress 100%\n" in log
         assert f"[rank {rank}] raw \ufffd\ufffd bytes from rank {rank}" in out.stdout
         assert "progress 100%" in out.stdout
-    printed = {r: [f"to stderr from rank {r}", f"C-level write from rank {r}", f"no newline at the end from rank {r}"] for r in (0, 1)}
+    printed = {
+        r: [f"to stderr from rank {r}", f"C-level write from rank {r}", f"no newline at the end from rank {r}"]
+        for r in (0, 1)
+    }
     assert_nothing_left(before)
     assert_nothing_lost(run_dir, printed, out.stdout)
 
@@ -602,6 +615,7 @@ def test_a_200_mb_flood_from_one_rank_reaches_the_log_and_the_listeners_in_full(
     assert log.stat().st_size == rec.chars[0] == 200 * 1_000_000
     assert_nothing_left(before)
     assert_nothing_lost(result.run_dir, {0: ["line 0000000 ", "line 0009999 "]})
+    shutil.rmtree(result.run_dir)  # 200 MB: do not keep it in pytest's temporary directories
 
 
 # -- 13. disk full ---------------------------------------------------------------------------------
@@ -612,7 +626,9 @@ def tiny_disk(tmp_path):
     """A 2 MiB tmpfs to hold the run directories (skipped where mounting is not allowed)."""
     mount = tmp_path / "tiny"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); run as root to test a full disk")
     try:

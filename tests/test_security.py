@@ -14,11 +14,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from faults_common import Recorder, assert_nothing_left, assert_nothing_lost, run_here
+from faults_common import (  # noqa: F401 - here_runs is a fixture
+    Recorder,
+    assert_nothing_left,
+    assert_nothing_lost,
+    here_runs,
+    run_here,
+)
 
 from air_magic.errors import ConfigurationError
-
 
 
 def loopback(ip: str) -> bool:
@@ -26,6 +30,9 @@ def loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip)
     mapped = getattr(addr, "ipv4_mapped", None)
     return (mapped or addr).is_loopback
+
+
+pytestmark = pytest.mark.usefixtures("here_runs")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +72,11 @@ print(waits.distributed())
     deadline = time.monotonic() + 90
     run_dir = None
     while time.monotonic() < deadline:
-        ready = [d for d in (workdir / "runs").glob("*-waits-*") if all("ready" in _read(d / f"rank-{r}.log") for r in (0, 1))]
+        ready = [
+            d
+            for d in (workdir / "runs").glob("*-waits-*")
+            if all("ready" in _read(d / f"rank-{r}.log") for r in (0, 1))
+        ]
         if ready:
             (run_dir,) = ready
             break
@@ -75,7 +86,11 @@ print(waits.distributed())
     listening, peers, supervisor_sockets = [], [], []
     for proc in tree:
         conns = inet_sockets(proc)
-        if "air_magic.supervisor" in " ".join(proc.cmdline()) and "AIR_MAGIC_JOB" not in _env(proc) and proc.ppid() == nb.pid:
+        if (
+            "air_magic.supervisor" in " ".join(proc.cmdline())
+            and "AIR_MAGIC_JOB" not in _env(proc)
+            and proc.ppid() == nb.pid
+        ):
             supervisor_sockets += conns
         listening += [c.laddr for c in conns if c.status == psutil.CONN_LISTEN]
         peers += [c.raddr for c in conns if c.raddr]
@@ -147,7 +162,14 @@ def test_payloads_results_errors_and_logs_are_private_files_in_private_directori
         assert run_dir.parent == root and stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         files += [p for p in run_dir.iterdir()]
     names = {p.name for p in files}
-    assert {"payload.pkl", "job.json", "rank-0.log", "rank-0.result.pkl", "rank-1.error.json", "rank-1.error.pkl"} <= names
+    assert {
+        "payload.pkl",
+        "job.json",
+        "rank-0.log",
+        "rank-0.result.pkl",
+        "rank-1.error.json",
+        "rank-1.error.pkl",
+    } <= names
     loose = {p: oct(stat.S_IMODE(p.stat().st_mode)) for p in files if stat.S_IMODE(p.stat().st_mode) != 0o600}
     assert loose == {}, loose
     assert_nothing_left(before)
