@@ -649,10 +649,21 @@ def _fills_the_disk() -> None:
     time.sleep(300)
 
 
+def _returns_too_much() -> bytes:
+    import os
+
+    return b"r" * (3 << 20) if os.environ["RANK"] == "1" else b""
+
+
 def test_a_full_disk_under_the_run_directory_is_a_clear_error_and_stops_every_worker(tiny_disk, monkeypatch):
     """When the run directory's disk fills up, the call stops every rank and names the disk, the free space and the fix."""
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tiny_disk))
     before = procs()
+    # a result larger than the disk: a clear error, and the half-written result does not keep the disk full
+    with pytest.raises(OSError, match="could not be written") as big:
+        run_here(_returns_too_much, timeout=120)
+    (run_dir,) = [p for p in tiny_disk.iterdir() if p.is_dir()]
+    assert list(run_dir.glob("*.tmp")) == [] and "rank 1" in str(big.value)
     rec = Recorder()
     with pytest.raises(RunDirectoryFullError, match="is full") as info:
         run_here(_fills_the_disk, listener=rec, timeout=120)
