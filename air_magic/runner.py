@@ -346,6 +346,8 @@ class _Run:
             others = [f"rank {r}: {self.rank_error(r)!r}".splitlines()[0] for r in ranks[1:]]
             if others:
                 annotate(first, "other ranks that failed too: " + "; ".join(others))
+            if self.launch_error:
+                annotate(first, f"air_magic: {self.launch_error}")
             return first
         if self.launch_error:
             return AirMagicError(f"air_magic could not run the job: {self.launch_error}. {where}")

@@ -65,6 +65,7 @@ class Job:
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    port: int = 0
 
     @property
     def live_workers(self) -> list[int]:
@@ -172,7 +173,7 @@ class Supervisor:
         env = dict(msg["env"])
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        port = job.port = sock.getsockname()[1]
         env.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.world_size),
             LOCAL_WORLD_SIZE=str(job.world_size), NODE_RANK="0", GROUP_RANK="0",
@@ -343,12 +344,25 @@ class Supervisor:
                 return
             owner = self.owner.pop(pid, None)
             if owner is None:
+                self.store_exited(pid, os.waitstatus_to_exitcode(status))
                 continue  # the store, or an adopted orphan
             job = self.jobs.get(owner[0])
             if job is not None:
                 code = os.waitstatus_to_exitcode(status)
                 job.exited[owner[1]] = code
                 _emit({"job": job.id, "event": "exited", "rank": owner[1], "returncode": code, "at": time.time()})
+
+    def store_exited(self, pid: int, code: int) -> None:
+        """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
+        for job in self.jobs.values():
+            if job.store_pid == pid:
+                job.store_pid = None
+                if job.kill_at is None:
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    _emit({"job": job.id, "event": "error", "message": (
+                        f"the job's rendezvous store (pid {pid}, 127.0.0.1:{job.port}) {how}, so the ranks could "
+                        "not meet; every rank was stopped. Run the call again")})
+                    self.stop(job, job.grace)
 
     def tick(self) -> None:
         now = time.monotonic()
