@@ -34,13 +34,21 @@ LINES = 200
 
 
 class Counter(Listener):
-    """Keeps every character the runner delivered, per rank."""
+    """Keeps every character the runner delivered, per rank; with `cancel`, presses Cancel once rank 1 hangs."""
 
-    def __init__(self) -> None:
+    def __init__(self, cancel: bool = False) -> None:
         self.text: dict[int, list[str]] = {}
+        self.cancel = cancel
+        self.cancelled_at: float | None = None
+
+    def on_start(self, ctx) -> None:  # type: ignore[no-untyped-def]
+        self.ctx = ctx
 
     def on_output(self, rank: int, text: str) -> None:
         self.text.setdefault(rank, []).append(text)
+        if self.cancel and self.cancelled_at is None and "FAULT_AT" in text:
+            self.cancelled_at = time.time()
+            self.ctx.cancel()
 
 
 def job(kind: str, marker: str) -> int:
@@ -91,14 +99,20 @@ def fault_at(run_dir: Path) -> float:
 
 def one(kind: str, timeout: float | None) -> dict:
     marker = f"{300 + uuid.uuid4().int % 10**6 / 10**6:.6f}"
-    counter = Counter()
+    counter = Counter(cancel=kind == "cancel")
+    kind = "hang" if kind == "cancel" else kind
     fn = distributed(2, mlflow=False, timeout=timeout)(job)
     spec = fn.settings.spec(job, (kind, marker), {}, f"fault-{kind}")
     result = runner._Run(spec, [counter]).execute()  # the path runner.run takes, without raising
     returned = time.time()
     error, run_dir = result.error, result.run_dir
     hang = kind in ("hang", "hang-collective")
-    fault = returned - result.elapsed + (timeout or 0) if hang else fault_at(run_dir)  # a hang's fault: the deadline
+    if counter.cancelled_at is not None:
+        fault = counter.cancelled_at  # the Cancel press
+    elif hang:
+        fault = returned - result.elapsed + (timeout or 0)  # a hang's fault: the deadline
+    else:
+        fault = fault_at(run_dir)
     pids = [int(p) for r in (0, 1) for p in re.findall(r"PIDS (\d+) (\d+)", (run_dir / f"rank-{r}.log").read_text())[0]]
     time.sleep(0.5)
     leaked = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
@@ -129,6 +143,7 @@ SCENARIOS = [
     ("2 rank calls os._exit(7)", "exit7", 120),
     ("3 rank hangs (sleep), timeout 3 s", "hang", 3),
     ("3 collective never completes, timeout 3 s", "hang-collective", 3),
+    ("3 rank hangs, timeout None, Cancel pressed", "cancel", None),
     ("4 peer ignores SIGTERM", "ignore-term", 120),
 ]
 
