@@ -123,7 +123,9 @@ class DistributedFunction(Generic[P, R]):
                 f"with_overrides() got unknown setting(s) {sorted(unknown)}; "
                 f"known: {sorted(f.name for f in dataclasses.fields(Settings))}."
             )
-        return DistributedFunction(self._func, dataclasses.replace(self.settings, **changes))
+        settings = dataclasses.replace(self.settings, **changes)
+        settings.resolve()  # as at decoration: a setting that cannot fit this node fails here, not at the call
+        return DistributedFunction(self._func, settings)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = getattr(self._func, "__name__", "f")

@@ -42,6 +42,10 @@ class DistributedTimeoutError(AirMagicError, TimeoutError):
     """The call ran longer than its `timeout`; every worker was stopped."""
 
 
+class RunDirectoryFullError(AirMagicError, OSError):
+    """The disk holding the run directory filled up; the ranks could not write their logs or results."""
+
+
 class JobCancelledError(AirMagicError):
     """The call was cancelled from the panel; every worker was stopped."""
 
@@ -83,12 +87,23 @@ def format_remote(exc: BaseException, code_files: dict[str, str] | None = None) 
     return "".join(te.format())
 
 
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as inner:  # noqa: BLE001 - a broken __str__ must not hide the failure
+        return f"<str() of the exception failed: {inner!r}>"
+
+
 def write_error_file(path: Path, exc: BaseException, code_files: dict[str, str] | None = None) -> None:
     """Record `exc` for the caller: a JSON summary, and the pickled exception if it pickles."""
+    try:
+        text = format_remote(exc, code_files)
+    except Exception:  # noqa: BLE001 - fall back to the plain formatter
+        text = "".join(traceback.format_exception(exc))
     record = {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": format_remote(exc, code_files),
+        "message": _safe_str(exc),
+        "traceback": text,
         "pid": os.getpid(),
     }
     _write_private(path, json.dumps(record).encode())
@@ -103,10 +118,14 @@ def write_error_file(path: Path, exc: BaseException, code_files: dict[str, str] 
 
 def read_error_file(path: Path, rank: int) -> BaseException | None:
     """Rebuild the exception a rank recorded at `path`, or None if it left no record."""
-    meta = path
-    if not meta.exists():
+    if not path.exists():
         return None
-    record = json.loads(meta.read_text())
+    try:
+        record = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as why:  # a half-written record (the disk filled up, the rank was killed)
+        return RankFailedError(
+            f"rank {rank} failed, but its error record {path} could not be read ({why}); see its log."
+        )
     exc: BaseException | None = None
     blob = path.with_suffix(".pkl")
     if blob.exists():

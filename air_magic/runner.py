@@ -12,6 +12,8 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -22,8 +24,11 @@ from typing import Any
 from . import launcher, payload
 from .errors import (
     AirMagicError,
+    ConfigurationError,
     DistributedTimeoutError,
     JobCancelledError,
+    RunDirectoryFullError,
+    SerializationError,
     WorkerDiedError,
     annotate,
     describe_returncode,
@@ -38,6 +43,8 @@ from .worker import error_path, result_path
 STOP_GRACE = 3.0
 _POLL = 0.05
 _READ_CHUNK = 1 << 20
+#: With less free space than this under the run directory, a failed write is put down to a full disk.
+DISK_FULL_BYTES = 1 << 20
 
 
 def runs_root() -> Path:
@@ -48,8 +55,26 @@ def runs_root() -> Path:
     else:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         path = Path(cache) / "air_magic" / "runs"
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):  # parents too: mkdir(parents=True) would give them the umask's mode
+        p.mkdir(mode=0o700, exist_ok=True)
+    _check_private_root(path)
     return path
+
+
+def _check_private_root(path: Path) -> None:
+    """Refuse a runs directory that another user owns, or may rename our run directories in."""
+    info = path.stat()
+    if info.st_uid not in (os.getuid(), 0):
+        raise ConfigurationError(
+            f"the runs directory {path} belongs to another user (uid {info.st_uid}), who could read or replace "
+            "what the workers load; set AIR_MAGIC_RUNS_DIR to a directory of your own."
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise ConfigurationError(
+            f"the runs directory {path} is writable by other users without the sticky bit, so they could swap a "
+            f"run directory for their own; run `chmod go-w {path}` or set AIR_MAGIC_RUNS_DIR to a private directory."
+        )
 
 
 def _private_file(path: Path, data: bytes = b"") -> None:
@@ -94,18 +119,26 @@ class _Run:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name)[:40]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"{stamp}-{safe}-", dir=runs_root()))
         self.logs = [self.run_dir / f"rank-{r}.log" for r in range(spec.world_size)]
-        for log in self.logs:
-            _private_file(log)
-        _private_file(self.run_dir / "payload.pkl", blob)
         job = {"name": spec.name, "sys_path": list(sys.path), "cwd": os.getcwd()}
-        _private_file(self.run_dir / "job.json", json.dumps(job).encode())
+        try:
+            for log in self.logs:
+                _private_file(log)
+            _private_file(self.run_dir / "payload.pkl", blob)
+            _private_file(self.run_dir / "job.json", json.dumps(job).encode())
+        except OSError as exc:  # nothing has started: leave no half-written run behind
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise AirMagicError(
+                f"could not write the run directory under {self.run_dir.parent}: {exc.strerror or exc}. "
+                "Free some space there, or set AIR_MAGIC_RUNS_DIR to a directory with room; nothing was started."
+            ) from exc
         self.ctx = RunContext(spec, self.run_dir, self.logs)
         self.result = JobResult(
             spec, self.run_dir, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
         )
         self.tails = [LogTail(p) for p in self.logs]
         self.stop_reason: str | None = None
-        self.failures: list[int] = []  # ranks in the order they failed
+        self.failures: list[int] = []  # ranks in the order their exits were seen
+        self.exited_at: dict[int, float] = {}  # rank -> wall time the supervisor reaped it
         self.job_id = uuid.uuid4().hex
 
     # -- listeners ---------------------------------------------------------
@@ -152,6 +185,7 @@ class _Run:
         elif kind == "exited":
             rank, code = event["rank"], event["returncode"]
             self.result.ranks[rank].returncode = code
+            self.exited_at[rank] = float(event.get("at", time.time()))
             if code == 0:
                 self.set_state(rank, RankState.DONE)
             elif self.stop_reason is None or error_path(self.run_dir, rank).exists():
@@ -249,6 +283,14 @@ class _Run:
         self.notify("on_end", self.result)
         return self.result
 
+    def failed_at(self, rank: int) -> float:
+        """When a rank failed: when it wrote its error record, else when its exit was reaped."""
+        when = self.exited_at.get(rank, float("inf"))
+        try:
+            return min(when, error_path(self.run_dir, rank).stat().st_mtime_ns / 1e9)
+        except OSError:
+            return when
+
     def rank_error(self, rank: int) -> BaseException:
         exc = read_error_file(error_path(self.run_dir, rank), rank)
         log = self.logs[rank]
@@ -259,6 +301,27 @@ class _Run:
             f"rank {rank} {describe_returncode(code)} without a Python exception. "
             f"Last lines of its output:\n{tail_text(log) or '(no output)'}\nFull log: {log}"
         )
+
+    def disk_full_error(self) -> BaseException | None:
+        """A rank failed or left no result while the run directory's disk is full: say so, not just 'exit 1'."""
+        try:
+            free = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            return None
+        if free >= DISK_FULL_BYTES or not (self.failures or self.launch_error or self.missing_results()):
+            return None
+        ranks = ", ".join(map(str, self.failures or self.missing_results()))
+        error = RunDirectoryFullError(
+            f"the disk holding the run directory {self.run_dir} is full ({free:,} bytes free), so rank(s) {ranks} "
+            "could not write their output, result or error; every worker was stopped. Free some space there, "
+            "or set AIR_MAGIC_RUNS_DIR to a directory on a disk with room. What the ranks wrote before is kept there."
+        )
+        if self.failures:
+            error.__cause__ = self.rank_error(min(self.failures, key=self.failed_at))
+        return error
+
+    def missing_results(self) -> list[int]:
+        return [r.rank for r in self.result.ranks if not result_path(self.run_dir, r.rank).exists()]
 
     def outcome_error(self) -> BaseException | None:
         where = f"Logs of every rank are in {self.run_dir}."
@@ -272,13 +335,19 @@ class _Run:
             )
         if self.stop_reason == "cancelled":
             return JobCancelledError(f"{self.spec.name} was cancelled; every worker was stopped. {where}")
+        full = self.disk_full_error()
+        if full is not None:
+            return full
         if self.failures:
-            first = self.rank_error(self.failures[0])
-            others = [
-                f"rank {r}: {self.rank_error(r)!r}".splitlines()[0] for r in self.failures[1:]
-            ]
+            # The rank that failed first is the cause; peers that lost it fail a moment later (gloo's
+            # "Connection closed by peer") and may even exit sooner, so order by when each failed.
+            ranks = sorted(self.failures, key=self.failed_at)
+            first = self.rank_error(ranks[0])
+            others = [f"rank {r}: {self.rank_error(r)!r}".splitlines()[0] for r in ranks[1:]]
             if others:
                 annotate(first, "other ranks that failed too: " + "; ".join(others))
+            if self.launch_error:
+                annotate(first, f"air_magic: {self.launch_error}")
             return first
         if self.launch_error:
             return AirMagicError(f"air_magic could not run the job: {self.launch_error}. {where}")
@@ -288,7 +357,16 @@ class _Run:
                 return AirMagicError(f"rank {rank.rank} ended without leaving a result. {where}")
             import cloudpickle
 
-            rank.value = cloudpickle.loads(path.read_bytes())
+            try:
+                rank.value = cloudpickle.loads(path.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - it pickled there but does not rebuild here
+                error = SerializationError(
+                    f"the return value of rank {rank.rank} could not be rebuilt in this process: "
+                    f"{type(exc).__name__}: {exc}. Return plain data (numbers, lists, dicts, tensors moved to CPU) "
+                    f"whose types this notebook can import. It is kept in {path}."
+                )
+                error.__cause__ = exc
+                return error
         return None
 
 

@@ -64,6 +64,8 @@ class Job:
     grace: float = 3.0
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    port: int = 0
 
     @property
     def live_workers(self) -> list[int]:
@@ -171,7 +173,7 @@ class Supervisor:
         env = dict(msg["env"])
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        port = job.port = sock.getsockname()[1]
         env.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.world_size),
             LOCAL_WORLD_SIZE=str(job.world_size), NODE_RANK="0", GROUP_RANK="0",
@@ -287,12 +289,21 @@ class Supervisor:
             mine = psutil.Process().children(recursive=True)
         except psutil.Error:
             mine = []
+        me = os.getpid()
+        known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
         for c in mine:
-            if c.pid in found or c.pid in self.owner or c.pid == job.store_pid:
+            if c.pid in found or c.pid in known:
                 continue
             try:
-                if c.environ().get("AIR_MAGIC_JOB") == job.id or c.pid in job.seen:
+                tag = c.environ().get("AIR_MAGIC_JOB")
+                if tag == job.id or c.pid in job.seen:
                     found[c.pid] = c
+                elif tag is None and c.ppid() == me and c.create_time() >= job.started - 1:
+                    # An orphan we adopted that carries no job tag: it dropped its environment (env={}), or
+                    # it was forked from a warm worker, whose /proc environ is ours. Only a job running
+                    # when it was born can have started it, so each such job counts it as its own.
+                    found[c.pid] = c
+                    found.update((d.pid, d) for d in c.children(recursive=True))
             except psutil.Error:
                 pass
         for pid, p in list(found.items()):
@@ -334,12 +345,25 @@ class Supervisor:
                 return
             owner = self.owner.pop(pid, None)
             if owner is None:
+                self.store_exited(pid, os.waitstatus_to_exitcode(status))
                 continue  # the store, or an adopted orphan
             job = self.jobs.get(owner[0])
             if job is not None:
                 code = os.waitstatus_to_exitcode(status)
                 job.exited[owner[1]] = code
-                _emit({"job": job.id, "event": "exited", "rank": owner[1], "returncode": code})
+                _emit({"job": job.id, "event": "exited", "rank": owner[1], "returncode": code, "at": time.time()})
+
+    def store_exited(self, pid: int, code: int) -> None:
+        """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
+        for job in self.jobs.values():
+            if job.store_pid == pid:
+                job.store_pid = None
+                if job.kill_at is None:
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    _emit({"job": job.id, "event": "error", "message": (
+                        f"the job's rendezvous store (pid {pid}, 127.0.0.1:{job.port}) {how}, so the ranks could "
+                        "not meet; every rank was stopped. Run the call again")})
+                    self.stop(job, job.grace)
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -58,9 +58,13 @@ def _apply_caller_context(spec: dict) -> None:
 def _write_result(path: Path, value: object) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        cloudpickle.dump(value, f)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            cloudpickle.dump(value, f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written result on a full disk would keep it full
+        raise
 
 
 def run(run_dir: Path, rank: int) -> int:
@@ -82,6 +86,12 @@ def run(run_dir: Path, rank: int) -> int:
         return 1
     try:
         _write_result(result_path(run_dir, rank), value)
+    except OSError as exc:
+        err = OSError(
+            exc.errno, f"the return value of rank {rank} could not be written to {result_path(run_dir, rank)}: {exc}"
+        )
+        write_error_file(error_path(run_dir, rank), err)
+        return 1
     except Exception as exc:  # noqa: BLE001
         err = SerializationError(
             f"the return value of rank {rank} ({type(value).__name__}) could not be pickled: {exc}; "

@@ -1,0 +1,129 @@
+"""Checks shared by the fault and security tests: nothing left running, nothing printed lost, runs driven in-process."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+import psutil
+import pytest
+from helpers import leftover_processes
+
+from air_magic import distributed, runner
+from air_magic.events import Listener, RunContext
+from air_magic.job import JobResult, RankState
+
+_LOGS_IN = re.compile(r"air_magic: .* logs in (\S+)")
+
+
+def run_dirs(stdout: str) -> list[Path]:
+    """The run directories the text display announced, in order."""
+    return [Path(m) for m in _LOGS_IN.findall(stdout)]
+
+
+def assert_nothing_left(before: set[int]) -> None:
+    """No worker, nor anything a worker started, outlives the call (psutil)."""
+    left = leftover_processes(before, wait=5, kind="job")
+    assert left == [], [(p.pid, p.cmdline()[:4]) for p in left]
+
+
+def assert_nothing_lost(run_dir: Path, printed: dict[int, list[str]], shown: str | None = None) -> int:
+    """Every line each rank printed is in its log file (and in the display's output when given); returns lines checked."""
+    checked = 0
+    for rank, lines in printed.items():
+        log = (run_dir / f"rank-{rank}.log").read_bytes().decode("utf-8", errors="replace")
+        missing = [line for line in lines if line not in log]
+        assert not missing, f"rank {rank}'s log {run_dir} lacks {missing[:3]}"
+        if shown is not None:
+            absent = [line for line in lines if f"[rank {rank}] {line}" not in shown]
+            assert not absent, f"the display did not show rank {rank}'s {absent[:3]}"
+        checked += len(lines)
+    return checked
+
+
+def fault_time(run_dir: Path, rank: int) -> float:
+    """The wall-clock time a rank printed as `FAULT_AT <t>` just before its fault."""
+    text = (run_dir / f"rank-{rank}.log").read_text(errors="replace")
+    return float(re.findall(r"FAULT_AT ([0-9.]+)", text)[-1])
+
+
+def pids_in(run_dir: Path, rank: int) -> list[int]:
+    """Process ids a rank printed as `PIDS a b c`."""
+    text = (run_dir / f"rank-{rank}.log").read_text(errors="replace")
+    return [int(p) for line in re.findall(r"PIDS ([0-9 ]+)", text) for p in line.split()]
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The ids of `pids` that are still running (zombies count as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+class Recorder(Listener):
+    """Keeps what the runner reported: output per rank, states, the context; may cancel on a trigger."""
+
+    def __init__(self, cancel_when: str | None = None) -> None:
+        self.text: dict[int, list[str]] = {}
+        self.chars: dict[int, int] = {}
+        self.states: dict[int, list[RankState]] = {}
+        self.cancel_when = cancel_when
+        self.cancelled_at: float | None = None
+        self.result: JobResult | None = None
+
+    def on_start(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    def on_output(self, rank: int, text: str) -> None:
+        self.chars[rank] = self.chars.get(rank, 0) + len(text)
+        if sum(len(t) for t in self.text.get(rank, [])) < 1 << 20:  # keep the head only: floods are counted
+            self.text.setdefault(rank, []).append(text)
+        if self.cancel_when and self.cancelled_at is None and self.cancel_when in text:
+            self.cancelled_at = time.time()
+            self.ctx.cancel()
+
+    def on_rank_state(self, rank: int, state: RankState) -> None:
+        self.states.setdefault(rank, []).append(state)
+
+    def on_end(self, result: JobResult) -> None:
+        self.result = result
+
+    def output(self, rank: int) -> str:
+        return "".join(self.text.get(rank, []))
+
+
+def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = None, **settings: Any) -> JobResult:
+    """Run `func` through the one runner from this (test) process, with `listener` as the only listener."""
+    module = inspect.getmodule(func)
+    if module is not None and module.__name__ != "__main__":
+        cloudpickle.register_pickle_by_value(module)  # workers need not import the test modules
+    settings.setdefault("mlflow", False)
+    settings.setdefault("num_accelerators", 2)
+    wrapped = distributed(**settings)(func)
+    spec = wrapped.settings.spec(func, args, {}, func.__name__)
+    return runner.run(spec, [listener or Recorder()])
+
+
+def _nothing() -> int:
+    return 0
+
+
+@pytest.fixture(scope="module")
+def here_runs(tmp_path_factory):
+    """Runs started from the test process keep their directories under pytest's temporary directory,
+    and that process's supervisor is started before the first test (so no leak check waits on it)."""
+    patch = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("here-runs")
+    patch.setenv("AIR_MAGIC_RUNS_DIR", str(root))
+    run_here(_nothing)
+    yield root
+    patch.undo()
