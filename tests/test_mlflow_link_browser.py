@@ -51,6 +51,7 @@ class JupyterServer:
             JUPYTER_RUNTIME_DIR=str(root / "runtime"),
             PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             AIR_MAGIC_RUNS_DIR=str(root / "runs"),
+            AIR_MAGIC_DISPLAY="text",  # the link is read from the cell's text output
             MLFLOW_TRACKING_URI="",
         )
         (root / "runs").mkdir()

@@ -62,7 +62,7 @@ hello.distributed()
         assert f"hello from rank {rank}" in log and f"warning on rank {rank}" in log
         assert f"hello from rank {1 - rank}" not in log
     assert "finished" in panel["status"] and "2 rank(s)" in panel["status"]
-    assert "MLflow run: not recorded" in panel["link"]
+    assert 'MLflow run: <a href="' in panel["link"] and "/runs/" in panel["link"], panel["link"]
     assert panel["button_state"]["disabled"] is True
     assert "[rank 0]" not in out.stdout, "the panel replaces the plain lines"
 
