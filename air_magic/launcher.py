@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import AirMagicError
 
@@ -126,16 +126,24 @@ class SupervisorClient:
 
     def close(self, timeout: float = 10.0) -> None:
         """End the supervisor; it stops whatever workers it still has first."""
+        close_by_eof(self.proc, timeout, self.proc.kill)
+
+
+def close_by_eof(proc: subprocess.Popen[bytes], timeout: float, kill: Callable[[], None]) -> None:
+    """End a helper that exits when its stdin closes; `kill` it if it has not gone after `timeout` s."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
         try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+            kill()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        proc.wait()
 
 
 _client: SupervisorClient | None = None

@@ -90,19 +90,9 @@ class LocalUI:
 
     def stop(self, timeout: float = STOP_GRACE + 5) -> None:
         """Close the watchdog's pipe; it ends the UI's process group, then exits."""
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            self.proc.wait()
+        from .launcher import close_by_eof
+
+        close_by_eof(self.proc, timeout, lambda: os.killpg(self.proc.pid, signal.SIGKILL))
 
 
 _uis: dict[str, LocalUI] = {}

@@ -38,6 +38,21 @@ class CellResult:
         text = "" if self.error is None else "\n".join(self.error["traceback"])
         return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
+    def add(self, msg: dict) -> None:
+        """Take in one IOPub message of the cell."""
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                self.stdout += content["text"]
+            else:
+                self.stderr += content["text"]
+        elif kind == "execute_result":
+            self.result = content["data"].get("text/plain")
+        elif kind == "error":
+            self.error = content
+        elif kind in ("display_data", "update_display_data"):
+            self.displays.append(content)
+
     def check(self) -> "CellResult":
         assert self.error is None, f"cell raised {self.ename}:\n{self.traceback}\nstdout:\n{self.stdout}"
         return self
@@ -65,20 +80,9 @@ class Kernel:
         out = CellResult()
 
         def hook(msg: dict) -> None:
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                if content["name"] == "stdout":
-                    out.stdout += content["text"]
-                else:
-                    out.stderr += content["text"]
-                if on_output is not None:
-                    on_output(content["text"])
-            elif kind == "execute_result":
-                out.result = content["data"].get("text/plain")
-            elif kind == "error":
-                out.error = content
-            elif kind in ("display_data", "update_display_data"):
-                out.displays.append(content)
+            out.add(msg)
+            if on_output is not None and msg["msg_type"] == "stream":
+                on_output(msg["content"]["text"])
 
         self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
         return out
@@ -98,18 +102,9 @@ class Kernel:
                 raise TimeoutError(f"cell did not finish in {timeout} s; output so far:\n{out.stdout}")
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                if content["name"] == "stdout":
-                    out.stdout += content["text"]
-                else:
-                    out.stderr += content["text"]
-            elif kind == "execute_result":
-                out.result = content["data"].get("text/plain")
-            elif kind == "error":
-                out.error = content
-            elif kind == "status" and content["execution_state"] == "idle":
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 return out
+            out.add(msg)
 
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
