@@ -19,8 +19,9 @@ import io
 import linecache
 import symtable
 import tokenize
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .payload import cell_sources, referenced_globals
 
@@ -104,7 +105,7 @@ class CellProgram:
         hidden: Mapping[str, Any] | None = None,
         first_line: str = "",
         line_offset: int = 1,
-    ) -> "CellProgram":
+    ) -> CellProgram:
         """Check the cell parses and keep the globals of `namespace` it uses.
 
         `hidden` holds names the shell put there itself (In, Out, get_ipython,
@@ -162,7 +163,7 @@ class CellProgram:
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body[-1].value)
             tree.body.pop()
-        exec(compile(tree, self.filename, "exec"), namespace)
+        exec(compile(tree, self.filename, "exec"), namespace)  # noqa: S102 - running the cell is the point
         if last is None:
             return None
         return eval(compile(last, self.filename, "eval"), namespace)

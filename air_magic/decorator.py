@@ -10,8 +10,9 @@ import dataclasses
 import functools
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from . import accelerators, runner
 from .errors import ConfigurationError
@@ -111,10 +112,10 @@ class DistributedFunction(Generic[P, R]):
 
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Like `.distributed`, but return the whole JobResult (run directory, exit codes, timing)."""
-        name = getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function")
+        name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         return runner.run(self.settings.spec(self._func, args, kwargs, name))
 
-    def with_overrides(self, **changes: Any) -> "DistributedFunction[P, R]":
+    def with_overrides(self, **changes: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. `train.with_overrides(num_accelerators=1, timeout=60)`."""
         changes = legacy_names(changes, changes.pop("gpus", _UNSET), changes.pop("gpu_type", _UNSET))
         unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}

@@ -82,7 +82,7 @@ def format_remote(exc: BaseException, code_files: dict[str, str] | None = None) 
             real = (code_files or {}).get(f"{code.co_name}:{code.co_firstlineno}")
             if summary.filename == "<dynamic-code>" and real:
                 summary.filename = real
-                summary._line = None  # re-read from linecache under the real name
+                summary._line = None  # type: ignore[attr-defined]  # private line cache: re-read under the real name
         current, error = current.__cause__ or current.__context__, error.__cause__ or error.__context__
     return "".join(te.format())
 
@@ -111,7 +111,7 @@ def write_error_file(path: Path, exc: BaseException, code_files: dict[str, str] 
     try:
         blob = cloudpickle.dumps(exc)
         cloudpickle.loads(blob)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means: send the summary only
         return
     _write_private(path.with_suffix(".pkl"), blob)
 
@@ -131,7 +131,7 @@ def read_error_file(path: Path, rank: int) -> BaseException | None:
     if blob.exists():
         try:
             exc = cloudpickle.loads(blob.read_bytes())
-        except Exception:
+        except Exception:  # noqa: BLE001 - rebuilt or not, the summary still tells
             exc = None
     if exc is None:
         exc = RankFailedError(

@@ -8,9 +8,10 @@ tracking logic lives here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class RankState(str, enum.Enum):

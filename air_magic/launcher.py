@@ -15,8 +15,9 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import AirMagicError
 
@@ -30,7 +31,7 @@ _BOOT = (
 class JobHandle:
     """Events of one job, in the order the supervisor saw them."""
 
-    def __init__(self, client: "SupervisorClient", job_id: str) -> None:
+    def __init__(self, client: SupervisorClient, job_id: str) -> None:
         self.client = client
         self.job_id = job_id
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()

@@ -193,7 +193,7 @@ class DistributedMagics(Magics):
             dist.init_process_group("gloo")
             dist.get_rank()
         """
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+        __tracebackhide__ = True
         shell = self.shell
         assert shell is not None, "DistributedMagics is registered with a shell"
         args = parse_argstring(self.distributed, line)

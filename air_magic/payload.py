@@ -15,7 +15,9 @@ import os
 import pickle
 import sys
 import warnings
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
 
 import cloudpickle
 
@@ -78,7 +80,8 @@ def _largest_part(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def _user_stacklevel() -> int:
     """The stacklevel that points a warning raised in serialize() at the first frame outside air_magic."""
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1  # level 1 is serialize() itself
+    frame: FrameType | None = sys._getframe(1)  # level 1 is serialize() itself
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
         frame, level = frame.f_back, level + 1
     return level

@@ -140,6 +140,7 @@ class _Run:
         self.failures: list[int] = []  # ranks in the order their exits were seen
         self.exited_at: dict[int, float] = {}  # rank -> wall time the supervisor reaped it
         self.job_id = uuid.uuid4().hex
+        self.launch_error: str | None = None
 
     # -- listeners ---------------------------------------------------------
     def notify(self, hook: str, *args: Any) -> None:
@@ -234,7 +235,6 @@ class _Run:
                 continue
 
     def execute(self) -> JobResult:
-        self.launch_error: str | None = None
         self.notify("on_start", self.ctx)
         client = launcher.supervisor(runs_root())
         warm = launcher.warm_default() if self.spec.warm is None else self.spec.warm

@@ -83,7 +83,7 @@ class MlflowTracker(Listener):
         if fluent._active_experiment_id is not None or os.environ.get("MLFLOW_EXPERIMENT_NAME") or \
                 os.environ.get("MLFLOW_EXPERIMENT_ID"):
             experiment_id = fluent._get_experiment_id()
-            return experiment_id, client.get_experiment(experiment_id).name
+            return str(experiment_id), str(client.get_experiment(experiment_id).name)
         name = default_experiment_name()
         found = client.get_experiment_by_name(name)
         if found is None:

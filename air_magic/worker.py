@@ -87,7 +87,7 @@ def run(run_dir: Path, rank: int) -> int:
     try:
         _write_result(result_path(run_dir, rank), value)
     except OSError as exc:
-        err = OSError(
+        err: BaseException = OSError(
             exc.errno, f"the return value of rank {rank} could not be written to {result_path(run_dir, rank)}: {exc}"
         )
         write_error_file(error_path(run_dir, rank), err)
