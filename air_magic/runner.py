@@ -157,7 +157,7 @@ class _Run:
                 text = tail.read(final)
                 if text:
                     self.notify("on_output", rank, text)
-                if tail.offset == 0 or not final or not text:
+                if not (final and text):  # while running, one chunk per rank per poll; at the end, all
                     break
 
     # -- lifecycle ---------------------------------------------------------

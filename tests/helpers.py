@@ -19,15 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SESSION = os.environ.setdefault("AIR_MAGIC_TEST_SESSION", uuid.uuid4().hex)
 
 
-@dataclass
-class CellResult:
-    """What one executed cell produced."""
+class ErrorOutput:
+    """The name and plain-text traceback of a cell's error output (`error` is the output's content)."""
 
-    stdout: str = ""
-    stderr: str = ""
-    result: str | None = None
-    error: dict | None = None
-    displays: list[dict] = field(default_factory=list)
+    error: dict | None
 
     @property
     def ename(self) -> str | None:
@@ -37,6 +32,17 @@ class CellResult:
     def traceback(self) -> str:
         text = "" if self.error is None else "\n".join(self.error["traceback"])
         return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+@dataclass
+class CellResult(ErrorOutput):
+    """What one executed cell produced."""
+
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None
+    error: dict | None = None
+    displays: list[dict] = field(default_factory=list)
 
     def add(self, msg: dict) -> None:
         """Take in one IOPub message of the cell."""

@@ -15,11 +15,11 @@ import pytest
 from nbclient import NotebookClient
 
 from air_magic import accelerators
-from helpers import ROOT, leftover_processes
+from helpers import ROOT, ErrorOutput, leftover_processes
 
 
 @dataclass
-class Ran:
+class Ran(ErrorOutput):
     """What one notebook cell produced, as nbclient recorded it."""
 
     cell: Any
@@ -45,15 +45,6 @@ class Ran:
     def error(self) -> Any:
         found = [o for o in self.cell.outputs if o["output_type"] == "error"]
         return found[-1] if found else None
-
-    @property
-    def ename(self) -> str | None:
-        return None if self.error is None else self.error["ename"]
-
-    @property
-    def traceback(self) -> str:
-        text = "" if self.error is None else "\n".join(self.error["traceback"])
-        return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
     def check(self) -> "Ran":
         assert self.error is None and "Error" not in self.stderr, (
