@@ -64,16 +64,21 @@ class CellResult(ErrorOutput):
         return self
 
 
+def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a kernel or Jupyter server a test starts: ours, plus `extra`, with this checkout first on PYTHONPATH."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    paths = [str(ROOT), (extra or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return env
+
+
 class Kernel:
     """A real ipykernel in its own process, driven with jupyter_client."""
 
     def __init__(self, cwd: Path, env: dict[str, str] | None = None) -> None:
         self.km = KernelManager(kernel_name="python3")
-        kernel_env = dict(os.environ)
-        kernel_env.update(env or {})
-        paths = [str(ROOT), (env or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
-        kernel_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-        self.km.start_kernel(cwd=str(cwd), env=kernel_env, extra_arguments=["--HistoryManager.enabled=False"])
+        self.km.start_kernel(cwd=str(cwd), env=process_env(env), extra_arguments=["--HistoryManager.enabled=False"])
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
