@@ -1,6 +1,6 @@
 # Two commands do all the set-up (see README.md):
 #   make demo   - create .venv, install air_magic, run the quickstart notebook on this machine
-#   make test   - create .venv, install air_magic with its test tools, run the test suite
+#   make test   - create .venv, install air_magic with its test tools, lint and type-check, run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -24,6 +24,8 @@ demo: $(VENV)/.installed
 	$(PY) demo_notebooks/run.py demo_notebooks/quickstart.ipynb
 
 test: $(VENV)/.installed browser
+	$(VENV)/bin/ruff check air_magic
+	$(VENV)/bin/mypy air_magic
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed

@@ -4,10 +4,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from .accelerators import AcceleratorType, GPUType
 from .decorator import distributed
+from .errors import (
+    AirMagicError,
+    ConfigurationError,
+    DistributedTimeoutError,
+    JobCancelledError,
+    RankFailedError,
+    RunDirectoryFullError,
+    SerializationError,
+    WorkerDiedError,
+)
+from .job import JobResult, JobStatus, RankResult, RankState
+from .payload import PayloadSizeWarning
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "distributed", "load_ipython_extension", "unload_ipython_extension"]
+#: Everything users import; the rest of the package is internal (tests/test_public.py keeps this honest).
+__all__ = [
+    "AcceleratorType",
+    "AirMagicError",
+    "ConfigurationError",
+    "DistributedTimeoutError",
+    "GPUType",
+    "JobCancelledError",
+    "JobResult",
+    "JobStatus",
+    "PayloadSizeWarning",
+    "RankFailedError",
+    "RankResult",
+    "RankState",
+    "RunDirectoryFullError",
+    "SerializationError",
+    "WorkerDiedError",
+    "__version__",
+    "distributed",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -7,6 +7,7 @@ Types are written `GPU_<n>x<MODEL>` (`GPU_8xH100`) or `CPU`.
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import warnings
@@ -20,6 +21,33 @@ DEFAULT_CPU_WORKERS = 2
 
 _TYPE_RE = re.compile(r"^GPU(?:_(\d+)x([A-Za-z0-9]+))?$", re.IGNORECASE)
 _FORM_FACTOR = re.compile(r"^(\d+GB|SXM\d*|PCIE|HBM\d*e?|NVL|MIG.*)$", re.IGNORECASE)
+
+
+#: GPU models the named types below cover; any other model works as a plain string ("GPU_4xRTX4090").
+KNOWN_MODELS = ("A10", "A100", "L4", "L40S", "H100", "H200", "B200", "B300")
+
+
+class GPUType(enum.StrEnum):
+    """Deprecated GPU model names (`gpu_type=GPUType.H100`); use AcceleratorType. Accepted wherever a string is."""
+
+    A10 = "A10"
+    A100 = "A100"
+    L4 = "L4"
+    L40S = "L40S"
+    H100 = "H100"
+    H200 = "H200"
+    B200 = "B200"
+    B300 = "B300"
+
+
+#: Accelerator types by name, `AcceleratorType.GPU_8xH100 == "GPU_8xH100"`, plus `AcceleratorType.CPU`.
+#: Members are strings, so they are accepted wherever a type string is, and a string is accepted wherever they are.
+AcceleratorType = enum.StrEnum(  # type: ignore[misc]
+    "AcceleratorType",
+    [("CPU", "CPU")] + [(f"GPU_{n}x{m}", f"GPU_{n}x{m}") for m in KNOWN_MODELS for n in (1, 2, 4, 8)],
+    module=__name__,
+)
+AcceleratorType.__doc__ = "Accelerator types `GPU_<n>x<MODEL>` and `CPU`, as string members (`AcceleratorType.GPU_8xH100`)."
 
 
 @dataclass(frozen=True)
@@ -108,6 +136,14 @@ def resolve(num: object, accelerator_type: str | None, node: Node | None = None)
     """
     node = node or detect()
     n = None if num is None else _check_count(num, "num_accelerators")
+    if isinstance(accelerator_type, GPUType):
+        warnings.warn(
+            f"GPUType.{accelerator_type.name} is deprecated; use accelerator_type='GPU_<n>x{accelerator_type}' "
+            "(AcceleratorType) instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
+        accelerator_type = legacy_gpu_type(str(accelerator_type), n)
     if accelerator_type is not None and not isinstance(accelerator_type, str):
         raise ConfigurationError(
             f"accelerator_type must be a string such as 'GPU_2xH100' or 'CPU', got {accelerator_type!r}."

@@ -11,6 +11,10 @@ import pytest
 from helpers import Kernel, leftover_processes
 
 os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests that want MLflow set their own store
+# The CPU path, whatever GPUs this machine has: `@distributed(2)` in a test means two gloo workers, on a
+# laptop, a one-GPU workstation or an 8-GPU node alike. Tests of the GPU path (marked `gpu`) give their
+# kernels helpers.REAL_NODE, which lets air_magic see the node's real GPUs again.
+os.environ["AIR_MAGIC_FORCE_CPU"] = "1"
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +49,13 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def kernel(workdir):
-    """A real ipykernel shared by the tests of one module, with air_magic importable."""
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"})
+def kernel(workdir, request):
+    """A real ipykernel shared by the tests of one module, with air_magic importable.
+
+    A module's `KERNEL_ENV` (a dict) is added to the kernel's environment: GPU tests pass helpers.REAL_NODE.
+    """
+    extra = getattr(request.module, "KERNEL_ENV", {})
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db", **extra})
     yield k
     pid = k.pid
     sup = [c for c in psutil.Process(pid).children(recursive=True)] if psutil.pid_exists(pid) else []

@@ -64,6 +64,17 @@ class CellResult(ErrorOutput):
         return self
 
 
+#: Extra environment for a kernel that must see the node's real GPUs (the suite itself runs the CPU path).
+REAL_NODE = {"AIR_MAGIC_FORCE_CPU": ""}
+
+
+def gpu_count() -> int:
+    """The GPUs this machine really has, as NVML sees them (the suite's CPU setting aside)."""
+    from air_magic import accelerators
+
+    return accelerators._visible(accelerators._nvml_devices()[0])
+
+
 def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a kernel or Jupyter server a test starts: ours, plus `extra`, with this checkout first on PYTHONPATH."""
     env = dict(os.environ)

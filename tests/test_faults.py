@@ -111,7 +111,9 @@ report(error, ended)
     rep = reported(out.stdout)
     assert rep["type"] == "LossIsNaN" and "loss is nan" in rep["message"]
     assert "raised on rank 1 of 2" in rep["notes"][0]
-    assert "other ranks that failed too: rank 0" in rep["notes"][1], "the peer's own error is listed after"
+    # Whether rank 0's own "Connection closed by peer" reached the disk before it was stopped is up to the
+    # scheduler; what is guaranteed is that it is never named as the cause.
+    assert not any("raised on rank 0" in note for note in rep["notes"])
     (run_dir,) = run_dirs(out.stdout)
     assert rep["ended"] - fault_time(run_dir, 1) < 30  # the figure is measured in bench/faults.py
     assert_nothing_left(before)
