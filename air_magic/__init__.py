@@ -46,12 +46,11 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext air_magic`: register the %%distributed magic."""
-    from . import launcher, runner
+    from .launch.local import warm_up
     from .magics import load_ipython_extension as load
 
     load(ipython)
-    if launcher.warm_default():
-        launcher.supervisor(runner.runs_root())  # warm up in the background: imports torch, not CUDA
+    warm_up()  # start the supervisor in the background: it imports torch, not CUDA
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -64,12 +64,15 @@ class Settings:
         """World size and accelerator type on this node (raises ConfigurationError if they don't fit)."""
         return accelerators.resolve(self.num_accelerators, self.accelerator_type)
 
-    def spec(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> JobSpec:
+    def spec(
+        self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
+        origin: str = "function",
+    ) -> JobSpec:
         world_size, acc_type = self.resolve()
         return JobSpec(
             target=target, args=args, kwargs=kwargs, name=name, world_size=world_size,
             accelerator_type=acc_type, timeout=self.timeout, mlflow=self.mlflow,
-            warm=self.warm, extra_env=dict(self.env),
+            warm=self.warm, extra_env=dict(self.env), origin=origin,
         )
 
 
@@ -113,7 +116,7 @@ class DistributedFunction(Generic[P, R]):
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Like `.distributed`, but return the whole JobResult (run directory, exit codes, timing)."""
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
-        return runner.run(self.settings.spec(self._func, args, kwargs, name))
+        return runner.run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
 
     def with_overrides(self, **changes: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. `train.with_overrides(num_accelerators=1, timeout=60)`."""

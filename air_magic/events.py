@@ -49,6 +49,10 @@ class Listener:
         """Environment variables every worker should get (called after on_start)."""
         return {}
 
+    def worker_hooks(self) -> list[str]:
+        """Modules every rank imports before the call (their `install()` runs then, `flush()` after it)."""
+        return []
+
     def on_output(self, rank: int, text: str) -> None:
         """New text from a rank's log (stdout and stderr, in order)."""
 

@@ -46,6 +46,8 @@ class JobSpec:
     mlflow: bool = True
     warm: bool | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: Which front door built it: "function" (@distributed) or "cell" (%%distributed).
+    origin: str = "function"
 
     @property
     def uses_gpu(self) -> bool:
@@ -79,3 +81,9 @@ class JobResult:
     def values(self) -> list[Any]:
         """Return values as a list indexed by global rank."""
         return [r.value for r in self.ranks]
+
+    def raise_for_status(self) -> JobResult:
+        """Raise the call's exception if it did not finish; else return self (what the front doors do)."""
+        if self.error is not None:
+            raise self.error
+        return self

@@ -19,11 +19,12 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
-from . import launcher, runner
+from . import runner
 from .cell import CellProgram, ends_with_semicolon
 from .decorator import DEFAULT_TIMEOUT, Settings, check_timeout
 from .errors import ConfigurationError
 from .job import JobResult
+from .launch.local import local_launcher
 
 _DEFAULT: Any = object()  # an option the cell did not give: the configured default applies
 
@@ -210,7 +211,7 @@ class DistributedMagics(Magics):
                 )
             raise
         name = "cell" if number is None else f"cell In[{number}]"
-        result = runner.run(settings.spec(program, (), {}, name))
+        result = runner.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
         self.last_result = result
         values = result.values
         if args.out:
@@ -236,4 +237,4 @@ def unload_ipython_extension(ipython: Any) -> None:
         configurables = getattr(ipython, "configurables", [])
         if magics in configurables:
             configurables.remove(magics)
-    launcher.shutdown()
+    local_launcher().shutdown()

@@ -33,8 +33,6 @@ from urllib.parse import urlparse
 
 _PKG_PARENT = str(Path(__file__).resolve().parent.parent)
 _BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.mlflow_ui import watchdog_main; watchdog_main()"
-#: Seconds the UI gets between SIGTERM and SIGKILL.
-STOP_GRACE = 5.0
 
 
 def jupyter_base_url() -> str | None:
@@ -88,9 +86,9 @@ class LocalUI:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = STOP_GRACE + 5) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
         """Close the watchdog's pipe; it ends the UI's process group, then exits."""
-        from .launcher import close_by_eof
+        from .launch.local import close_by_eof
 
         close_by_eof(self.proc, timeout, lambda: os.killpg(self.proc.pid, signal.SIGKILL))
 
@@ -107,9 +105,9 @@ def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
             return ui
         port = _free_port()
         prefix = f"{jupyter_base}proxy/absolute/{port}" if jupyter_base is not None else ""
-        from .runner import runs_root
+        from .launch.rundir import helper_log
 
-        log_path = runs_root() / f"mlflow-ui-{os.getpid()}-{port}.log"
+        log_path = helper_log("mlflow-ui", os.getpid(), port)
         cmd = [
             sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
             "--backend-store-uri", store_uri, "--workers", "1",
@@ -180,14 +178,11 @@ atexit.register(shutdown)
 # -- the watchdog process ---------------------------------------------------
 def watchdog_main() -> None:
     """Run the UI command given as JSON in argv[1] until stdin closes or the parent goes, then end it all."""
-    import ctypes
+    from .launch.stopper import become_subreaper
 
     cmd = json.loads(sys.argv[1])
     parent = os.getppid()
-    try:  # orphans of the UI (uvicorn under a dead `mlflow server`) are re-parented here
-        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
+    become_subreaper()  # orphans of the UI (uvicorn under a dead `mlflow server`) are re-parented here
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the pipe or the parent's exit ends us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -204,25 +199,6 @@ def _end_all(child: subprocess.Popen[bytes]) -> None:
     """SIGTERM every descendant, SIGKILL what is left after the grace, and reap them all."""
     import psutil
 
-    me = psutil.Process()
-    procs = me.children(recursive=True)
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        alive = [p for p in {*alive, *me.children(recursive=True)} if p.is_running()]
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
-        except ChildProcessError:
-            return
-        time.sleep(0.1)
+    from .launch.stopper import stop_tree
+
+    stop_tree(lambda: psutil.Process().children(recursive=True))

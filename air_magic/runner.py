@@ -1,86 +1,49 @@
-"""run(spec) -> JobResult: the one path every call takes.
+"""run(spec, launcher) -> JobResult: the one path every call takes, and the policy of a call.
 
-The runner serializes the call, lays out the run directory, asks the
-supervisor for workers, tails their logs into the listeners, enforces the
-timeout, turns Ctrl-C and Cancel into a stop, and turns what the ranks left
-behind into results or one exception. It owns the policy (when to stop);
-the supervisor owns the processes. Display and tracking are listeners.
+The runner serializes the call, makes its run directory, starts it through a
+`Launcher` (launch/interface.py), hands every event to the listeners (display,
+tracking), enforces the timeout, turns Ctrl-C and Cancel into a stop, and
+turns what the ranks left into a `JobResult`. It does not raise for a failed
+call: the result carries the exception, and the front doors raise it. It
+knows no process, file layout of a rank, widget or tracking store: those
+belong to the launcher and to the listeners. A listener that fails is
+reported as a warning and never changes the call's outcome.
 """
 
 from __future__ import annotations
 
-import codecs
-import json
 import os
 import shutil
-import stat
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
+import warnings
 from typing import Any
 
-from . import launcher, payload
+from . import payload
 from .errors import (
     AirMagicError,
-    ConfigurationError,
     DistributedTimeoutError,
     JobCancelledError,
+    ListenerWarning,
     RunDirectoryFullError,
     SerializationError,
     WorkerDiedError,
     annotate,
     describe_returncode,
-    read_error_file,
     tail_text,
 )
 from .events import Listener, RunContext
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
-from .worker import error_path, result_path
+from .launch import protocol as p
+from .launch.interface import JobHandle, Launcher
+from .launch.rundir import RunDir
+from .launch.stopper import STOP_GRACE
 
-#: Seconds between SIGTERM and SIGKILL when a job is stopped.
-STOP_GRACE = 3.0
 _POLL = 0.05
-_READ_CHUNK = 1 << 20
 #: With less free space than this under the run directory, a failed write is put down to a full disk.
 DISK_FULL_BYTES = 1 << 20
-
-
-def runs_root() -> Path:
-    """Where run directories live: $AIR_MAGIC_RUNS_DIR, else ~/.cache/air_magic/runs (mode 0700)."""
-    root = os.environ.get("AIR_MAGIC_RUNS_DIR")
-    if root:
-        path = Path(root)
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = Path(cache) / "air_magic" / "runs"
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    for p in reversed(missing):  # parents too: mkdir(parents=True) would give them the umask's mode
-        p.mkdir(mode=0o700, exist_ok=True)
-    _check_private_root(path)
-    return path
-
-
-def _check_private_root(path: Path) -> None:
-    """Refuse a runs directory that another user owns, or may rename our run directories in."""
-    info = path.stat()
-    if info.st_uid not in (os.getuid(), 0):
-        raise ConfigurationError(
-            f"the runs directory {path} belongs to another user (uid {info.st_uid}), who could read or replace "
-            "what the workers load; set AIR_MAGIC_RUNS_DIR to a directory of your own."
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-        raise ConfigurationError(
-            f"the runs directory {path} is writable by other users without the sticky bit, so they could swap a "
-            f"run directory for their own; run `chmod go-w {path}` or set AIR_MAGIC_RUNS_DIR to a private directory."
-        )
-
-
-def _private_file(path: Path, data: bytes = b"") -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+__all__ = ["STOP_GRACE", "default_listeners", "run"]
 
 
 def human_seconds(seconds: float) -> str:
@@ -89,134 +52,113 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
-class LogTail:
-    """Follows one rank's log file and yields decoded text as it grows."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def read(self, final: bool = False) -> str:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(_READ_CHUNK)
-        except OSError:
-            return ""
-        self.offset += len(data)
-        return self.decoder.decode(data, final=final and len(data) < _READ_CHUNK)
-
-
 class _Run:
     """State of one call between launch and result."""
 
-    def __init__(self, spec: JobSpec, listeners: list[Listener]) -> None:
+    def __init__(self, spec: JobSpec, listeners: list[Listener], launcher: Launcher) -> None:
         self.spec = spec
         self.listeners = listeners
-        blob = payload.serialize(spec.target, spec.args, spec.kwargs)  # fails before anything starts
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.name)[:40]
-        self.run_dir = Path(tempfile.mkdtemp(prefix=f"{stamp}-{safe}-", dir=runs_root()))
-        self.logs = [self.run_dir / f"rank-{r}.log" for r in range(spec.world_size)]
-        job = {"name": spec.name, "sys_path": list(sys.path), "cwd": os.getcwd()}
-        try:
-            for log in self.logs:
-                _private_file(log)
-            _private_file(self.run_dir / "payload.pkl", blob)
-            _private_file(self.run_dir / "job.json", json.dumps(job).encode())
-        except OSError as exc:  # nothing has started: leave no half-written run behind
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise AirMagicError(
-                f"could not write the run directory under {self.run_dir.parent}: {exc.strerror or exc}. "
-                "Free some space there, or set AIR_MAGIC_RUNS_DIR to a directory with room; nothing was started."
-            ) from exc
-        self.ctx = RunContext(spec, self.run_dir, self.logs)
+        self.launcher = launcher
+        self.blob = payload.serialize(spec.target, spec.args, spec.kwargs)  # fails before anything starts
+        self.run_dir = RunDir.create(spec.name, spec.world_size)
+        self.logs = self.run_dir.logs(spec.world_size)
+        self.ctx = RunContext(spec, self.run_dir.path, self.logs)
         self.result = JobResult(
-            spec, self.run_dir, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
+            spec, self.run_dir.path, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
         )
-        self.tails = [LogTail(p) for p in self.logs]
+        self.outcomes: dict[int, p.RankOutcome] = {}
         self.stop_reason: str | None = None
         self.failures: list[int] = []  # ranks in the order their exits were seen
-        self.exited_at: dict[int, float] = {}  # rank -> wall time the supervisor reaped it
-        self.job_id = uuid.uuid4().hex
+        self.exited_at: dict[int, float] = {}  # rank -> wall time its exit was seen
         self.launch_error: str | None = None
+        self.handle: JobHandle | None = None
 
     # -- listeners ---------------------------------------------------------
     def notify(self, hook: str, *args: Any) -> None:
         for listener in self.listeners:
-            getattr(listener, hook)(*args)
+            self.guarded(listener, hook, *args)
+
+    def guarded(self, listener: Listener, hook: str, *args: Any) -> Any:
+        """Call one listener hook; a failure is a warning naming it, never the call's outcome."""
+        try:
+            return getattr(listener, hook)(*args)
+        except Exception as exc:  # noqa: BLE001 - a listener must not change what the call did
+            warnings.warn(
+                f"air_magic: {type(listener).__name__}.{hook} failed and was skipped "
+                f"({type(exc).__name__}: {exc}); the call itself is not affected.",
+                ListenerWarning,
+                stacklevel=2,
+            )
+            return None
 
     def set_state(self, rank: int, state: RankState) -> None:
         self.result.ranks[rank].state = state
         self.notify("on_rank_state", rank, state)
 
-    def pump_logs(self, final: bool = False) -> None:
-        for rank, tail in enumerate(self.tails):
-            while True:
-                text = tail.read(final)
-                if text:
-                    self.notify("on_output", rank, text)
-                if not (final and text):  # while running, one chunk per rank per poll; at the end, all
-                    break
-
     # -- lifecycle ---------------------------------------------------------
-    def worker_env(self) -> dict[str, str]:
+    def request(self) -> p.JobRequest:
         env = dict(os.environ)
+        hooks: list[str] = []
         for listener in self.listeners:
-            env.update(listener.worker_env())
+            env.update(self.guarded(listener, "worker_env") or {})
+            hooks += [h for h in self.guarded(listener, "worker_hooks") or () if h not in hooks]
         env.update(self.spec.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
-        env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir)
+        env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir.path)
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.world_size))
-        return env
+        from .launch.local import warm_default
+
+        return p.JobRequest(
+            job_id=uuid.uuid4().hex, name=self.spec.name, world_size=self.spec.world_size, payload=self.blob,
+            env=env, sys_path=list(sys.path), cwd=os.getcwd(), hooks=tuple(hooks),
+            warm=warm_default() if self.spec.warm is None else self.spec.warm,
+        )
 
     def stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
+            assert self.handle is not None
             self.handle.stop(reason, STOP_GRACE)
 
-    def on_event(self, event: dict[str, Any]) -> bool:
-        """Apply one supervisor event; True when the job is over."""
-        kind = event["event"]
-        if kind == "started":
-            self.result.ranks[event["rank"]].pid = event["pid"]
-            self.set_state(event["rank"], RankState.RUNNING)
-        elif kind == "exited":
-            rank, code = event["rank"], event["returncode"]
+    def on_event(self, event: p.Event) -> bool:
+        """Apply one launcher event; True when every process of the job is gone."""
+        if isinstance(event, p.RankOutput):
+            self.notify("on_output", event.rank, event.text)
+        elif isinstance(event, p.RankStarted):
+            self.result.ranks[event.rank].pid = event.pid
+            self.set_state(event.rank, RankState.RUNNING)
+        elif isinstance(event, p.RankExited):
+            rank, code = event.rank, event.returncode
             self.result.ranks[rank].returncode = code
-            self.exited_at[rank] = float(event.get("at", time.time()))
+            self.exited_at[rank] = event.at
+            self.outcomes[rank] = event.outcome
             if code == 0:
                 self.set_state(rank, RankState.DONE)
-            elif self.stop_reason is None or error_path(self.run_dir, rank).exists():
+            elif self.stop_reason is None or event.outcome.error is not None:
                 self.failures.append(rank)
                 self.set_state(rank, RankState.FAILED)
                 self.stop(f"rank {rank} failed")
             else:
                 self.set_state(rank, RankState.STOPPED)
-        elif kind == "error":
-            self.launch_error = event["message"]
-            self.stop_reason = self.stop_reason or "launch failed"
-        elif kind in ("finished", "supervisor-died"):
-            if kind == "supervisor-died":
-                code = event.get("returncode")
-                how = "" if code is None else f" ({describe_returncode(code)})"
-                self.launch_error = f"air_magic's supervisor process died{how}; its log: {event.get('log')}"
+        elif isinstance(event, p.LaunchFailed):
+            self.launch_error = event.message
+            if self.stop_reason is None:
+                self.stop("launch failed")
+        elif isinstance(event, p.LauncherDied):
+            self.launch_error = event.message
+            return True
+        elif isinstance(event, p.JobGone):
             return True
         return False
 
-    def wait(self) -> str:
+    def wait(self) -> None:
+        assert self.handle is not None
         deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
         while True:
-            event = self.handle.next_event(_POLL)
-            while event is not None:
-                if event["event"] == "stale":
-                    return "stale"
+            for event in self.handle.next_events(_POLL):
                 if self.on_event(event):
-                    return "finished"
-                event = self.handle.next_event(0)
-            self.pump_logs()
+                    return
             self.notify("poll")
             if self.ctx.cancelled:
                 self.stop("cancelled")
@@ -224,50 +166,34 @@ class _Run:
                 self.stop("timeout")
 
     def wait_stopped(self) -> None:
-        """After Ctrl-C: wait for the supervisor to confirm every process is gone."""
+        """After Ctrl-C: wait for the launcher to confirm every process is gone."""
+        assert self.handle is not None
         limit = time.monotonic() + STOP_GRACE + 10
         while time.monotonic() < limit:
             try:
-                event = self.handle.next_event(_POLL)
-                if event is not None and self.on_event(event):
+                if any(self.on_event(e) for e in self.handle.next_events(_POLL)):
                     return
             except KeyboardInterrupt:  # a second Ctrl-C: keep cleaning up
                 continue
 
     def execute(self) -> JobResult:
         self.notify("on_start", self.ctx)
-        client = launcher.supervisor(runs_root())
-        warm = launcher.warm_default() if self.spec.warm is None else self.spec.warm
-        request = {
-            "mode": "fork" if warm else "spawn",
-            "sys_path": list(sys.path),
-            "world_size": self.spec.world_size,
-            "executable": sys.executable,
-            "run_dir": str(self.run_dir),
-            "logs": [str(p) for p in self.logs],
-            "env": self.worker_env(),
-            "package_parent": str(Path(__file__).resolve().parent.parent),
-        }
         try:
-            self.handle = client.launch(self.job_id, request)
+            self.handle = self.launcher.start(self.request(), self.run_dir)
             try:
-                if self.wait() == "stale":  # the warm supervisor no longer matches: use a fresh one
-                    client.forget(self.job_id)
-                    client = launcher.supervisor(runs_root(), replace=client)
-                    self.handle = client.launch(self.job_id, request)
-                    self.wait()
+                self.wait()
             except KeyboardInterrupt:
                 self.stop("interrupted")
                 self.wait_stopped()
-                self.finish()
-                raise
-            return self.finish()
+        except AirMagicError as exc:  # nothing could start (a full disk, a launcher that is gone)
+            self.launch_error = str(exc)
         finally:
-            client.forget(self.job_id)
+            if self.handle is not None:
+                self.handle.close()
+        return self.finish()
 
     # -- outcome -----------------------------------------------------------
     def finish(self) -> JobResult:
-        self.pump_logs(final=True)
         self.result.elapsed = self.ctx.elapsed
         for rank in self.result.ranks:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
@@ -284,47 +210,46 @@ class _Run:
         return self.result
 
     def failed_at(self, rank: int) -> float:
-        """When a rank failed: when it wrote its error record, else when its exit was reaped."""
+        """When a rank failed: when it recorded its error, else when its exit was seen."""
         when = self.exited_at.get(rank, float("inf"))
-        try:
-            return min(when, error_path(self.run_dir, rank).stat().st_mtime_ns / 1e9)
-        except OSError:
-            return when
+        recorded = self.outcomes[rank].error_at if rank in self.outcomes else None
+        return when if recorded is None else min(when, recorded)
 
     def rank_error(self, rank: int) -> BaseException:
-        exc = read_error_file(error_path(self.run_dir, rank), rank)
+        outcome = self.outcomes.get(rank)
         log = self.logs[rank]
-        if exc is not None:
-            return annotate(exc, f"raised on rank {rank} of {self.spec.world_size}; its full log: {log}")
+        if outcome is not None and outcome.error is not None:
+            return annotate(outcome.error, f"raised on rank {rank} of {self.spec.world_size}; its full log: {log}")
         code = self.result.ranks[rank].returncode or 0
         return WorkerDiedError(
             f"rank {rank} {describe_returncode(code)} without a Python exception. "
             f"Last lines of its output:\n{tail_text(log) or '(no output)'}\nFull log: {log}"
         )
 
+    def missing_results(self) -> list[int]:
+        return [r.rank for r in self.result.ranks if self.outcomes.get(r.rank, p.RankOutcome()).value is None]
+
     def disk_full_error(self) -> BaseException | None:
         """A rank failed or left no result while the run directory's disk is full: say so, not just 'exit 1'."""
         try:
-            free = shutil.disk_usage(self.run_dir).free
+            free = shutil.disk_usage(self.run_dir.path).free
         except OSError:
             return None
         if free >= DISK_FULL_BYTES or not (self.failures or self.launch_error or self.missing_results()):
             return None
         ranks = ", ".join(map(str, self.failures or self.missing_results()))
         error = RunDirectoryFullError(
-            f"the disk holding the run directory {self.run_dir} is full ({free:,} bytes free), so rank(s) {ranks} "
-            "could not write their output, result or error; every worker was stopped. Free some space there, "
-            "or set AIR_MAGIC_RUNS_DIR to a directory on a disk with room. What the ranks wrote before is kept there."
+            f"the disk holding the run directory {self.run_dir.path} is full ({free:,} bytes free), so rank(s) "
+            f"{ranks} could not write their output, result or error; every worker was stopped. Free some space "
+            "there, or set AIR_MAGIC_RUNS_DIR to a directory on a disk with room. What the ranks wrote before is "
+            "kept there."
         )
         if self.failures:
             error.__cause__ = self.rank_error(min(self.failures, key=self.failed_at))
         return error
 
-    def missing_results(self) -> list[int]:
-        return [r.rank for r in self.result.ranks if not result_path(self.run_dir, r.rank).exists()]
-
     def outcome_error(self) -> BaseException | None:
-        where = f"Logs of every rank are in {self.run_dir}."
+        where = f"Logs of every rank are in {self.run_dir.path}."
         if self.stop_reason == "interrupted":
             return KeyboardInterrupt()
         if self.stop_reason == "timeout":
@@ -351,19 +276,19 @@ class _Run:
             return first
         if self.launch_error:
             return AirMagicError(f"air_magic could not run the job: {self.launch_error}. {where}")
-        for rank in self.result.ranks:
-            path = result_path(self.run_dir, rank.rank)
-            if not path.exists():
-                return AirMagicError(f"rank {rank.rank} ended without leaving a result. {where}")
-            import cloudpickle
+        import cloudpickle
 
+        for rank in self.result.ranks:
+            blob = self.outcomes.get(rank.rank, p.RankOutcome()).value
+            if blob is None:
+                return AirMagicError(f"rank {rank.rank} ended without leaving a result. {where}")
             try:
-                rank.value = cloudpickle.loads(path.read_bytes())
+                rank.value = cloudpickle.loads(blob)
             except Exception as exc:  # noqa: BLE001 - it pickled there but does not rebuild here
                 error = SerializationError(
                     f"the return value of rank {rank.rank} could not be rebuilt in this process: "
-                    f"{type(exc).__name__}: {exc}. Return plain data (numbers, lists, dicts, tensors moved to CPU) "
-                    f"whose types this notebook can import. It is kept in {path}."
+                    f"{type(exc).__name__}: {exc}. Return plain data (numbers, lists, dicts, tensors) "
+                    f"whose types this notebook can import. Logs of every rank are in {self.run_dir.path}."
                 )
                 error.__cause__ = exc
                 return error
@@ -385,10 +310,9 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
     return listeners
 
 
-def run(spec: JobSpec, listeners: list[Listener] | None = None) -> JobResult:
-    """Run `spec` on its workers and return every rank's result, or raise the first failure."""
+def run(spec: JobSpec, listeners: list[Listener] | None = None, launcher: Launcher | None = None) -> JobResult:
+    """Run `spec` on its ranks and return every rank's outcome; a failed call's exception is in `.error`."""
+    from .launch.local import local_launcher
+
     chosen = default_listeners(spec) if listeners is None else listeners
-    result = _Run(spec, chosen).execute()
-    if result.error is not None:
-        raise result.error
-    return result
+    return _Run(spec, chosen, launcher or local_launcher()).execute()

@@ -137,7 +137,7 @@ class MlflowTracker(Listener):
             self.experiment_id, self.experiment_name = self._experiment(mlflow, client)
         run = client.create_run(self.experiment_id, run_name=spec.name, tags=tags)
         self.run_id = run.info.run_id
-        kind = "cell" if spec.name.startswith("%%") or spec.name == "cell" else "function"
+        kind = spec.origin
         params = {
             kind: spec.name,
             "world_size": spec.world_size,
@@ -148,6 +148,10 @@ class MlflowTracker(Listener):
         self.url = mlflow_ui.run_url(self.tracking_uri, self.experiment_id, self.run_id)
         if self.url:
             ctx.links["mlflow"] = self.url
+
+    def worker_hooks(self) -> list[str]:
+        """The MLflow hook (mlflow_worker.py) in every rank of a call that has a run."""
+        return ["air_magic.mlflow_worker"] if self.run_id is not None else []
 
     def worker_env(self) -> dict[str, str]:
         if self.run_id is None or self.tracking_uri is None:

@@ -29,14 +29,22 @@ def no_leftover_processes(request):
             proc.kill()
         except psutil.Error:
             pass
-    assert not left, f"processes left behind: {[(p.pid, p.cmdline()[:3]) for p in left]}"
+    assert not left, f"processes left behind: {[_describe(p) for p in left]}"
+
+
+def _describe(proc: psutil.Process) -> tuple:
+    try:
+        env = proc.environ()
+        return (proc.pid, proc.cmdline()[:3], proc.status(), proc.ppid(), {k: v for k, v in env.items() if k.startswith("AIR_MAGIC")})
+    except psutil.Error as exc:
+        return (proc.pid, repr(exc))
 
 
 def _live_supervisor(proc: psutil.Process) -> bool:
     """A kernel's supervisor (and its local MLflow UI) is meant to outlive a test while its kernel lives."""
     try:
         cmd = " ".join(proc.cmdline())
-        return ("air_magic.supervisor" in cmd or "air_magic.mlflow_ui" in cmd) and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
+        return ("air_magic.launch.supervisor" in cmd or "air_magic.mlflow_ui" in cmd) and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
     except psutil.Error:
         return False
 

@@ -13,6 +13,7 @@ import psutil
 import pytest
 from helpers import leftover_processes
 
+from air_magic.launch.rundir import RunDir
 from air_magic import distributed, runner
 from air_magic.events import Listener, RunContext
 from air_magic.job import JobResult, RankState
@@ -35,7 +36,7 @@ def assert_nothing_lost(run_dir: Path, printed: dict[int, list[str]], shown: str
     """Every line each rank printed is in its log file (and in the display's output when given); returns lines checked."""
     checked = 0
     for rank, lines in printed.items():
-        log = (run_dir / f"rank-{rank}.log").read_bytes().decode("utf-8", errors="replace")
+        log = RunDir(run_dir).log(rank).read_bytes().decode("utf-8", errors="replace")
         missing = [line for line in lines if line not in log]
         assert not missing, f"rank {rank}'s log {run_dir} lacks {missing[:3]}"
         if shown is not None:
@@ -47,13 +48,13 @@ def assert_nothing_lost(run_dir: Path, printed: dict[int, list[str]], shown: str
 
 def fault_time(run_dir: Path, rank: int) -> float:
     """The wall-clock time a rank printed as `FAULT_AT <t>` just before its fault."""
-    text = (run_dir / f"rank-{rank}.log").read_text(errors="replace")
+    text = RunDir(run_dir).log(rank).read_text(errors="replace")
     return float(re.findall(r"FAULT_AT ([0-9.]+)", text)[-1])
 
 
 def pids_in(run_dir: Path, rank: int) -> list[int]:
     """Process ids a rank printed as `PIDS a b c`."""
-    text = (run_dir / f"rank-{rank}.log").read_text(errors="replace")
+    text = RunDir(run_dir).log(rank).read_text(errors="replace")
     return [int(p) for line in re.findall(r"PIDS ([0-9 ]+)", text) for p in line.split()]
 
 
@@ -110,7 +111,7 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
     settings.setdefault("num_accelerators", 2)
     wrapped = distributed(**settings)(func)
     spec = wrapped.settings.spec(func, args, {}, func.__name__)
-    return runner.run(spec, [listener or Recorder()])
+    return runner.run(spec, [listener or Recorder()]).raise_for_status()
 
 
 def _nothing() -> int:

@@ -31,6 +31,7 @@ from faults_common import (  # noqa: F401 - here_runs is a fixture
 )
 from helpers import Kernel, leftover_processes
 
+from air_magic.launch.rundir import RunDir
 from air_magic import accelerators, distributed, runner
 from air_magic.errors import (
     ConfigurationError,
@@ -201,7 +202,7 @@ report(error, ended)
     rep = reported(out.stdout)
     assert rep["type"] == "KeyError" and "rank 1 of 2" in rep["notes"][0]
     (run_dir,) = run_dirs(out.stdout)
-    assert "SIGTERM ignored" in (run_dir / "rank-0.log").read_text(), "SIGTERM reached the rank and was ignored"
+    assert "SIGTERM ignored" in RunDir(run_dir).log(0).read_text(), "SIGTERM reached the rank and was ignored"
     took = rep["ended"] - fault_time(run_dir, 1)
     assert runner.STOP_GRACE <= took + 0.5 and took < runner.STOP_GRACE + 25
     assert alive(pids_in(run_dir, 0) + pids_in(run_dir, 1)) == []
@@ -282,7 +283,7 @@ def _wait_for_logs(runs: Path, tag: str, timeout: float = 90) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for d in runs.glob("*forever*"):
-            logs = [d / f"rank-{r}.log" for r in (0, 1)]
+            logs = [RunDir(d).log(r) for r in (0, 1)]
             if all(p.exists() and f"{tag} port" in p.read_text() and "step 2" in p.read_text() for p in logs):
                 return d
         time.sleep(0.2)
@@ -303,7 +304,7 @@ def test_two_kernels_run_side_by_side_and_a_shutdown_or_restart_mid_run_leaves_n
         b.send("forever.distributed('B')")
         dir_a, dir_b = _wait_for_logs(runs_a, "A"), _wait_for_logs(runs_b, "B")
         port = {
-            t: (d / "rank-0.log").read_text().split(f"{t} port ")[1].split()[0] for t, d in (("A", dir_a), ("B", dir_b))
+            t: RunDir(d).log(0).read_text().split(f"{t} port ")[1].split()[0] for t, d in (("A", dir_a), ("B", dir_b))
         }
         assert port["A"] != port["B"] and dir_a != dir_b
         pids_a, pids_b = pids_in(dir_a, 0) + pids_in(dir_a, 1), pids_in(dir_b, 0) + pids_in(dir_b, 1)
@@ -611,7 +612,7 @@ print("REPORT " + json.dumps({"value": value, "error": type(error).__name__}))
     assert reported(out.stdout) == {"value": [0, 1], "error": "NoneType"}
     (run_dir,) = run_dirs(out.stdout)
     for rank in (0, 1):
-        log = (run_dir / f"rank-{rank}.log").read_bytes()
+        log = RunDir(run_dir).log(rank).read_bytes()
         assert b"raw \xff\xfe bytes from rank %d\n" % rank in log
         assert b"\rprogress 0%\rprogress 25%\rprogress 50%\rprogress 75%\rprogress 100%\n" in log
         assert f"[rank {rank}] raw \ufffd\ufffd bytes from rank {rank}" in out.stdout
@@ -646,7 +647,7 @@ def test_a_200_mb_flood_from_one_rank_reaches_the_log_and_the_listeners_in_full(
     result = run_here(_floods, 200, listener=rec)
     import hashlib
 
-    log = result.run_dir / "rank-0.log"
+    log = RunDir(result.run_dir).log(0)
     digest = hashlib.sha256()
     with open(log, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):

@@ -129,8 +129,8 @@ def run_dirs(workdir: Path) -> set[str]:
 
 
 def supervisor_pid(nb: Notebook) -> int | None:
-    nb.run("from air_magic import launcher as _launcher").check()
-    pid = int(nb.value("_launcher._client.proc.pid if _launcher._client else -1"))
+    nb.run("from air_magic.launch.local import local_launcher as _launcher").check()
+    pid = int(nb.value("_launcher().supervisor_pid or -1"))
     return None if pid == -1 else pid
 
 

@@ -1,15 +1,19 @@
-"""The notebook side of the supervisor: start it, send it jobs, hear what its workers do.
+"""The local launcher: ranks on this machine, started by one supervisor process per kernel.
 
-The supervisor (supervisor.py) is one small process per kernel, in its own
-session, that starts and stops the workers. This module talks to it over
-its stdin/stdout pipes with one JSON object a line. When the kernel dies,
-the supervisor reads end-of-file on stdin and stops every worker it has.
+The supervisor (supervisor.py) runs in its own session and starts, watches
+and stops the workers; this module starts it, talks to it over its
+stdin/stdout pipes (protocol.py messages, one JSON line each) and turns what
+it hears into the launcher events the runner reads. Each rank writes to its
+log file in the run directory, the loss-free record; the job handle tails
+those files into `RankOutput` events and reads each rank's result or error
+file into its `RankExited`. When the kernel dies, the supervisor reads
+end-of-file on stdin and stops every worker it has.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
+import codecs
 import os
 import queue
 import subprocess
@@ -17,34 +21,115 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from .errors import AirMagicError
+from ..errors import AirMagicError, describe_returncode
+from . import protocol as p
+from .errorfile import read_error_file
+from .interface import JobHandle, Launcher
+from .rundir import RunDir, helper_log, runs_root, write_private
 
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent)
-_BOOT = (
-    "import sys; sys.path.insert(0, {parent!r}); "
-    "from air_magic.supervisor import main; main()"
-)
+_PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
+_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.launch.supervisor import main; main()"
+_READ_CHUNK = 1 << 20
 
 
-class JobHandle:
-    """Events of one job, in the order the supervisor saw them."""
+class LogTail:
+    """Follows one rank's log file and yields decoded text as it grows."""
 
-    def __init__(self, client: SupervisorClient, job_id: str) -> None:
-        self.client = client
-        self.job_id = job_id
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def next_event(self, timeout: float) -> dict[str, Any] | None:
+    def read(self, final: bool = False) -> str:
         try:
-            return self.events.get(timeout=timeout)
-        except queue.Empty:
-            return None
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(_READ_CHUNK)
+        except OSError:
+            return ""
+        self.offset += len(data)
+        return self.decoder.decode(data, final=final and len(data) < _READ_CHUNK)
 
+
+class LocalJob(JobHandle):
+    """One job on the supervisor: its events, with the ranks' output and outcomes read from the run directory."""
+
+    def __init__(self, launcher: LocalLauncher, request: p.JobRequest, run_dir: RunDir) -> None:
+        self.launcher = launcher
+        self.request = request
+        self.run_dir = run_dir
+        self.job_id = request.job_id
+        self.wire: queue.Queue[p.Event] = queue.Queue()
+        self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
+        self.client = launcher.client()
+        self.client.attach(self)
+        self.client.send(launcher.launch_message(request, run_dir))
+
+    # -- events ------------------------------------------------------------
+    def next_events(self, timeout: float) -> list[p.Event]:
+        wire: list[p.Event] = []
+        try:
+            wire.append(self.wire.get(timeout=timeout))
+            while True:
+                wire.append(self.wire.get_nowait())
+        except queue.Empty:
+            pass
+        out: list[p.Event] = []
+        for event in wire:
+            if isinstance(event, p.Stale):
+                self.relaunch()  # the warm supervisor no longer matches: the same job on a fresh one
+                continue
+            if isinstance(event, p.RankExited):
+                out += self.output(event.rank, final=True)
+                event = p.RankExited(event.job, event.rank, event.returncode, event.at, self.outcome(event.rank))
+            elif isinstance(event, (p.JobGone, p.LauncherDied)):
+                for rank in range(len(self.tails)):
+                    out += self.output(rank, final=True)
+            out.append(event)
+        if not any(isinstance(e, p.RankOutput) for e in out):
+            for rank in range(len(self.tails)):
+                out[:0] = self.output(rank)  # while running, one chunk per rank per call
+        return out
+
+    def output(self, rank: int, final: bool = False) -> list[p.Event]:
+        found: list[p.Event] = []
+        while True:
+            text = self.tails[rank].read(final)
+            if text:
+                found.append(p.RankOutput(self.job_id, rank, text))
+            if not (final and text):
+                return found
+
+    def outcome(self, rank: int) -> p.RankOutcome:
+        """The result or the error a rank left in the run directory."""
+        error = read_error_file(self.run_dir.error(rank), self.run_dir.error_pickle(rank), rank)
+        if error is not None:
+            try:
+                at: float | None = self.run_dir.error(rank).stat().st_mtime_ns / 1e9
+            except OSError:
+                at = None
+            return p.RankOutcome(error=error, error_at=at)
+        try:
+            return p.RankOutcome(value=self.run_dir.result(rank).read_bytes())
+        except OSError:
+            return p.RankOutcome()
+
+    def relaunch(self) -> None:
+        self.client.detach(self.job_id)
+        self.client = self.launcher.client(replace=self.client)
+        self.client.attach(self)
+        self.client.send(self.launcher.launch_message(self.request, self.run_dir))
+
+    # -- control -----------------------------------------------------------
     def stop(self, reason: str, grace: float) -> None:
-        """Ask for every process of the job to be ended: SIGTERM, then SIGKILL after `grace`."""
-        self.client.send({"op": "stop", "job": self.job_id, "reason": reason, "grace": grace})
+        try:
+            self.client.send(p.StopJob(self.job_id, reason, grace))
+        except AirMagicError:
+            pass  # the supervisor is gone, and its workers with it (LauncherDied follows)
+
+    def close(self) -> None:
+        self.client.detach(self.job_id)
 
 
 class SupervisorClient:
@@ -65,7 +150,7 @@ class SupervisorClient:
             )
         finally:
             os.close(fd)
-        self._jobs: dict[str, JobHandle] = {}
+        self._jobs: dict[str, LocalJob] = {}
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="air_magic-supervisor-events", daemon=True)
         self._reader.start()
@@ -78,24 +163,25 @@ class SupervisorClient:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             try:
-                event = json.loads(line)
-            except ValueError:
+                event = p.decode(line)
+            except (ValueError, TypeError):
                 continue
             with self._lock:
-                handle = self._jobs.get(event.get("job", ""))
-            if handle is not None:
-                handle.events.put(event)
+                job = self._jobs.get(getattr(event, "job", ""))
+            if job is not None and isinstance(event, p.Event):
+                job.wire.put(event)
         with self._lock:
-            handles = list(self._jobs.values())
+            jobs = list(self._jobs.values())
         try:
             code = self.proc.wait(5)
         except subprocess.TimeoutExpired:
             code = None
-        for handle in handles:
-            handle.events.put({"event": "supervisor-died", "returncode": code, "log": str(self.log_path)})
+        how = "" if code is None else f" ({describe_returncode(code)})"
+        for job in jobs:
+            job.wire.put(p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}"))
 
-    def send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode()
+    def send(self, message: p.Message) -> None:
+        data = p.encode(message)
         with self._lock:
             try:
                 assert self.proc.stdin is not None
@@ -107,21 +193,18 @@ class SupervisorClient:
                     "the next call starts a new one."
                 ) from exc
 
-    def launch(self, job_id: str, request: dict[str, Any]) -> JobHandle:
-        handle = JobHandle(self, job_id)
+    def attach(self, job: LocalJob) -> None:
         with self._lock:
-            self._jobs[job_id] = handle
-        self.send({"op": "launch", "job": job_id, **request})
-        return handle
+            self._jobs[job.job_id] = job
 
-    def forget(self, job_id: str) -> None:
+    def detach(self, job_id: str) -> None:
         with self._lock:
             self._jobs.pop(job_id, None)
 
     def retire(self) -> None:
         """Let the supervisor finish the jobs it has, then exit; new jobs go to a new one."""
         try:
-            self.send({"op": "retire"})
+            self.send(p.Retire())
         except AirMagicError:
             pass
 
@@ -147,34 +230,72 @@ def close_by_eof(proc: subprocess.Popen[bytes], timeout: float, kill: Callable[[
         proc.wait()
 
 
-_client: SupervisorClient | None = None
-_client_lock = threading.Lock()
-
-
 def warm_default() -> bool:
     """Warm start unless AIR_MAGIC_WARM is 0/false/no/off."""
     return os.environ.get("AIR_MAGIC_WARM", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
-def supervisor(runs_root: Path, replace: SupervisorClient | None = None) -> SupervisorClient:
-    """The kernel's supervisor, started on first use, again if it died, or anew when `replace` went stale."""
-    global _client
-    with _client_lock:
-        if replace is not None and _client is replace:
-            replace.retire()
-            _client = None
-        if _client is None or not _client.alive:
-            _client = SupervisorClient(runs_root / f"supervisor-{os.getpid()}.log", warm_default())
-        return _client
+class LocalLauncher(Launcher):
+    """Ranks on this machine, through the kernel's supervisor (started on first use, again if it died)."""
+
+    def __init__(self) -> None:
+        self._client: SupervisorClient | None = None
+        self._lock = threading.Lock()
+
+    def client(self, replace: SupervisorClient | None = None) -> SupervisorClient:
+        """The supervisor, started on first use, again if it died, or anew when `replace` went stale."""
+        with self._lock:
+            if replace is not None and self._client is replace:
+                replace.retire()
+                self._client = None
+            if self._client is None or not self._client.alive:
+                self._client = SupervisorClient(helper_log("supervisor", os.getpid()), warm_default())
+            return self._client
+
+    @property
+    def supervisor_pid(self) -> int | None:
+        """The running supervisor's pid, if there is one."""
+        client = self._client
+        return client.proc.pid if client is not None and client.alive else None
+
+    def launch_message(self, request: p.JobRequest, run_dir: RunDir) -> p.LaunchJob:
+        return p.LaunchJob(
+            job=request.job_id, world_size=request.world_size, fork=request.warm, executable=sys.executable,
+            sys_path=request.sys_path, run_dir=str(run_dir.path), env=request.env, package_parent=_PKG_PARENT,
+        )
+
+    def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
+        import json
+
+        try:
+            write_private(run_dir.payload, request.payload)
+            job = {"name": request.name, "sys_path": request.sys_path, "cwd": request.cwd, "hooks": list(request.hooks)}
+            write_private(run_dir.job, json.dumps(job).encode())
+        except OSError as exc:
+            raise run_dir.write_failed(exc) from exc
+        return LocalJob(self, request, run_dir)
+
+    def shutdown(self) -> None:
+        """Stop the supervisor and everything it runs (at exit, or on %unload_ext)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
 
-def shutdown() -> None:
-    """Stop the supervisor and everything it runs (at exit, or on %unload_ext)."""
-    global _client
-    with _client_lock:
-        client, _client = _client, None
-    if client is not None:
-        client.close()
+_local = LocalLauncher()
 
 
-atexit.register(shutdown)
+def local_launcher() -> LocalLauncher:
+    """This kernel's local launcher."""
+    return _local
+
+
+def warm_up() -> None:
+    """Start the supervisor now, in the background: it imports torch (never CUDA) while the user types."""
+    if warm_default():
+        _local.client()
+
+
+atexit.register(_local.shutdown)
+__all__ = ["LocalJob", "LocalLauncher", "LogTail", "close_by_eof", "local_launcher", "runs_root", "warm_up"]

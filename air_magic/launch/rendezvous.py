@@ -10,23 +10,20 @@ lets it fork warm workers safely.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 from datetime import timedelta
 
-_PR_SET_PDEATHSIG = 1
+from .stopper import die_with_parent
+
 #: The descriptor the listening socket arrives on in a spawned store process.
 STORE_FD = 3
 
 
 def serve(fd: int, port: int, world_size: int) -> None:
     """Serve the store on listening socket `fd` until killed (or until the supervisor dies)."""
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
     from torch.distributed import TCPStore
 
     store = TCPStore(

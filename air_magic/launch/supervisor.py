@@ -1,7 +1,8 @@
 """The supervisor process: starts each job's workers, stops whole process trees, reports exits.
 
-One per kernel, started by launcher.py in its own session. It reads requests
-on stdin and writes events on stdout, one JSON object a line.
+One per kernel, started by the local launcher (local.py) in its own session.
+It reads requests on stdin and writes events on stdout, one JSON line each,
+as defined in protocol.py.
 
 - Warm start: with `--warm` it imports torch once, never initializes CUDA,
   and forks each worker from that state (fork speed, milliseconds), then the
@@ -9,7 +10,7 @@ on stdin and writes events on stdout, one JSON object a line.
   they are at call time. Without it, or for a job that asks for `spawn`,
   every worker is a fresh interpreter (posix_spawn). The supervisor stays
   single-threaded so forking is safe: even the rendezvous store runs in a
-  process of its own (store.py).
+  process of its own (rendezvous.py).
 - Staleness: a warm supervisor answers `stale` instead of forking when the
   interpreter differs, a preloaded module's file changed on disk, the caller's
   sys.path would import another copy of a preloaded package, or an
@@ -25,10 +26,8 @@ Policy (when to stop a job) belongs to the runner; this process carries it out.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.machinery
 import importlib.util
-import json
 import os
 import random
 import select
@@ -38,13 +37,17 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
 
-_PR_SET_CHILD_SUBREAPER = 36
-_WORKER_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.worker import main; main()"
-_STORE_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.store import main; main()"
+from . import protocol as p
+from .rundir import RunDir
+from .stopper import STOP_GRACE, Stopper, become_subreaper
+
+_WORKER_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.launch.worker import main; main()"
+_STORE_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.launch.rendezvous import main; main()"
 _TICK = 0.1
 #: Variables read when torch is imported: a warm supervisor with other values is stale.
 IMPORT_TIME_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHASHSEED", "TORCH_HOME", "PYTORCH_NVML_BASED_CUDA_CHECK")
@@ -60,8 +63,7 @@ class Job:
     world_size: int
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
     exited: dict[int, int] = field(default_factory=dict)  # rank -> return code
-    kill_at: float | None = None
-    grace: float = 3.0
+    stopper: Stopper | None = None
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -72,18 +74,11 @@ class Job:
         return [pid for rank, pid in self.pids.items() if rank not in self.exited]
 
 
-def _emit(event: dict[str, Any]) -> None:
+def _emit(event: p.Event) -> None:
     try:
-        os.write(1, (json.dumps(event) + "\n").encode())
+        os.write(1, p.encode(event))
     except BrokenPipeError:
         pass  # the kernel is gone; stdin EOF follows and stops everything
-
-
-def _become_subreaper() -> None:
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 class Preloaded:
@@ -110,15 +105,15 @@ class Preloaded:
                 except OSError:
                     pass
 
-    def stale_reason(self, msg: dict[str, Any]) -> str | None:
-        if msg["executable"] != sys.executable:
-            return f"the interpreter is now {msg['executable']}"
-        env = msg["env"]
+    def stale_reason(self, msg: p.LaunchJob) -> str | None:
+        if msg.executable != sys.executable:
+            return f"the interpreter is now {msg.executable}"
+        env = msg.env
         for key, value in self.env.items():
             if env.get(key) != value:
                 return f"{key} changed"
         for top, where in self.modules.items():
-            spec = importlib.machinery.PathFinder.find_spec(top, msg["sys_path"])
+            spec = importlib.machinery.PathFinder.find_spec(top, msg.sys_path)
             if spec is not None and spec.origin and os.path.dirname(spec.origin) != where:
                 return f"sys.path now finds {top} at {spec.origin}"
         for path, mtime in self.files.items():
@@ -142,35 +137,34 @@ class Supervisor:
         self.warm = warm
 
     # -- requests ----------------------------------------------------------
-    def handle(self, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        if op == "launch":
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.LaunchJob):
             try:
                 self.launch(msg)
             except Exception as exc:  # noqa: BLE001 - reported to the runner
-                _emit({"job": msg["job"], "event": "error", "message": f"{type(exc).__name__}: {exc}"})
-                job = self.jobs.get(msg["job"])
+                _emit(p.LaunchFailed(msg.job, f"{type(exc).__name__}: {exc}"))
+                job = self.jobs.get(msg.job)
                 if job is not None:
                     self.stop(job, 0.0)
                 else:
-                    _emit({"job": msg["job"], "event": "finished"})
-        elif op == "retire":
+                    _emit(p.JobGone(msg.job))
+        elif isinstance(msg, p.Retire):
             self.retiring = True
-        elif op == "stop":
-            job = self.jobs.get(msg["job"])
+        elif isinstance(msg, p.StopJob):
+            job = self.jobs.get(msg.job)
             if job is not None:
-                self.stop(job, float(msg.get("grace", 3.0)))
+                self.stop(job, msg.grace)
 
-    def launch(self, msg: dict[str, Any]) -> None:
-        fork = msg.get("mode") == "fork"
+    def launch(self, msg: p.LaunchJob) -> None:
+        fork = msg.fork
         if fork and self.warm:
             reason = self.preloaded.stale_reason(msg)
             if reason is not None:
-                _emit({"job": msg["job"], "event": "stale", "reason": reason})
+                _emit(p.Stale(msg.job, reason))
                 return
-        job = Job(msg["job"], int(msg["world_size"]))
+        job = Job(msg.job, msg.world_size)
         self.jobs[job.id] = job
-        env = dict(msg["env"])
+        env = dict(msg.env)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         port = job.port = sock.getsockname()[1]
@@ -188,13 +182,13 @@ class Supervisor:
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         for rank in range(job.world_size):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-            log = msg["logs"][rank]
+            log = str(RunDir(Path(msg.run_dir)).log(rank))
             if fork:
-                pid = self.fork_worker(msg["run_dir"], rank, rank_env, log)
+                pid = self.fork_worker(msg.run_dir, rank, rank_env, log)
             else:
                 pid = os.posix_spawn(
-                    msg["executable"],
-                    [msg["executable"], "-c", _WORKER_BOOT.format(parent=msg["package_parent"]), msg["run_dir"], str(rank)],
+                    msg.executable,
+                    [msg.executable, "-c", _WORKER_BOOT.format(parent=msg.package_parent), msg.run_dir, str(rank)],
                     rank_env,
                     file_actions=[
                         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
@@ -206,16 +200,16 @@ class Supervisor:
                 )
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
-            _emit({"job": job.id, "event": "started", "rank": rank, "pid": pid, "port": port, "mode": "fork" if fork else "spawn"})
+            _emit(p.RankStarted(job.id, rank, pid))
 
-    def start_store(self, msg: dict[str, Any], env: dict[str, str], sock: socket.socket, port: int, n: int, fork: bool) -> int:
+    def start_store(self, msg: p.LaunchJob, env: dict[str, str], sock: socket.socket, port: int, n: int, fork: bool) -> int:
         """A process serving the job's TCPStore on `sock` (forked when warm, else spawned)."""
         if fork and "torch" in sys.modules:
             pid = self._fork_child(lambda: self._serve_store_here(sock.fileno(), port, n), env=env, log=None)
             return pid
         return os.posix_spawn(
-            msg["executable"],
-            [msg["executable"], "-c", _STORE_BOOT.format(parent=msg["package_parent"]), str(port), str(n)],
+            msg.executable,
+            [msg.executable, "-c", _STORE_BOOT.format(parent=msg.package_parent), str(port), str(n)],
             env,
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
@@ -227,15 +221,13 @@ class Supervisor:
 
     @staticmethod
     def _serve_store_here(fd: int, port: int, n: int) -> int:
-        from .store import serve
+        from .rendezvous import serve
 
         serve(fd, port, n)
         return 0
 
     def fork_worker(self, run_dir: str, rank: int, env: dict[str, str], log: str) -> int:
         def body() -> int:
-            from pathlib import Path
-
             from .worker import run_forked
 
             _reset_inherited_state(env)
@@ -315,24 +307,11 @@ class Supervisor:
         job.seen.update(found)
         return found
 
-    def signal_job(self, job: Job, sig: int) -> None:
-        procs = self.processes(job)
-        for pid in job.live_workers:
-            try:
-                os.killpg(pid, sig)  # the worker leads its own group: DataLoader workers are in it
-            except OSError:
-                pass
-        for p in procs.values():
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-
     def stop(self, job: Job, grace: float) -> None:
-        if job.kill_at is None:
-            job.grace = grace
-            job.kill_at = time.monotonic() + grace
-            self.signal_job(job, signal.SIGTERM)
+        """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`."""
+        if job.stopper is None:
+            job.stopper = Stopper(lambda: self.processes(job).values(), lambda: job.live_workers, grace)
+            job.stopper.begin()
 
     # -- the loop ----------------------------------------------------------
     def reap(self) -> None:
@@ -351,27 +330,25 @@ class Supervisor:
             if job is not None:
                 code = os.waitstatus_to_exitcode(status)
                 job.exited[owner[1]] = code
-                _emit({"job": job.id, "event": "exited", "rank": owner[1], "returncode": code, "at": time.time()})
+                _emit(p.RankExited(job.id, owner[1], code, time.time()))
 
     def store_exited(self, pid: int, code: int) -> None:
         """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
         for job in self.jobs.values():
             if job.store_pid == pid:
                 job.store_pid = None
-                if job.kill_at is None:
+                if job.stopper is None:
                     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    _emit({"job": job.id, "event": "error", "message": (
+                    _emit(p.LaunchFailed(job.id, (
                         f"the job's rendezvous store (pid {pid}, 127.0.0.1:{job.port}) {how}, so the ranks could "
-                        "not meet; every rank was stopped. Run the call again")})
-                    self.stop(job, job.grace)
+                        "not meet; every rank was stopped. Run the call again")))
+                    self.stop(job, STOP_GRACE)
 
     def tick(self) -> None:
-        now = time.monotonic()
         for job in list(self.jobs.values()):
-            if job.kill_at is not None and now >= job.kill_at:
-                self.signal_job(job, signal.SIGKILL)
-                job.kill_at = now + _TICK
-            if len(job.exited) < len(job.pids) or (len(job.pids) < job.world_size and job.kill_at is None):
+            if job.stopper is not None:
+                job.stopper.tick()
+            if len(job.exited) < len(job.pids) or (len(job.pids) < job.world_size and job.stopper is None):
                 continue
             if job.store_pid is not None:
                 try:
@@ -380,15 +357,15 @@ class Supervisor:
                     pass
                 job.store_pid = None
             leftovers = self.processes(job)
-            if leftovers and job.kill_at is None:
-                self.stop(job, job.grace)  # a finished job's stray children get TERM, then KILL
+            if leftovers and job.stopper is None:
+                self.stop(job, STOP_GRACE)  # a finished job's stray children get TERM, then KILL
                 continue
             if not leftovers:
                 del self.jobs[job.id]
-                _emit({"job": job.id, "event": "finished"})
+                _emit(p.JobGone(job.id))
 
     def run(self) -> None:
-        _become_subreaper()
+        become_subreaper()
         self.wake = os.pipe()
         rfd, wfd = self.wake
         os.set_blocking(wfd, False)
@@ -396,7 +373,7 @@ class Supervisor:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: self.close())
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _emit({"event": "ready", "pid": os.getpid(), "warm": sorted(self.preloaded.modules)})
+        _emit(p.Ready(os.getpid(), sorted(self.preloaded.modules)))
         buf = b""
         while not ((self.closing or self.retiring) and not self.jobs):
             ready, _, _ = select.select([0, rfd] if not self.closing else [rfd], [], [], _TICK)
@@ -410,7 +387,7 @@ class Supervisor:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
-                        self.handle(json.loads(line))
+                        self.handle(p.decode(line))
             if os.getppid() != self.parent:
                 self.close()
             self.reap()
@@ -422,7 +399,7 @@ class Supervisor:
             print(f"air_magic supervisor {os.getpid()}: closing, stopping {len(self.jobs)} job(s)", file=sys.stderr, flush=True)
         self.closing = True
         for job in self.jobs.values():
-            self.stop(job, 1.0)
+            self.stop(job, STOP_GRACE)
 
 
 def _reset_inherited_state(env: dict[str, str]) -> None:

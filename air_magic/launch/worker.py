@@ -1,48 +1,49 @@
 """What runs inside one rank's process: load the payload, run it, leave a result or an error file.
 
 This module imports no IPython, ipywidgets or MLflow: a worker carries only
-what the user's code imports. Its stdout and stderr are already the rank's
-log file when it starts (the supervisor points file descriptors 1 and 2 at
-it), so C and CUDA writes land there too.
+what the user's code imports, plus the hook modules the job names (a
+listener's way in, such as the MLflow hook). Its stdout and stderr are
+already the rank's log file when it starts (the supervisor points file
+descriptors 1 and 2 at it), so C and CUDA writes land there too. Results and
+exceptions are pickled with every tensor on the CPU (portable.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import faulthandler
+import importlib
 import json
 import linecache
 import os
-import signal
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import cloudpickle
 
-from .errors import SerializationError, write_error_file
+from .. import portable
+from ..errors import SerializationError
+from .errorfile import write_error_file
+from .rundir import RunDir
+from .stopper import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
-
-
-def result_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f"rank-{rank}.result.pkl"
-
-
-def error_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f"rank-{rank}.error.json"
+#: Hook modules this process imported for the job (see JobRequest.hooks); flushed at the end.
+_hooks: list[ModuleType] = []
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when the supervisor goes, then check it has not already."""
-    parent = int(os.environ.get("AIR_MAGIC_SUPERVISOR_PID", "0"))
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: rely on the supervisor's sweep
-        pass
-    if parent and os.getppid() != parent:
-        os._exit(70)
+    """SIGKILL this process when the supervisor goes, and exit now if it already has."""
+    die_with_parent(int(os.environ.get("AIR_MAGIC_SUPERVISOR_PID", "0")))
+
+
+def _install_hooks(names: list[str]) -> None:
+    for name in names:
+        module = importlib.import_module(name)
+        install = getattr(module, "install", None)
+        if install is not None:
+            install()
+        _hooks.append(module)
 
 
 def _apply_caller_context(spec: dict) -> None:
@@ -60,45 +61,45 @@ def _write_result(path: Path, value: object) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            cloudpickle.dump(value, f)
+            portable.dump(value, f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a half-written result on a full disk would keep it full
         raise
 
 
-def run(run_dir: Path, rank: int) -> int:
+def run(path: Path, rank: int) -> int:
     """Run this rank's share of the job; return the process exit code."""
-    spec = json.loads((run_dir / "job.json").read_text())
+    run_dir = RunDir(path)
+    spec = json.loads(run_dir.job.read_text())
     _apply_caller_context(spec)
     faulthandler.enable()
-    if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):  # the call has an MLflow run: see mlflow_worker.py
-        from .mlflow_worker import install
 
-        install()
+    def fail(exc: BaseException, code: dict[str, str] | None = None) -> int:
+        write_error_file(run_dir.error(rank), run_dir.error_pickle(rank), exc, code_files=code)
+        return 1
+
     try:
-        target, args, kwargs, sources = cloudpickle.loads((run_dir / "payload.pkl").read_bytes())
+        _install_hooks(spec.get("hooks", []))
+        target, args, kwargs, sources = cloudpickle.loads(run_dir.payload.read_bytes())
         for filename, lines in sources["files"].items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         value = target(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
-        write_error_file(error_path(run_dir, rank), exc, code_files=locals().get("sources", {}).get("code"))
-        return 1
+        return fail(exc, locals().get("sources", {}).get("code"))
     try:
-        _write_result(result_path(run_dir, rank), value)
+        _write_result(run_dir.result(rank), value)
     except OSError as exc:
-        err: BaseException = OSError(
-            exc.errno, f"the return value of rank {rank} could not be written to {result_path(run_dir, rank)}: {exc}"
+        return fail(
+            OSError(exc.errno, f"the return value of rank {rank} could not be written to {run_dir.result(rank)}: {exc}")
         )
-        write_error_file(error_path(run_dir, rank), err)
-        return 1
     except Exception as exc:  # noqa: BLE001
-        err = SerializationError(
-            f"the return value of rank {rank} ({type(value).__name__}) could not be pickled: {exc}; "
-            "return plain data (numbers, lists, dicts, tensors moved to CPU) or None."
+        return fail(
+            SerializationError(
+                f"the return value of rank {rank} ({type(value).__name__}) could not be pickled: {exc}; "
+                "return plain data (numbers, lists, dicts, tensors) or None."
+            )
         )
-        write_error_file(error_path(run_dir, rank), err)
-        return 1
     return 0
 
 
@@ -111,10 +112,10 @@ def finish(code: int) -> None:
     threads or for CUDA's orderly teardown would only delay the caller.
     """
     try:
-        if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):
-            from .mlflow_worker import flush
-
-            flush()  # MLflow's queued metrics, before anything else ends
+        for hook in _hooks:
+            flush = getattr(hook, "flush", None)
+            if flush is not None:
+                flush()  # e.g. MLflow's queued metrics, before anything else ends
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):

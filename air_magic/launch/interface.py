@@ -1,0 +1,41 @@
+"""The Launcher interface: the one seam between the runner and wherever ranks run.
+
+The runner holds a `Launcher` and nothing below it. A launcher starts the
+ranks of a `JobRequest`, reports what they do as events (protocol.py), stops
+them on request, and says when every process of the job is gone. The local
+supervisor (local.py) is one implementation; one whose ranks run on other
+machines plugs in the same way and feeds the same listeners.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from .protocol import Event, JobRequest
+from .rundir import RunDir
+
+
+class JobHandle(ABC):
+    """One started job, as its launcher reports it."""
+
+    @abstractmethod
+    def next_events(self, timeout: float) -> list[Event]:
+        """Events since the last call, waiting up to `timeout` s for the first; [] if none came.
+
+        A rank's output comes before its `RankExited`; `JobGone` is the last event of the job.
+        """
+
+    @abstractmethod
+    def stop(self, reason: str, grace: float) -> None:
+        """End every process of the job: SIGTERM (or the launcher's equivalent), then kill after `grace` s."""
+
+    def close(self) -> None:
+        """The runner is done with this handle (after `JobGone`, or giving up on it)."""
+
+
+class Launcher(ABC):
+    """Starts jobs."""
+
+    @abstractmethod
+    def start(self, request: JobRequest, run_dir: RunDir) -> JobHandle:
+        """Start every rank of `request`; `run_dir` is where its record (every rank's log) is kept here."""

@@ -1,0 +1,181 @@
+"""The typed messages of the process boundary: what the runner asks of a launcher, and what it hears back.
+
+Every request and event that crosses the boundary is a dataclass defined here,
+and nowhere else is an event named by a string. The local launcher also
+sends some of them over the supervisor's pipes as JSON lines (`encode` /
+`decode`); fields marked `wire=False` exist only on the notebook's side.
+
+What each launcher guarantees, in event order, for one job:
+`RankStarted` for each rank, `RankOutput` as each rank writes, one
+`RankExited` per rank (with its `RankOutcome`: the pickled result or the
+exception), then `JobGone` once every process of the job is gone.
+`LaunchFailed` and `LauncherDied` say why a job could not run or ended early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+# -- the runner's request ----------------------------------------------------------
+@dataclass(frozen=True)
+class JobRequest:
+    """Everything a launcher needs to start the ranks of one call."""
+
+    job_id: str
+    name: str
+    world_size: int
+    #: The pickled call (function or cell, and its arguments), made by payload.serialize.
+    payload: bytes
+    #: Environment of every rank, before the launcher adds RANK, MASTER_PORT and the rest.
+    env: dict[str, str]
+    sys_path: list[str]
+    cwd: str
+    #: Modules each rank imports before the call, calling their `install()`, and whose `flush()` runs
+    #: after it: how a listener (MLflow) reaches inside the ranks without the launcher knowing it.
+    hooks: tuple[str, ...] = ()
+    #: Start ranks from the warm helper (fork) rather than as fresh interpreters.
+    warm: bool = True
+
+
+# -- supervisor requests (local launcher only) ---------------------------------------
+@dataclass(frozen=True)
+class Message:
+    """Base of everything sent over the supervisor's pipes."""
+
+    registry: ClassVar[dict[str, type[Message]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Message.registry[cls.__name__] = cls
+
+
+@dataclass(frozen=True)
+class LaunchJob(Message):
+    """Start the workers of one job (the supervisor's half of a JobRequest)."""
+
+    job: str
+    world_size: int
+    fork: bool
+    executable: str
+    sys_path: list[str]
+    run_dir: str
+    env: dict[str, str]
+    package_parent: str
+
+
+@dataclass(frozen=True)
+class StopJob(Message):
+    """End every process of a job: SIGTERM, then SIGKILL after `grace` seconds."""
+
+    job: str
+    reason: str
+    grace: float
+
+
+@dataclass(frozen=True)
+class Retire(Message):
+    """Finish the jobs in hand, take no new ones, then exit."""
+
+
+# -- events ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Event(Message):
+    """Base of what a launcher reports about a job."""
+
+
+@dataclass(frozen=True)
+class Ready(Event):
+    """The supervisor is up; `warm` lists what it preloaded."""
+
+    pid: int
+    warm: list[str]
+
+
+@dataclass(frozen=True)
+class RankStarted(Event):
+    job: str
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankOutput(Event):
+    """Text a rank wrote (stdout and stderr, in order), decoded as UTF-8."""
+
+    job: str
+    rank: int
+    text: str
+
+
+@dataclass
+class RankOutcome:
+    """What a rank left behind: its pickled return value, or the exception it raised."""
+
+    value: bytes | None = None
+    error: BaseException | None = None
+    #: Wall time the error was recorded (orders the failures of several ranks).
+    error_at: float | None = None
+
+
+@dataclass(frozen=True)
+class RankExited(Event):
+    job: str
+    rank: int
+    #: Exit status; negative: killed by that signal.
+    returncode: int
+    #: Wall time the exit was seen.
+    at: float
+    outcome: RankOutcome = field(default_factory=RankOutcome, metadata={"wire": False})
+
+
+@dataclass(frozen=True)
+class LaunchFailed(Event):
+    """The job could not start, or lost something it needs (its rendezvous store); it is being stopped."""
+
+    job: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Stale(Event):
+    """A warm supervisor no longer matches the caller (local launcher only; it handles this itself)."""
+
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class JobGone(Event):
+    """Every process of the job is gone; no event follows."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class LauncherDied(Event):
+    """The launcher itself died; the job's processes went with it."""
+
+    job: str
+    message: str
+
+
+# -- the wire ----------------------------------------------------------------------
+def encode(message: Message) -> bytes:
+    """One JSON line."""
+    body = {
+        f.name: getattr(message, f.name) for f in dataclasses.fields(message) if f.metadata.get("wire", True)
+    }
+    return (json.dumps({"type": type(message).__name__, **body}) + "\n").encode()
+
+
+def decode(line: bytes | str) -> Message:
+    """The message of one JSON line; ValueError if it is not one."""
+    data = json.loads(line)
+    cls = Message.registry.get(data.pop("type", ""))
+    if cls is None:
+        raise ValueError(f"not a message: {line!r}")
+    return cls(**data)

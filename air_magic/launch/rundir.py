@@ -1,0 +1,120 @@
+"""The run directory: where each call's record lives on this machine, and the privacy rules for it.
+
+This is the only module that builds paths inside the runs root. A call's
+directory (mode 0700) holds, per rank, its log (`rank-N.log`, the loss-free
+record of everything it wrote), its pickled result and its error record, plus
+the call's payload and job description. Files are created 0600 and never
+follow a name another user could have planted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import AirMagicError, ConfigurationError
+
+
+def runs_root() -> Path:
+    """Where run directories live: $AIR_MAGIC_RUNS_DIR, else ~/.cache/air_magic/runs (mode 0700)."""
+    root = os.environ.get("AIR_MAGIC_RUNS_DIR")
+    if root:
+        path = Path(root)
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = Path(cache) / "air_magic" / "runs"
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):  # parents too: mkdir(parents=True) would give them the umask's mode
+        p.mkdir(mode=0o700, exist_ok=True)
+    _check_private_root(path)
+    return path
+
+
+def _check_private_root(path: Path) -> None:
+    """Refuse a runs directory that another user owns, or may rename our run directories in."""
+    info = path.stat()
+    if info.st_uid not in (os.getuid(), 0):
+        raise ConfigurationError(
+            f"the runs directory {path} belongs to another user (uid {info.st_uid}), who could read or replace "
+            "what the workers load; set AIR_MAGIC_RUNS_DIR to a directory of your own."
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise ConfigurationError(
+            f"the runs directory {path} is writable by other users without the sticky bit, so they could swap a "
+            f"run directory for their own; run `chmod go-w {path}` or set AIR_MAGIC_RUNS_DIR to a private directory."
+        )
+
+
+def write_private(path: Path, data: bytes, exclusive: bool = True) -> None:
+    """Write `data` to a new file of mode 0600 (`exclusive`: fail if the name exists)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def helper_log(kind: str, *tags: object) -> Path:
+    """The log of a per-kernel helper process (`supervisor`, `mlflow-ui`), in the runs root."""
+    return runs_root() / ("-".join([kind, *map(str, tags)]) + ".log")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One call's directory and the names inside it."""
+
+    path: Path
+
+    @classmethod
+    def create(cls, name: str, world_size: int) -> RunDir:
+        """A new private directory under the runs root, with an empty log per rank."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
+        root = runs_root()
+        run = cls(Path(tempfile.mkdtemp(prefix=f"{stamp}-{safe}-", dir=root)))
+        try:
+            for rank in range(world_size):
+                write_private(run.log(rank), b"")
+        except OSError as exc:  # nothing has started: leave no half-made run behind
+            run.remove()
+            raise run.write_failed(exc) from exc
+        return run
+
+    def write_failed(self, exc: OSError) -> AirMagicError:
+        return AirMagicError(
+            f"could not write the run directory under {self.path.parent}: {exc.strerror or exc}. "
+            "Free some space there, or set AIR_MAGIC_RUNS_DIR to a directory with room; nothing was started."
+        )
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def log(self, rank: int) -> Path:
+        return self.path / f"rank-{rank}.log"
+
+    def logs(self, world_size: int) -> list[Path]:
+        return [self.log(r) for r in range(world_size)]
+
+    def result(self, rank: int) -> Path:
+        return self.path / f"rank-{rank}.result.pkl"
+
+    def error(self, rank: int) -> Path:
+        """The rank's error record (JSON: type, message, traceback)."""
+        return self.path / f"rank-{rank}.error.json"
+
+    def error_pickle(self, rank: int) -> Path:
+        """The rank's exception itself, when it pickles."""
+        return self.path / f"rank-{rank}.error.pkl"
+
+    @property
+    def payload(self) -> Path:
+        return self.path / "payload.pkl"
+
+    @property
+    def job(self) -> Path:
+        """The job description a worker reads: name, sys.path, cwd, hooks."""
+        return self.path / "job.json"
