@@ -64,6 +64,8 @@ class RankResult:
     returncode: int | None = None
     pid: int | None = None
     log_path: Path | None = None
+    #: Wall time (time.time()) the launcher saw the rank's process end.
+    exited_at: float | None = None
 
 
 @dataclass

@@ -131,7 +131,7 @@ class _Run:
         elif isinstance(event, p.RankExited):
             rank, code = event.rank, event.returncode
             self.result.ranks[rank].returncode = code
-            self.exited_at[rank] = event.at
+            self.result.ranks[rank].exited_at = self.exited_at[rank] = event.at
             self.outcomes[rank] = event.outcome
             if code == 0:
                 self.set_state(rank, RankState.DONE)

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 from faults_common import Recorder, here_runs  # noqa: F401 - here_runs is a fixture
+from helpers import ROOT
 
 from air_magic import runner
 from air_magic.errors import ListenerWarning
 from air_magic.events import Listener
 from air_magic.job import JobStatus, RankState
-from helpers import ROOT
 
+#: Runs started here keep their directories under pytest's temporary directory (see faults_common).
+pytestmark = pytest.mark.usefixtures("here_runs")
 HOOKS = ("on_start", "worker_env", "worker_hooks", "on_output", "on_rank_state", "poll", "on_end")
 
 
@@ -45,7 +47,7 @@ def _fails() -> int:
     return 0
 
 
-def test_a_listener_that_raises_in_every_hook_is_a_warning_and_changes_nothing(here_runs):
+def test_a_listener_that_raises_in_every_hook_is_a_warning_and_changes_nothing():
     """Each failing hook is a ListenerWarning naming the listener and hook; results and the other listeners are intact."""
     rec = Recorder()
     with warnings.catch_warnings(record=True) as caught:
@@ -58,7 +60,7 @@ def test_a_listener_that_raises_in_every_hook_is_a_warning_and_changes_nothing(h
     assert rec.states[0][-1] == RankState.DONE and "says hello" in rec.output(1)
 
 
-def test_a_failed_call_is_returned_not_raised_and_a_broken_listener_does_not_replace_its_error(here_runs):
+def test_a_failed_call_is_returned_not_raised_and_a_broken_listener_does_not_replace_its_error():
     """runner.run hands back a FAILED JobResult carrying the rank's own exception, whatever the listeners do."""
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")

@@ -6,7 +6,6 @@ import time
 
 import psutil
 import pytest
-
 from helpers import REAL_NODE, gpu_count
 
 pytestmark = [
@@ -132,3 +131,25 @@ def test_nccl_job_listens_on_loopback_only(kernel):
     assert kernel.collect(msg, timeout=60).error is None
     assert listening, "the job's store at least was listening"
     assert all(addr.ip == "127.0.0.1" for addr in listening), listening
+
+
+def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the_kernel(kernel):
+    """A rank returning CUDA tensors (a state_dict) or raising with one hands the kernel CPU tensors; CUDA stays off there."""
+    kernel.execute(
+        "from air_magic import distributed\n"
+        "@distributed()\ndef gives(fail):\n    import os, torch\n    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "    model = torch.nn.Linear(4, 2).cuda()\n"
+        "    if fail:\n        raise ValueError(torch.ones(2, device='cuda'))\n"
+        "    return {'ones': torch.ones(2, device='cuda'), 'state': model.state_dict(), 'param': model.weight}\n"
+    ).check()
+    out = kernel.execute(
+        "import torch\nres = gives.distributed(False)\n"
+        "print(sorted({str(t.device) for r in res for t in [r['ones'], r['param'], *r['state'].values()]}),"
+        " type(res[0]['param']).__name__, res[0]['param'].requires_grad, torch.cuda.is_initialized())"
+    ).check()
+    assert out.stdout.strip() == "['cpu'] Parameter True False", out.stdout
+    out = kernel.execute(
+        "try:\n    gives.distributed(True)\nexcept ValueError as e:\n"
+        "    print(e.args[0].device, torch.cuda.is_initialized())"
+    ).check()
+    assert out.stdout.strip() == "cpu False", out.stdout
