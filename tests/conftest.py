@@ -7,8 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from helpers import Kernel, leftover_processes
+from helpers import Kernel, kernel_env, leftover_processes
 
 os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests that want MLflow set their own store
 # The CPU path, whatever GPUs this machine has: `@distributed(2)` in a test means two gloo workers, on a
@@ -63,12 +62,6 @@ def kernel(workdir, request):
     A module's `KERNEL_ENV` (a dict) is added to the kernel's environment: GPU tests pass helpers.REAL_NODE.
     """
     extra = getattr(request.module, "KERNEL_ENV", {})
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db", **extra})
+    k = Kernel(workdir, env=kernel_env(workdir, **extra))
     yield k
-    pid = k.pid
-    sup = [c for c in psutil.Process(pid).children(recursive=True)] if psutil.pid_exists(pid) else []
     k.shutdown()
-    gone, alive = psutil.wait_procs(sup, timeout=15)
-    for p in alive:
-        p.kill()
-    assert not alive, f"kernel shutdown left {alive}"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
 import queue
+import re
 import sys
 import time
 import uuid
@@ -43,6 +43,9 @@ class CellResult(ErrorOutput):
     result: str | None = None
     error: dict | None = None
     displays: list[dict] = field(default_factory=list)
+    #: The execute_reply's content (status, payload such as a `%%distributed?` help page).
+    reply: dict = field(default_factory=dict)
+    execution_count: int | None = None
 
     def add(self, msg: dict) -> None:
         """Take in one IOPub message of the cell."""
@@ -58,9 +61,14 @@ class CellResult(ErrorOutput):
             self.error = content
         elif kind in ("display_data", "update_display_data"):
             self.displays.append(content)
+        elif kind == "execute_input":
+            self.execution_count = content.get("execution_count")
 
-    def check(self) -> "CellResult":
-        assert self.error is None, f"cell raised {self.ename}:\n{self.traceback}\nstdout:\n{self.stdout}"
+    def check(self, clean_stderr: bool = False) -> CellResult:
+        """Assert the cell raised nothing (and, with `clean_stderr`, wrote no error to stderr)."""
+        assert self.error is None and not (clean_stderr and "Error" in self.stderr), (
+            f"cell raised {self.ename}:\n{self.traceback}\nstderr:\n{self.stderr}\nstdout:\n{self.stdout}"
+        )
         return self
 
 
@@ -73,6 +81,16 @@ def gpu_count() -> int:
     from air_magic import accelerators
 
     return accelerators._visible(accelerators._nvml_devices()[0])
+
+
+def kernel_env(workdir: Path, **extra: str) -> dict[str, str]:
+    """What a test kernel runs with: private run directories and MLflow store under `workdir`, plain-text display."""
+    return {
+        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
+        "AIR_MAGIC_DISPLAY": "text",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
+        **extra,
+    }
 
 
 def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -106,21 +124,35 @@ class Kernel:
             if on_output is not None and msg["msg_type"] == "stream":
                 on_output(msg["content"]["text"])
 
-        self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
+        out.reply = reply["content"]
+        out.execution_count = out.reply.get("execution_count", out.execution_count)
         return out
+
+    def value(self, expression: str) -> str:
+        """The repr of an expression evaluated in the kernel."""
+        return self.execute(f"print(repr(({expression})))").check().stdout.strip()
 
     def send(self, code: str) -> str:
         """Start a cell without waiting for it; returns the message id."""
         return self.kc.execute(code, allow_stdin=False)
 
-    def collect(self, msg_id: str, timeout: float = 120) -> CellResult:
-        """Gather the output of a cell started with send() until it is idle."""
+    def collect(self, msg_id: str, timeout: float = 120, interrupt_when=None) -> CellResult:
+        """Gather the output of a cell started with send() until it is idle.
+
+        `interrupt_when(output so far)`: interrupt the kernel once it returns True, as the stop button does.
+        """
         out = CellResult()
         deadline = time.monotonic() + timeout
         while True:
+            if interrupt_when is not None and interrupt_when(out):
+                self.interrupt()
+                interrupt_when = None
             try:
-                msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+                msg = self.kc.get_iopub_msg(timeout=0.2)
             except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
                 raise TimeoutError(f"cell did not finish in {timeout} s; output so far:\n{out.stdout}")
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -131,9 +163,16 @@ class Kernel:
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
 
-    def shutdown(self) -> None:
+    def shutdown(self, check: bool = True) -> None:
+        """Shut the kernel down; with `check`, assert that everything it started (supervisor, workers) went too."""
+        pid = self.pid
+        children = psutil.Process(pid).children(recursive=True) if psutil.pid_exists(pid) else []
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
+        _, alive = psutil.wait_procs(children, timeout=15)
+        for proc in alive:
+            proc.kill()
+        assert not (check and alive), f"kernel shutdown left {alive}"
 
 
 def ours(proc: psutil.Process, kind: str | None = None) -> bool:
