@@ -42,6 +42,18 @@ def check_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
+def check_keep_alive(seconds: object) -> float | None:
+    """Hot ranks' idle time in seconds (a positive number), or None for ranks that end with each call."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(
+            f"keep_alive must be a number of seconds more than 0, or None (ranks end with each call), got {seconds!r}; "
+            "for example keep_alive=600 keeps the ranks ten minutes for the next call."
+        )
+    return float(seconds)
+
+
 @dataclass(frozen=True)
 class Settings:
     """How to run: the arguments of `distributed(...)` and the options of `%%distributed`."""
@@ -52,9 +64,11 @@ class Settings:
     mlflow: bool = True
     warm: bool | None = None
     env: dict[str, str] = field(default_factory=dict)
+    keep_alive: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
+        object.__setattr__(self, "keep_alive", check_keep_alive(self.keep_alive))
         if self.num_accelerators is not None:
             accelerators._check_count(self.num_accelerators, "num_accelerators")
         if not isinstance(self.mlflow, bool):
@@ -72,7 +86,7 @@ class Settings:
         return JobSpec(
             target=target, args=args, kwargs=kwargs, name=name, world_size=world_size,
             accelerator_type=acc_type, timeout=self.timeout, mlflow=self.mlflow,
-            warm=self.warm, extra_env=dict(self.env), origin=origin,
+            warm=self.warm, extra_env=dict(self.env), origin=origin, keep_alive=self.keep_alive,
         )
 
 
@@ -152,6 +166,7 @@ def distributed(
     mlflow: bool = True,
     warm: bool | None = None,
     env: dict[str, str] | None = None,
+    keep_alive: float | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node.
 
@@ -161,13 +176,15 @@ def distributed(
     mlflow: record the call as an MLflow run that workers log to.
     warm: start workers from the warm helper (None = the configured default).
     env: extra environment variables for the workers.
+    keep_alive: hot ranks: seconds the ranks stay alive after a call for the next call of the same world
+        (CUDA context, process group and imports kept); None = they end with each call.
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
     given = legacy_names(
         {"num_accelerators": num_accelerators, "accelerator_type": accelerator_type}, gpus, gpu_type
     )
-    settings = Settings(timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), **given)
+    settings = Settings(timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), keep_alive=keep_alive, **given)
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration
 
     def wrap(func: Callable[P, R]) -> DistributedFunction[P, R]:

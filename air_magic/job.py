@@ -48,6 +48,8 @@ class JobSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Which front door built it: "function" (@distributed) or "cell" (%%distributed).
     origin: str = "function"
+    #: Hot ranks: seconds the ranks stay alive after the call for the next one of the same world.
+    keep_alive: float | None = None
 
     @property
     def uses_gpu(self) -> bool:

@@ -15,13 +15,13 @@ import sys
 from types import FrameType
 from typing import Any
 
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
 from . import runner
 from .cell import CellProgram, ends_with_semicolon
-from .decorator import DEFAULT_TIMEOUT, Settings, check_timeout
+from .decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_timeout
 from .errors import ConfigurationError
 from .job import JobResult
 from .launch.local import local_launcher
@@ -56,6 +56,13 @@ def _seconds(text: str) -> float | None:
         raise argparse.ArgumentTypeError(
             f"must be more than 0 seconds, got {text!r}; use --timeout none for no limit"
         ) from None
+
+
+def _keep_alive(text: str) -> float | None:
+    try:
+        return check_keep_alive(float(text))
+    except (ValueError, ConfigurationError):
+        raise argparse.ArgumentTypeError(f"expected seconds more than 0 such as 600, got {text!r}") from None
 
 
 def _identifier(text: str) -> str:
@@ -112,6 +119,12 @@ class DistributedMagics(Magics):
     mlflow = Bool(
         True, help="Record each %%distributed cell as an MLflow run. False: as if every cell had --no-mlflow."
     ).tag(config=True)
+    default_keep_alive = Float(
+        None,
+        allow_none=True,
+        help="Hot ranks: seconds a cell's ranks stay alive for the next cell of the same world, when the cell "
+        "gives no --keep-alive. None: ranks end with each cell.",
+    ).tag(config=True)
 
     #: The JobResult of the last cell that finished (run directory, exit codes, timing).
     last_result: JobResult | None = None
@@ -122,6 +135,13 @@ class DistributedMagics(Magics):
             return check_timeout(proposal["value"])
         except ConfigurationError as exc:
             raise TraitError(f"c.DistributedMagics.default_timeout: {exc}") from None
+
+    @validate("default_keep_alive")
+    def _valid_keep_alive(self, proposal: dict[str, Any]) -> float | None:
+        try:
+            return check_keep_alive(proposal["value"])
+        except ConfigurationError as exc:
+            raise TraitError(f"c.DistributedMagics.default_keep_alive: {exc}") from None
 
     @validate("default_num_accelerators")
     def _valid_count(self, proposal: dict[str, Any]) -> int | None:
@@ -141,6 +161,7 @@ class DistributedMagics(Magics):
             accelerator_type=_given(args.accelerator_type, self.default_accelerator_type),
             timeout=_given(args.timeout, self.default_timeout),
             mlflow=self.mlflow and not args.no_mlflow,
+            keep_alive=_given(args.keep_alive, self.default_keep_alive),
         )
 
     @magic_arguments()
@@ -170,6 +191,15 @@ class DistributedMagics(Magics):
         "or c.DistributedMagics.default_timeout.",
     )
     @argument("--no-mlflow", action="store_true", help="Do not record this cell as an MLflow run.")
+    @argument(
+        "--keep-alive",
+        dest="keep_alive",
+        type=_keep_alive,
+        default=_DEFAULT,
+        metavar="S",
+        help="Hot ranks: keep the ranks alive S seconds after the cell, so the next cell of the same world starts "
+        "in them at once (CUDA context, process group and imports kept). %%distributed_release ends them.",
+    )
     @argument(
         "--out",
         type=_identifier,
@@ -217,6 +247,12 @@ class DistributedMagics(Magics):
         if args.out:
             shell.user_ns[args.out] = values
         return None if ends_with_semicolon(cell) else values
+
+
+    @line_magic
+    def distributed_release(self, line: str = "") -> None:
+        """End every hot rank of this kernel now (see --keep-alive); their GPU memory is freed."""
+        local_launcher().release_hot()
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -78,6 +78,21 @@ def install() -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
+def reset() -> None:
+    """Between two calls in a hot rank: send what is queued, and forget this call's run (the next call attaches its own)."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return
+    try:
+        mlflow.flush_async_logging()
+    except Exception as exc:  # noqa: BLE001 - reported in the rank's log; the result stands
+        print(f"air_magic: MLflow could not send this call's last metrics: {exc!r}", file=sys.stderr)
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    stack = getattr(fluent, "_active_run_stack", None)
+    if stack is not None:
+        stack.get().clear()  # the run stays as the notebook ends it; this process just lets go of it
+
+
 def flush(timeout: float = 120.0) -> None:
     """Send what MLflow's asynchronous logging still holds and stop its threads, before interpreter shutdown.
 

@@ -112,8 +112,21 @@ class _Run:
         return p.JobRequest(
             job_id=uuid.uuid4().hex, name=self.spec.name, world_size=self.spec.world_size, payload=self.blob,
             env=env, sys_path=list(sys.path), cwd=os.getcwd(), hooks=tuple(hooks),
-            warm=warm_default() if self.spec.warm is None else self.spec.warm,
+            # hot ranks are forks of the warm helper, whatever `warm` says
+            warm=bool(self.spec.keep_alive) or (warm_default() if self.spec.warm is None else self.spec.warm),
+            keep_alive=self.spec.keep_alive, world_key=self.world_key(),
         )
+
+    def world_key(self) -> str:
+        """What two calls must share to run in the same hot ranks: world, accelerator, environment, sys.path."""
+        import hashlib
+        import json
+
+        world = {
+            "size": self.spec.world_size, "type": self.spec.accelerator_type, "python": sys.executable,
+            "env": sorted({**os.environ, **self.spec.extra_env}.items()), "sys_path": sys.path,
+        }
+        return hashlib.sha256(json.dumps(world).encode()).hexdigest()
 
     def stop(self, reason: str) -> None:
         if self.stop_reason is None:

@@ -262,6 +262,7 @@ class LocalLauncher(Launcher):
         return p.LaunchJob(
             job=request.job_id, world_size=request.world_size, fork=request.warm, executable=sys.executable,
             sys_path=request.sys_path, run_dir=str(run_dir.path), env=request.env, package_parent=_PKG_PARENT,
+            keep_alive=request.keep_alive, world_key=request.world_key,
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
@@ -274,6 +275,12 @@ class LocalLauncher(Launcher):
         except OSError as exc:
             raise run_dir.write_failed(exc) from exc
         return LocalJob(self, request, run_dir)
+
+    def release_hot(self) -> None:
+        """End every idle hot rank now (a running call's ranks end with it)."""
+        client = self._client
+        if client is not None and client.alive:
+            client.send(p.ReleaseHot())
 
     def shutdown(self) -> None:
         """Stop the supervisor and everything it runs (at exit, or on %unload_ext)."""

@@ -39,6 +39,10 @@ class JobRequest:
     hooks: tuple[str, ...] = ()
     #: Start ranks from the warm helper (fork) rather than as fresh interpreters.
     warm: bool = True
+    #: Hot ranks: keep the ranks alive this many seconds after the call, for the next call of the same world.
+    keep_alive: float | None = None
+    #: What makes two calls the same world (ranks, accelerator type, environment, sys.path): a digest.
+    world_key: str = ""
 
 
 # -- supervisor requests (local launcher only) ---------------------------------------
@@ -65,6 +69,8 @@ class LaunchJob(Message):
     run_dir: str
     env: dict[str, str]
     package_parent: str
+    keep_alive: float | None = None
+    world_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,11 @@ class StopJob(Message):
 @dataclass(frozen=True)
 class Retire(Message):
     """Finish the jobs in hand, take no new ones, then exit."""
+
+
+@dataclass(frozen=True)
+class ReleaseHot(Message):
+    """End every idle hot rank now (their GPU memory is freed)."""
 
 
 # -- events ------------------------------------------------------------------------

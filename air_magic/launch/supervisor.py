@@ -16,6 +16,12 @@ as defined in protocol.py.
   sys.path would import another copy of a preloaded package, or an
   environment variable read at import time differs; the runner then starts a
   fresh supervisor.
+- Hot ranks: a job with `keep_alive` leaves its workers alive after the call,
+  each waiting on a command pipe, with its rendezvous store; the next job of
+  the same world runs in them (a line on each pipe names its run directory and
+  environment) and each reports "done <code>" on its own pipe instead of
+  exiting. Idle past `keep_alive`, after a failure or a stop, on ReleaseHot,
+  retirement or close, the pool's whole tree is stopped.
 - Clean-up: it is a child subreaper, so processes a worker leaves behind are
   re-parented here and can still be found (by the AIR_MAGIC_JOB variable they
   inherit) and ended. End-of-file on stdin, or a new parent pid, means the
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import random
 import select
@@ -64,6 +71,7 @@ class Job:
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
     exited: dict[int, int] = field(default_factory=dict)  # rank -> return code
     stopper: Stopper | None = None
+    pool: Pool | None = None
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -72,6 +80,35 @@ class Job:
     @property
     def live_workers(self) -> list[int]:
         return [pid for rank, pid in self.pids.items() if rank not in self.exited]
+
+
+@dataclass
+class Pool:
+    """Hot ranks: live workers of one world, their command and done pipes, and their rendezvous store."""
+
+    key: str
+    world_size: int
+    keep_alive: float
+    port: int
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    cmd: dict[int, int] = field(default_factory=dict)  # rank -> write end of its command pipe
+    done: dict[int, int] = field(default_factory=dict)  # rank -> read end of its done pipe
+    buffers: dict[int, bytes] = field(default_factory=dict)
+    store_pid: int | None = None
+    job: str | None = None  # the job running in it now
+    idle_since: float | None = None
+
+    def fds(self) -> list[int]:
+        return [*self.cmd.values(), *self.done.values()]
+
+    def close_fds(self) -> None:
+        for fd in self.fds():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.cmd.clear()
+        self.done.clear()
 
 
 def _emit(event: p.Event) -> None:
@@ -135,6 +172,8 @@ class Supervisor:
         self.wake: tuple[int, int] | None = None
         self.preloaded = Preloaded(warm)
         self.warm = warm
+        self.pools: list[Pool] = []
+        self.releasing: list[Stopper] = []
 
     # -- requests ----------------------------------------------------------
     def handle(self, msg: p.Message) -> None:
@@ -150,6 +189,9 @@ class Supervisor:
                     _emit(p.JobGone(msg.job))
         elif isinstance(msg, p.Retire):
             self.retiring = True
+            self.release_idle()
+        elif isinstance(msg, p.ReleaseHot):
+            self.release_idle()
         elif isinstance(msg, p.StopJob):
             job = self.jobs.get(msg.job)
             if job is not None:
@@ -164,6 +206,9 @@ class Supervisor:
                 return
         job = Job(msg.job, msg.world_size)
         self.jobs[job.id] = job
+        hot = bool(msg.keep_alive) and fork
+        if hot and self.run_hot(job, msg):
+            return
         env = dict(msg.env)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -180,10 +225,24 @@ class Supervisor:
         sock.close()
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        pool = None
+        if hot:
+            pool = job.pool = Pool(msg.world_key, job.world_size, float(msg.keep_alive or 0), port, job=job.id)
+            pool.store_pid, job.store_pid = job.store_pid, None  # the store lives as long as the pool
+            self.pools.append(pool)
+            pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
         for rank in range(job.world_size):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
             log = str(RunDir(Path(msg.run_dir)).log(rank))
-            if fork:
+            if pool is not None:
+                (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
+                rank_env["AIR_MAGIC_HOT_FDS"] = f"{cmd_r},{done_w}"
+                others = [fd for r, pair in pipes.items() for fd in (*pair[0], *pair[1]) if r != rank]
+                pid = self.fork_worker(msg.run_dir, rank, rank_env, log, close=[cmd_w, done_r, *others])
+                os.close(cmd_r)
+                os.close(done_w)
+                pool.cmd[rank], pool.done[rank], pool.pids[rank] = cmd_w, done_r, pid
+            elif fork:
                 pid = self.fork_worker(msg.run_dir, rank, rank_env, log)
             else:
                 pid = os.posix_spawn(
@@ -226,10 +285,88 @@ class Supervisor:
         serve(fd, port, n)
         return 0
 
-    def fork_worker(self, run_dir: str, rank: int, env: dict[str, str], log: str) -> int:
+    def run_hot(self, job: Job, msg: p.LaunchJob) -> bool:
+        """Run `job` in an idle pool of the same world, if there is one; True if it did."""
+        pool = next((q for q in self.pools if q.job is None and q.key == msg.world_key), None)
+        if pool is None or pool.world_size != job.world_size:
+            return False
+        pool.job, pool.idle_since, job.pool, job.port = job.id, None, pool, pool.port
+        env = dict(msg.env)
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pool.port), WORLD_SIZE=str(job.world_size),
+            LOCAL_WORLD_SIZE=str(job.world_size), NODE_RANK="0", GROUP_RANK="0", AIR_MAGIC_JOB=job.id,
+            AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()), TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT="0",
+        )
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        for rank, pid in pool.pids.items():
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")
+            line = json.dumps({"run_dir": msg.run_dir, "env": rank_env}).encode() + b"\n"
+            job.pids[rank] = pid
+            self.owner[pid] = (job.id, rank)
+            try:
+                os.write(pool.cmd[rank], line)  # a pipe buffer holds far more than one line: this never blocks long
+            except OSError:
+                pass  # the rank is gone: its exit is reaped and reported
+            _emit(p.RankStarted(job.id, rank, pid))
+        return True
+
+    def read_done(self, pool: Pool, rank: int) -> None:
+        """A hot rank wrote "<exit code>" on its done pipe: its call is over, the process stays."""
+        try:
+            data = os.read(pool.done[rank], 4096)
+        except OSError:
+            data = b""
+        if not data:
+            os.close(pool.done.pop(rank))
+            return  # it exited: reap() reports it
+        pool.buffers[rank] = pool.buffers.get(rank, b"") + data
+        while b"\n" in pool.buffers[rank]:
+            line, pool.buffers[rank] = pool.buffers[rank].split(b"\n", 1)
+            job = self.jobs.get(pool.job or "")
+            if job is not None and rank not in job.exited:
+                code = int(line or b"1")
+                job.exited[rank] = code
+                _emit(p.RankExited(job.id, rank, code, time.time()))
+                if code != 0:
+                    self.release(pool)  # a rank that failed is not reused: the next call gets fresh ranks
+
+    def pool_processes(self, pool: Pool) -> list[psutil.Process]:
+        found: list[psutil.Process] = []
+        for pid in [*pool.pids.values(), *([pool.store_pid] if pool.store_pid else [])]:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found += [proc, *proc.children(recursive=True)]
+            except psutil.Error:
+                pass
+        return found
+
+    def release(self, pool: Pool) -> None:
+        """End a pool's whole tree (workers, what they started, its store): SIGTERM, grace, SIGKILL."""
+        if pool not in self.pools:
+            return
+        self.pools.remove(pool)
+        pool.close_fds()  # each worker reads end-of-file on its command pipe and exits by itself
+        stopper = Stopper(lambda: self.pool_processes(pool), lambda: list(pool.pids.values()), STOP_GRACE)
+        stopper.begin()
+        self.releasing.append(stopper)
+
+    def release_idle(self) -> None:
+        for pool in [q for q in self.pools if q.job is None]:
+            self.release(pool)
+
+    def fork_worker(self, run_dir: str, rank: int, env: dict[str, str], log: str, close: list[int] = ()) -> int:  # type: ignore[assignment]
         def body() -> int:
             from .worker import run_forked
 
+            for fd in close:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # already closed with the pools' ends
             _reset_inherited_state(env)
             run_forked(Path(run_dir), rank)  # ends the process
             return 70
@@ -248,8 +385,8 @@ class Supervisor:
             out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(out, 1)
             os.dup2(out, 2)
-            for fd in (null, out, *(self.wake or ())):
-                os.close(fd)
+            for fd in (null, out, *(self.wake or ()), *(fd for pool in self.pools for fd in pool.fds())):
+                os.close(fd)  # no child holds another's pipes: a hot rank sees end-of-file when its pool goes
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
@@ -283,6 +420,7 @@ class Supervisor:
             mine = []
         me = os.getpid()
         known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
+        known |= {q.store_pid for q in self.pools if q.store_pid is not None}
         for c in mine:
             if c.pid in found or c.pid in known:
                 continue
@@ -312,6 +450,8 @@ class Supervisor:
         if job.stopper is None:
             job.stopper = Stopper(lambda: self.processes(job).values(), lambda: job.live_workers, grace)
             job.stopper.begin()
+            if job.pool is not None:
+                self.release(job.pool)  # a stopped call leaves no hot ranks: their state is unknown
 
     # -- the loop ----------------------------------------------------------
     def reap(self) -> None:
@@ -323,17 +463,24 @@ class Supervisor:
             if pid == 0:
                 return
             owner = self.owner.pop(pid, None)
+            for pool in [q for q in self.pools if pid in q.pids.values()]:
+                self.release(pool)  # a hot rank died (crash, OOM, kill): the rest of its world is no use
             if owner is None:
                 self.store_exited(pid, os.waitstatus_to_exitcode(status))
                 continue  # the store, or an adopted orphan
             job = self.jobs.get(owner[0])
-            if job is not None:
+            if job is not None and owner[1] not in job.exited:
                 code = os.waitstatus_to_exitcode(status)
                 job.exited[owner[1]] = code
                 _emit(p.RankExited(job.id, owner[1], code, time.time()))
 
     def store_exited(self, pid: int, code: int) -> None:
         """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
+        for pool in [q for q in self.pools if q.store_pid == pid]:
+            pool.store_pid = None
+            self.release(pool)
+            if pool.job in self.jobs:
+                self.jobs[pool.job].store_pid = pid  # reported below like any job's store
         for job in self.jobs.values():
             if job.store_pid == pid:
                 job.store_pid = None
@@ -345,6 +492,15 @@ class Supervisor:
                     self.stop(job, STOP_GRACE)
 
     def tick(self) -> None:
+        now = time.monotonic()
+        for stopper in list(self.releasing):
+            if list(stopper.find()):
+                stopper.tick()
+            else:
+                self.releasing.remove(stopper)
+        for pool in [q for q in self.pools if q.job is None]:
+            if now - (pool.idle_since or now) >= pool.keep_alive:
+                self.release(pool)  # idle for keep_alive seconds: free its memory
         for job in list(self.jobs.values()):
             if job.stopper is not None:
                 job.stopper.tick()
@@ -362,9 +518,18 @@ class Supervisor:
                 continue
             if not leftovers:
                 del self.jobs[job.id]
+                if job.pool is not None and job.pool in self.pools:
+                    job.pool.job, job.pool.idle_since = None, time.monotonic()  # ready for the next call
+                    for rank, pid in job.pool.pids.items():
+                        self.owner[pid] = ("", rank)
                 _emit(p.JobGone(job.id))
 
     def run(self) -> None:
+        import gc
+
+        # What was preloaded (torch: hundreds of thousands of objects) is never garbage: keep it out of every
+        # collection in the workers forked from here, which also keeps its memory pages shared with them.
+        gc.freeze()
         become_subreaper()
         self.wake = os.pipe()
         rfd, wfd = self.wake
@@ -375,8 +540,12 @@ class Supervisor:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _emit(p.Ready(os.getpid(), sorted(self.preloaded.modules)))
         buf = b""
-        while not ((self.closing or self.retiring) and not self.jobs):
-            ready, _, _ = select.select([0, rfd] if not self.closing else [rfd], [], [], _TICK)
+        while not ((self.closing or self.retiring) and not self.jobs and not self.releasing):
+            done = {fd: (pool, rank) for pool in self.pools for rank, fd in pool.done.items()}
+            ready, _, _ = select.select([*([0] if not self.closing else []), rfd, *done], [], [], _TICK)
+            for fd in ready:
+                if fd in done:
+                    self.read_done(*done[fd])
             if rfd in ready:
                 os.read(rfd, 4096)
             if 0 in ready:
@@ -400,6 +569,8 @@ class Supervisor:
         self.closing = True
         for job in self.jobs.values():
             self.stop(job, STOP_GRACE)
+        for pool in list(self.pools):
+            self.release(pool)
 
 
 def _reset_inherited_state(env: dict[str, str]) -> None:

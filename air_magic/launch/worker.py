@@ -28,6 +28,8 @@ from .errorfile import write_error_file
 from .rundir import RunDir
 from .stopper import die_with_parent
 
+#: A hot rank idle this long after a call collects garbage and empties the CUDA cache.
+_TIDY_AFTER = 0.2
 #: Hook modules this process imported for the job (see JobRequest.hooks); flushed at the end.
 _hooks: list[ModuleType] = []
 
@@ -43,7 +45,8 @@ def _install_hooks(names: list[str]) -> None:
         install = getattr(module, "install", None)
         if install is not None:
             install()
-        _hooks.append(module)
+        if module not in _hooks:
+            _hooks.append(module)
 
 
 def _apply_caller_context(spec: dict) -> None:
@@ -129,7 +132,111 @@ def finish(code: int) -> None:
 def run_forked(run_dir: Path, rank: int) -> None:
     """Entry point of a worker forked from the warm supervisor."""
     _die_with_parent()  # the parent-death signal does not survive fork
+    hot = os.environ.get("AIR_MAGIC_HOT_FDS")
+    if hot:
+        _keep_process_group()
+        cmd, done = (int(fd) for fd in hot.split(","))
+        finish(_serve_hot(run(run_dir, rank), rank, cmd, done))
     finish(run(run_dir, rank))
+
+
+# -- hot ranks ------------------------------------------------------------------
+def _keep_process_group() -> None:
+    """In a hot rank: `init_process_group()` returns with the group that exists, `destroy_process_group()` keeps it.
+
+    Another backend than the one the group has is a clear error, not a silent second group.
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    init, destroy = c10d.init_process_group, c10d.destroy_process_group
+
+    def init_process_group(backend: object = None, *args: object, **kwargs: object) -> None:
+        if not dist.is_initialized():
+            return init(backend, *args, **kwargs)  # type: ignore[arg-type]
+        have = str(dist.get_backend()).lower()
+        if backend is not None and str(backend).lower() not in have:
+            raise ValueError(
+                f"this hot rank already holds a {have!r} process group, so init_process_group({backend!r}) cannot "
+                "make another; use the same backend in every call, or release the hot ranks (%distributed_release "
+                "or the panel's Release button) to start fresh ones."
+            )
+        return None
+
+    def destroy_process_group(group: object = None) -> None:
+        if group is None or group is c10d.GroupMember.WORLD:
+            return None  # kept for the next call; it ends with the hot rank
+        return destroy(group)  # type: ignore[arg-type]
+
+    for module in (dist, c10d):
+        setattr(module, "init_process_group", init_process_group)  # noqa: B010 - patched on purpose
+        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
+
+
+def _end_call() -> None:
+    """A hot rank's call is over: hooks send what they hold (metrics) and output is flushed, before it says so."""
+    for hook in _hooks:
+        reset = getattr(hook, "reset", None)
+        if reset is not None:
+            reset()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _tidy() -> None:
+    """While a hot rank waits for the next call: collect garbage and empty the CUDA cache."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _read_line(fd: int) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def _serve_hot(code: int, rank: int, cmd: int, done: int) -> int:
+    """Report each call's end on `done`, then run the next call `cmd` names, until a call fails or the pool goes."""
+    while code == 0:
+        _end_call()
+        try:
+            os.write(done, b"0\n")
+        except OSError:
+            return 0  # the supervisor is gone
+        import select
+
+        if not select.select([cmd], [], [], _TIDY_AFTER)[0]:
+            _tidy()  # no call right away: tidy up while waiting, so a quick re-run does not wait for it
+        line = _read_line(cmd)
+        if not line:
+            return 0  # released: end-of-file on the command pipe
+        message = json.loads(line)
+        os.environ.clear()
+        os.environ.update(message["env"])
+        run_dir = RunDir(Path(message["run_dir"]))
+        log = os.open(run_dir.log(rank), os.O_WRONLY | os.O_APPEND)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        code = run(run_dir.path, rank)
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,165 @@
+"""Hot ranks (keep_alive): the next call of the same world runs in the ranks of the last one, and they always end."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+from faults_common import Recorder, alive, here_runs, run_here  # noqa: F401 - here_runs is a fixture
+
+from air_magic.launch.local import local_launcher
+from helpers import leftover_processes
+
+pytestmark = pytest.mark.usefixtures("here_runs")
+
+
+@pytest.fixture(autouse=True)
+def released():
+    """Every test ends with the hot ranks released (the leak check would see them otherwise)."""
+    yield
+    local_launcher().release_hot()
+
+
+def allreduce(x: int):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()  # kept for the next call in a hot rank
+    return (t.item() + x, os.environ["RANK"], os.environ["WORLD_SIZE"], os.getpid())
+
+
+def fails_on_rank_1():
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if os.environ["RANK"] == "1":
+        raise KeyError("rank 1 fails")
+    return os.getpid()
+
+
+def other_backend():
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+
+
+def pids(result) -> list[int]:
+    return [v[-1] for v in result.values]
+
+
+def test_hot_calls_give_the_results_of_cold_ones_in_the_same_processes():
+    """Calls with keep_alive return what cold calls return, and the second runs in the first call's processes."""
+    cold = run_here(allreduce, 5)
+    first = run_here(allreduce, 1, keep_alive=60)
+    second = run_here(allreduce, 5, keep_alive=60)
+    assert [v[:3] for v in second.values] == [v[:3] for v in cold.values] == [(8.0, "0", "2"), (8.0, "1", "2")]
+    assert pids(second) == pids(first) and alive(pids(first)) == pids(first)
+    assert pids(cold) != pids(first)
+
+
+def test_a_hot_rank_that_raised_is_replaced_and_errors_match_cold_ones():
+    """The error of a hot call is the cold one's; the ranks of a failed call are not reused."""
+    warm = run_here(allreduce, 0, keep_alive=60)
+    with pytest.raises(KeyError, match="rank 1 fails") as hot:
+        run_here(fails_on_rank_1, keep_alive=60)
+    with pytest.raises(KeyError, match="rank 1 fails") as cold:
+        run_here(fails_on_rank_1)
+    assert hot.value.__notes__[0].split(";")[0] == cold.value.__notes__[0].split(";")[0] == "raised on rank 1 of 2"
+    after = run_here(allreduce, 0, keep_alive=60)
+    assert not set(pids(after)) & set(pids(warm)), "fresh ranks after a failure"
+    assert alive(pids(warm)) == []
+
+
+def test_another_world_or_environment_starts_fresh_ranks():
+    """A changed environment or world size does not run in the hot ranks of another world."""
+    base = run_here(allreduce, 0, keep_alive=60)
+    other_env = run_here(allreduce, 0, keep_alive=60, env={"AIR_MAGIC_TEST_MARK": "1"})
+    one_rank = run_here(allreduce, 0, keep_alive=60, num_accelerators=1)
+    again = run_here(allreduce, 0, keep_alive=60)
+    assert not set(pids(other_env)) & set(pids(base)) and not set(pids(one_rank)) & set(pids(base))
+    assert pids(again) == pids(base), "the first world is still hot"
+    assert one_rank.values[0][:3] == (1.0, "0", "1")
+
+
+def test_init_process_group_with_another_backend_in_a_hot_rank_is_a_clear_error():
+    """A hot rank holding a gloo group refuses to make an nccl one, saying how to get fresh ranks."""
+    run_here(allreduce, 0, keep_alive=60)
+    with pytest.raises(ValueError, match="already holds a 'gloo' process group.*distributed_release"):
+        run_here(other_backend, keep_alive=60)
+
+
+def test_idle_hot_ranks_end_after_keep_alive_and_release_ends_them_at_once():
+    """Hot ranks idle past keep_alive exit by themselves; release_hot ends them at once."""
+    short = run_here(allreduce, 0, keep_alive=1)
+    assert alive(pids(short)) == pids(short)
+    deadline = time.monotonic() + 15
+    while alive(pids(short)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids(short)) == []
+    long = run_here(allreduce, 0, keep_alive=600)
+    local_launcher().release_hot()
+    deadline = time.monotonic() + 15
+    while alive(pids(long)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids(long)) == []
+
+
+def test_cancel_during_a_hot_call_ends_the_hot_ranks_and_everything_they_started():
+    """Cancel while a hot call runs stops its ranks and their children; the next call gets fresh ranks."""
+    before = {p.pid for p in psutil.process_iter()}
+    first = run_here(allreduce, 0, keep_alive=60)
+
+    def hangs():
+        import subprocess
+        import time
+
+        subprocess.Popen(["sleep", "300"])
+        print("hanging", flush=True)
+        time.sleep(300)
+
+    rec = Recorder(cancel_when="hanging")
+    with pytest.raises(Exception, match="cancelled"):
+        run_here(hangs, keep_alive=60, listener=rec)
+    assert alive(pids(first)) == []
+    assert leftover_processes(before, wait=10, kind="job") == []
+
+
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+def test_cells_with_keep_alive_log_each_call_to_its_own_run_and_interrupt_or_release_end_them(kernel, workdir):
+    """Hot %%distributed cells log metrics to each cell's own MLflow run; Ctrl-C and %distributed_release end the ranks."""
+    mlflow = pytest.importorskip("mlflow")
+    kernel.execute("%load_ext air_magic").check()
+    cell = (
+        "%%distributed --gpus 2 --keep-alive 60\n"
+        "import os, mlflow\nmlflow.log_metric('step_rank', float(os.environ['RANK']) + {n})\nos.getpid()"
+    )
+    outs = [kernel.execute(cell.format(n=n)).check() for n in (10, 20)]
+    assert outs[0].result == outs[1].result, "the second cell ran in the first cell's processes"
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    for n, out in zip((10, 20), outs):
+        run_id = out.stdout.split("MLflow run: ")[1].split()[0].rsplit("/", 1)[-1]
+        values = sorted(m.value for m in client.get_metric_history(run_id, "step_rank"))
+        assert values == [n, n + 1], f"run of the call with {n}: {values}"
+    hot = eval(outs[1].result)
+
+    before = {p.pid for p in psutil.process_iter()}
+    msg = kernel.send("%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    out = kernel.collect(msg, timeout=120, interrupt_when=lambda o: o.stdout.count("] sleeping") == 2)
+    assert out.ename == "KeyboardInterrupt"
+    assert alive(hot) == [] and leftover_processes(before, wait=10, kind="job") == []
+
+    again = eval(kernel.execute("%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport os\nos.getpid()").check().result)
+    assert alive(again) == again and not set(again) & set(hot)
+    kernel.execute("%distributed_release").check()
+    deadline = time.monotonic() + 15
+    while alive(again) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(again) == []
