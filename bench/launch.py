@@ -1,9 +1,11 @@
-"""Launch benchmark: air_magic (first call, fresh-process and warm) vs torchrun vs accelerate's notebook_launcher.
+"""Launch benchmark: air_magic (first call, fresh-process, warm, hot) vs torchrun vs accelerate's notebook_launcher.
 
 Every method runs the same trivial job (init the process group, all-reduce one
 tensor, destroy the group) on N ranks, timed from the call to the results back,
 inside one real Jupyter kernel, in the same run. GPUs and nccl when the node
-has them, else CPU workers and gloo.
+has them, else CPU workers and gloo. "hot" is keep_alive: the ranks of the
+previous call run the job again; "hot, logs to MLflow" also logs one metric
+to the call's own MLflow run (made and ended in the notebook, part of the time).
 
     python bench/launch.py [--ranks 2] [--repeat 5] [--out bench/results/launch.json]
 """
@@ -36,6 +38,10 @@ def job():
     value = t.item()
     dist.destroy_process_group()
     return value
+def job_logs():
+    import mlflow
+    mlflow.log_metric("x", 1.0)
+    return job()
 '''
 
 SETUP = '''
@@ -56,6 +62,8 @@ CALLS = {
     "air_magic first call (starts helper)": "clock(NAME, lambda: distributed(N, mlflow=False)(job).distributed())",
     "air_magic warm": "clock(NAME, lambda: distributed(N, mlflow=False, warm=True)(job).distributed())",
     "air_magic fresh processes (warm=False)": "clock(NAME, lambda: distributed(N, mlflow=False, warm=False)(job).distributed())",
+    "air_magic hot (keep_alive)": "clock(NAME, lambda: distributed(N, mlflow=False, keep_alive=600)(job).distributed())",
+    "air_magic hot, logs to MLflow": "clock(NAME, lambda: distributed(N, keep_alive=600)(job_logs).distributed())",
     "torchrun": "clock(NAME, lambda: subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(N), {script!r}], check=True, capture_output=True))",
     "accelerate notebook_launcher": "from accelerate import notebook_launcher; clock(NAME, lambda: notebook_launcher(job, num_processes=N))",
 }
@@ -70,7 +78,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="air-magic-bench-"))
     (work / "runs").mkdir()
     script = str(work / "job.py")
-    k = Kernel(work, env={"AIR_MAGIC_RUNS_DIR": str(work / "runs")})
+    k = Kernel(work, env={"AIR_MAGIC_RUNS_DIR": str(work / "runs"), "AIR_MAGIC_DISPLAY": "text",
+                          "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db"})
     try:
         k.execute(SETUP.format(job=JOB, ranks=args.ranks, script=script, job_src=JOB)).check()
         k.execute(f"NAME = {list(CALLS)[0]!r}\n" + CALLS[list(CALLS)[0]]).check()
