@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, Kernel, leftover_processes
+from helpers import ROOT, SESSION, Kernel, leftover_processes
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -22,13 +22,17 @@ LINK = re.compile(r"MLflow run: (\S+)")
 
 
 def mlflow_ui_processes(before: set[int] = frozenset()) -> list[psutil.Process]:
-    """Live processes whose command line runs `mlflow ui` or `mlflow server`, not in `before`."""
+    """Live processes of this test session whose command line runs `mlflow ui` or `mlflow server`, not in `before`."""
     found = []
     for proc in psutil.process_iter():
         if proc.pid in before:
             continue
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE and UI_PATTERN.search(" ".join(proc.cmdline())):
+            if (
+                proc.status() != psutil.STATUS_ZOMBIE
+                and UI_PATTERN.search(" ".join(proc.cmdline()))
+                and proc.environ().get("AIR_MAGIC_TEST_SESSION") == SESSION
+            ):
                 found.append(proc)
         except psutil.Error:
             pass
