@@ -153,3 +153,21 @@ def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the
         "    print(e.args[0].device, torch.cuda.is_initialized())"
     ).check()
     assert out.stdout.strip() == "cpu False", out.stdout
+
+
+def test_hot_ranks_keep_their_cuda_context_and_free_the_gpu_when_released(kernel):
+    """With keep_alive the next call runs in the same GPU processes; %distributed_release leaves no GPU memory in use."""
+    kernel.execute(DDP).check()
+    kernel.execute("%load_ext air_magic").check()
+    before = gpu_pids()
+    first = kernel.execute("hot = train.with_overrides(keep_alive=120)\nhot.distributed(steps=3, lr=0.01)").check()
+    held = gpu_pids() - before
+    assert len(held) == gpu_count(), "each hot rank keeps its CUDA context"
+    second = kernel.execute("res = hot.distributed(steps=3, lr=0.01); print(res)").check()
+    assert gpu_pids() - before == held, "the second call ran in the same processes"
+    assert first.error is None and second.error is None
+    kernel.execute("%distributed_release").check()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and gpu_pids() - before:
+        time.sleep(0.5)
+    assert gpu_pids() - before == set()
