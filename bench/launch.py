@@ -31,7 +31,7 @@ import os, torch, torch.distributed as dist
 def job():
     gpu = torch.cuda.is_available()
     if gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # notebook_launcher sets none for 1 process
     dist.init_process_group("nccl" if gpu else "gloo")
     t = torch.ones(1, device="cuda" if gpu else "cpu")
     dist.all_reduce(t)

@@ -6,7 +6,7 @@ import time
 
 import psutil
 import pytest
-from helpers import REAL_NODE, gpu_count
+from helpers import REAL_NODE, Kernel, gpu_count, kernel_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -133,8 +133,16 @@ def test_nccl_job_listens_on_loopback_only(kernel):
     assert all(addr.ip == "127.0.0.1" for addr in listening), listening
 
 
-def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the_kernel(kernel):
+def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the_kernel(workdir):
     """A rank returning CUDA tensors (a state_dict) or raising with one hands the kernel CPU tensors; CUDA stays off there."""
+    kernel = Kernel(workdir, env=kernel_env(workdir, **REAL_NODE))  # a kernel that never touched CUDA itself
+    try:
+        _tensors_come_back_on_cpu(kernel)
+    finally:
+        kernel.shutdown()
+
+
+def _tensors_come_back_on_cpu(kernel: Kernel) -> None:
     kernel.execute(
         "from air_magic import distributed\n"
         "@distributed()\ndef gives(fail):\n    import os, torch\n    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
