@@ -163,3 +163,34 @@ def test_cells_with_keep_alive_log_each_call_to_its_own_run_and_interrupt_or_rel
     while alive(again) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive(again) == []
+
+
+def ddp_losses(steps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(1 + dist.get_rank())
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    dist.destroy_process_group()
+    return losses
+
+
+def test_ddp_training_rerun_on_hot_ranks_gives_the_losses_of_a_fresh_run():
+    """The same seeded DDP training gives identical losses fresh, then twice on hot ranks."""
+    fresh = run_here(ddp_losses, 20).values
+    hot = [run_here(ddp_losses, 20, keep_alive=60).values for _ in range(3)]
+    assert hot[0] == hot[1] == hot[2] == fresh
+    assert fresh[0][-1] < fresh[0][0]
