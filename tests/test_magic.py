@@ -215,11 +215,14 @@ def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_p
         f.write(CONFIG_OVERRIDES)
     notebook = Kernel(workdir, {**kernel_env(workdir), "IPYTHONDIR": str(tmp_path / "ipython")})
     try:
-        out = notebook.execute("%%distributed\nimport os\nint(os.environ['WORLD_SIZE'])").check(clean_stderr=True)
-        assert out.result == "[3, 3, 3]"
-        spec = "get_ipython().magics_manager.registry['DistributedMagics'].last_result.spec"
-        assert notebook.value(f"{spec}.timeout, {spec}.accelerator_type, {spec}.mlflow") == "(4.0, 'CPU', False)"
         magics = "get_ipython().magics_manager.registry['DistributedMagics']"
+        defaults = notebook.value(f"{magics}.settings('').timeout, {magics}.settings('').accelerator_type, {magics}.settings('').mlflow")
+        assert defaults == "(4.0, 'CPU', False)"
+        # a first call on a busy machine may take longer than the configured 4 s: this cell gives its own limit
+        out = notebook.execute("%%distributed --timeout 600\nimport os\nint(os.environ['WORLD_SIZE'])").check(clean_stderr=True)
+        assert out.result == "[3, 3, 3]"
+        spec = f"{magics}.last_result.spec"
+        assert notebook.value(f"{spec}.accelerator_type, {spec}.mlflow") == "('CPU', False)"
         assert notebook.value(f"{magics}.settings('--timeout none --gpus 2').timeout") == "None"
         assert notebook.value(f"{magics}.settings('--timeout 60').num_accelerators") == "3"
 
