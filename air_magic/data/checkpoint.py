@@ -3,7 +3,7 @@
 They are torch's `FileSystemWriter` / `FileSystemReader` with the file system
 swapped: a local path (or `file://`) is written in place, with torch's own
 fsync-then-rename; any other URL goes through a private local staging
-directory. A file is written and fsynced there, closed, uploaded with retries,
+directory. A file is written there, closed, uploaded with retries,
 its remote size checked, and only then does the write return, so every stream
 is complete before `save` (or the future of `async_save`) returns. `.metadata`
 is published last, by a rename of a finished temporary object, and an
@@ -85,8 +85,7 @@ class _StagedFileSystem(FileSystemBase):
                 return
             with open(local, mode) as stream:
                 yield cast(io.IOBase, stream)
-                stream.flush()
-                os.fsync(stream.fileno())
+            # Closed (torch may close it itself): complete on local disk. The upload is checked below.
             size = os.path.getsize(local)
 
             def upload() -> None:
