@@ -122,13 +122,16 @@ class FileCache:
             parts[entry.name] = int(m["size"])
         pinned: set[str] = set()
         for entry in os.scandir(os.path.join(self.directory, "pins")):
-            pid = int(entry.name) if entry.name.isdigit() else -1
+            owner = entry.name.split(".", 1)[0]
+            pid = int(owner) if owner.isdigit() else -1
             if pid == os.getpid():
                 continue
             if pid < 0 or not _alive(pid):
                 if clean:
                     _remove(entry.path)
                 continue
+            if entry.name != owner:
+                continue  # a pins file being rewritten: the current one is still there
             try:
                 with open(entry.path) as f:
                     pinned.update(line for line in f.read().split("\n") if line)
