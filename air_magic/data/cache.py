@@ -5,7 +5,8 @@ Layout under the cache directory (mode 0700):
     .lock                 flock'ed for every decision about space (short critical sections)
     data/<key>            complete files; their mtime is the last use (least recently used goes first)
     part/<key>.<pid>.<size>.part   a download in progress, counted at its full size
-    pins/<pid>            keys a live process still needs (prefetched, or yielded and maybe unread)
+    pins/<pid>            keys a live process still needs (prefetched, yielded and maybe unread, or
+                          about to be fetched), rewritten once per batch of upcoming files
 
 The filesystem is the only ledger, so nothing is lost or stuck when a process
 dies: the kernel drops a dead process's flock, and the next process to take the
@@ -78,6 +79,8 @@ class FileCache:
         self.backoff = backoff
         self.poll = poll
         self._pins: Counter[str] = Counter()
+        self._announced: set[str] = set()
+        self._published: set[str] = set()
         self._active = 0
         self._state = threading.Lock()
         for sub in ("", "data", "part", "pins"):
@@ -140,16 +143,28 @@ class FileCache:
         pinned.update(k for k, n in self._pins.items() if n > 0)
         return data, parts, pinned
 
-    def _write_pins(self) -> None:
+    def _publish(self) -> None:
+        """Write this process's pins file: its live pins plus the keys it announced it will need next."""
         path = os.path.join(self.directory, "pins", str(os.getpid()))
-        keys = [k for k, n in self._pins.items() if n > 0]
+        keys = {k for k, n in self._pins.items() if n > 0} | self._announced
+        self._published = keys
         if not keys:
             _remove(path)
             return
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            f.write("\n".join(keys) + "\n")
+            f.write("\n".join(sorted(keys)) + "\n")
         os.replace(tmp, path)
+
+    def announce(self, keys: list[str]) -> None:
+        """Keys this process will fetch soon: published as pins in one write, so pinning them later costs nothing.
+
+        Other processes do not evict them meanwhile (they are about to be read). Unpins are lazy: the
+        published set is a superset of the live pins until the next announcement rewrites it.
+        """
+        with self._state:
+            self._announced = set(keys)
+            self._publish()
 
     def unpin(self, key: str) -> None:
         """This process no longer needs `key`: it may be evicted."""
@@ -157,19 +172,19 @@ class FileCache:
             self._pins[key] -= 1
             if self._pins[key] <= 0:
                 del self._pins[key]
-                self._write_pins()
 
     def release_all(self) -> None:
-        """Drop every pin of this process (end of an iteration)."""
+        """Drop every pin and announcement of this process."""
         with self._state:
             self._pins.clear()
-            self._write_pins()
+            self._announced = set()
+            self._publish()
 
     def _pin(self, key: str) -> None:
         with self._state:
             self._pins[key] += 1
-            if self._pins[key] == 1:
-                self._write_pins()
+            if key not in self._published:
+                self._publish()
 
     def fetch(
         self, url: str, size: int, version: str, open_fs: Callable[[], Any], needed_now: Callable[[], bool],

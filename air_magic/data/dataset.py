@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .cache import FileCache
+from .cache import FileCache, cache_key
 from .order import SPLITS, Plan, worker_share
 from .source import Listing, filesystem, list_files, parse_size
 
@@ -184,13 +184,19 @@ class StreamingFileDataset(IterableDataset[Any]):
                 listing.url(index), listing.sizes[index], listing.versions[index], open_fs, lambda: head[0] >= pos, stop
             )
 
+        def key_of(index: int) -> str:
+            return cache_key(listing.url(index), listing.sizes[index], listing.versions[index])
+
         yielded: deque[str] = deque()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.prefetch, 16)), thread_name_prefix="air-magic-fetch")
         pending: deque[Future[str]] = deque()
         try:
             submitted = 0
+            window = 64 + self.prefetch
             for pos in range(len(files)):
                 head[0] = pos
+                if pos % 64 == 0:  # publish the next files as pinned in one write (see FileCache.announce)
+                    cache.announce([key_of(i) for i in files[pos:pos + window]] + [os.path.basename(k) for k in yielded])
                 while submitted < len(files) and submitted <= pos + self.prefetch:
                     pending.append(pool.submit(fetch, submitted))
                     submitted += 1
@@ -217,6 +223,7 @@ class StreamingFileDataset(IterableDataset[Any]):
                     cache.unpin(os.path.basename(fut.result()))
             for key in yielded:
                 cache.unpin(key)
+            cache.announce([])
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
