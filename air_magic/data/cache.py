@@ -8,7 +8,9 @@ Layout under the cache directory (mode 0700):
     pins/<pid>            keys a live process still needs (prefetched, yielded and maybe unread, or
                           about to be fetched), rewritten once per batch of upcoming files
 
-The filesystem is the only ledger, so nothing is lost or stuck when a process
+A reading process announces the next files it will read (one pins-file write
+per 64 files); nobody else evicts those, so it finds them cached without the
+lock. The filesystem is the only ledger, so nothing is lost or stuck when a process
 dies: the kernel drops a dead process's flock, and the next process to take the
 lock deletes the dead one's partial downloads and ignores its pins. Files are
 published with an atomic rename, so two runs sharing a directory never see a
@@ -140,7 +142,9 @@ class FileCache:
                     pinned.update(line for line in f.read().split("\n") if line)
             except FileNotFoundError:
                 continue
-        pinned.update(k for k, n in self._pins.items() if n > 0)
+        with self._state:
+            pinned.update(k for k, n in self._pins.items() if n > 0)
+            pinned.update(self._announced)  # needed soon by this process too
         return data, parts, pinned
 
     def _publish(self) -> None:
@@ -162,16 +166,32 @@ class FileCache:
         Other processes do not evict them meanwhile (they are about to be read). Unpins are lazy: the
         published set is a superset of the live pins until the next announcement rewrites it.
         """
-        with self._state:
+        with self._locked(), self._state:  # an eviction runs wholly before (then lookup misses) or after (then it sees them)
             self._announced = set(keys)
             self._publish()
 
+    def lookup(self, key: str) -> str | None:
+        """The cached path of an announced key, pinned, without taking the lock; None if it is not cached.
+
+        Safe without the lock: nobody evicts an announced key once `announce` returned (see there).
+        """
+        final = self.path(key)
+        if key not in self._announced:
+            return None
+        try:
+            os.utime(final)
+        except FileNotFoundError:
+            return None
+        self._pin(key)
+        return final
+
     def unpin(self, key: str) -> None:
-        """This process no longer needs `key`: it may be evicted."""
+        """This process no longer needs `key`: it may evict it (others may once the next announcement drops it)."""
         with self._state:
             self._pins[key] -= 1
             if self._pins[key] <= 0:
                 del self._pins[key]
+                self._announced.discard(key)
 
     def release_all(self) -> None:
         """Drop every pin and announcement of this process."""

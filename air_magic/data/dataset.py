@@ -184,23 +184,24 @@ class StreamingFileDataset(IterableDataset[Any]):
                 listing.url(index), listing.sizes[index], listing.versions[index], open_fs, lambda: head[0] >= pos, stop
             )
 
-        def key_of(index: int) -> str:
-            return cache_key(listing.url(index), listing.sizes[index], listing.versions[index])
+        keys = [cache_key(listing.url(i), listing.sizes[i], listing.versions[i]) for i in files]
 
         yielded: deque[str] = deque()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.prefetch, 16)), thread_name_prefix="air-magic-fetch")
-        pending: deque[Future[str]] = deque()
+        pending: deque[Future[str] | str] = deque()
         try:
             submitted = 0
             window = 64 + self.prefetch
             for pos in range(len(files)):
                 head[0] = pos
                 if pos % 64 == 0:  # publish the next files as pinned in one write (see FileCache.announce)
-                    cache.announce([key_of(i) for i in files[pos:pos + window]] + [os.path.basename(k) for k in yielded])
+                    cache.announce(keys[pos:pos + window] + list(yielded))
                 while submitted < len(files) and submitted <= pos + self.prefetch:
-                    pending.append(pool.submit(fetch, submitted))
+                    hit = cache.lookup(keys[submitted])  # a cached file needs no thread
+                    pending.append(hit if hit is not None else pool.submit(fetch, submitted))
                     submitted += 1
-                local = pending.popleft().result()
+                first = pending.popleft()
+                local = first if isinstance(first, str) else first.result()
                 key = os.path.basename(local)
                 if self.transform is not None:
                     try:
@@ -216,10 +217,13 @@ class StreamingFileDataset(IterableDataset[Any]):
         finally:
             stop.set()  # fetches still waiting for space give up
             for fut in pending:
-                fut.cancel()
+                if not isinstance(fut, str):
+                    fut.cancel()
             pool.shutdown(wait=True)
             for fut in pending:  # fetched ahead but never yielded
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                if isinstance(fut, str):
+                    cache.unpin(os.path.basename(fut))
+                elif fut.done() and not fut.cancelled() and fut.exception() is None:
                     cache.unpin(os.path.basename(fut.result()))
             for key in yielded:
                 cache.unpin(key)
