@@ -148,17 +148,18 @@ class FileCache:
         return data, parts, pinned
 
     def _publish(self) -> None:
-        """Write this process's pins file: its live pins plus the keys it announced it will need next."""
+        """Write this process's pins file: its live pins plus the keys it announced it will need next.
+
+        Called with the lock held (a reader never sees it half-written).
+        """
         path = os.path.join(self.directory, "pins", str(os.getpid()))
         keys = {k for k, n in self._pins.items() if n > 0} | self._announced
         self._published = keys
         if not keys:
             _remove(path)
             return
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        with open(path, "w") as f:  # in place: every reader holds the lock, as every writer does
             f.write("\n".join(sorted(keys)) + "\n")
-        os.replace(tmp, path)
 
     def announce(self, keys: list[str]) -> None:
         """Keys this process will fetch soon: published as pins in one write, so pinning them later costs nothing.
@@ -195,7 +196,7 @@ class FileCache:
 
     def release_all(self) -> None:
         """Drop every pin and announcement of this process."""
-        with self._state:
+        with self._locked(), self._state:
             self._pins.clear()
             self._announced = set()
             self._publish()

@@ -126,6 +126,7 @@ class StreamingFileDataset(IterableDataset[Any]):
         self._layout: tuple[int, int] | None = None  # (rank, world) fixed by the DataLoader, else detected
         self._cache: FileCache | None = None
         self._cache_pid = -1
+        self._keys: dict[int, str] = {}
 
     # -- order ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -184,7 +185,11 @@ class StreamingFileDataset(IterableDataset[Any]):
                 listing.url(index), listing.sizes[index], listing.versions[index], open_fs, lambda: head[0] >= pos, stop
             )
 
-        keys = [cache_key(listing.url(i), listing.sizes[i], listing.versions[i]) for i in files]
+        known = self._keys  # computed once per process and file, reused by later epochs
+        for i in files:
+            if i not in known:
+                known[i] = cache_key(listing.url(i), listing.sizes[i], listing.versions[i])
+        keys = [known[i] for i in files]
 
         yielded: deque[str] = deque()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.prefetch, 16)), thread_name_prefix="air-magic-fetch")
