@@ -121,14 +121,14 @@ def main() -> None:
             record("S3, plain fsspec loop", *timed(lambda: fsspec_loop(s3fs.S3FileSystem(skip_instance_cache=True), s3_names)))
             shutil.rmtree(cache_root, ignore_errors=True)
             ds = StreamingFileDataset(url, transform=read_length, cache_dir=cache_root, seed=rep)
-            record("S3, StreamingFileDataset, cold cache", *timed(lambda: epoch(ds)))
+            record("S3, StreamingFileDataset, cold cache", *timed(lambda ds=ds: epoch(ds)))
             ds.set_epoch(1)
-            record("S3, StreamingFileDataset, warm cache", *timed(lambda: epoch(ds)))
+            record("S3, StreamingFileDataset, warm cache", *timed(lambda ds=ds: epoch(ds)))
             record("local, plain fsspec loop", *timed(lambda: fsspec_loop(local_fs, paths)))
             plain = torch.utils.data.DataLoader(PathsDataset(paths), shuffle=True, **loader_kw)
-            record("local, plain DataLoader over paths", *timed(lambda: sum(int(b.sum()) for b in plain)))
+            record("local, plain DataLoader over paths", *timed(lambda plain=plain: sum(int(b.sum()) for b in plain)))
             local = StreamingFileDataset(src, transform=read_length, seed=rep)
-            record("local, StreamingFileDataset", *timed(lambda: epoch(local)))
+            record("local, StreamingFileDataset", *timed(lambda local=local: epoch(local)))
 
         table = {}
         for name, secs in results.items():

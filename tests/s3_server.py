@@ -34,7 +34,7 @@ class S3:
 
     endpoint: str
 
-    def fs(self):  # noqa: ANN201 - s3fs is untyped
+    def fs(self):
         """A fresh s3fs filesystem talking to the server."""
         import s3fs
 

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
+from s3_server import S3, s3  # noqa: F401 - s3 is a fixture
 
 from air_magic.data import DataLoader, StreamingFileDataset
-from helpers import ROOT
-from s3_server import S3, s3  # noqa: F401 - a fixture
 
 KIB = 1024
 

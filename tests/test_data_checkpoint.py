@@ -10,19 +10,19 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from s3_server import S3, here_runs, s3  # noqa: F401 - here_runs, s3: fixtures
 from torch.distributed.checkpoint import CheckpointException
 
 from air_magic import distributed
 from air_magic.data import CheckpointReader, CheckpointWriter
 from air_magic.data.checkpoint import _StagedFileSystem
-from s3_server import S3, here_runs, s3  # noqa: F401 - fixtures
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import the test module
 
@@ -134,8 +134,8 @@ def one_rank():
 class Recorder(_StagedFileSystem):
     """The staged file system, recording uploads and renames, and failing the upload of names in `fail`."""
 
-    events: list[str] = []
-    fail: set[str] = set()
+    events: ClassVar[list[str]] = []
+    fail: ClassVar[set[str]] = set()
 
     def init_path(self, path: Any, **kwargs: Any) -> str:
         url = super().init_path(path, **kwargs)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from s3_server import here_runs  # noqa: F401 - a fixture
 
 from air_magic import distributed
 from air_magic.data import DataLoader, StreamingFileDataset, UCVolumeDataset
 from air_magic.data.order import Plan, epoch_order
-from s3_server import here_runs  # noqa: F401 - a fixture
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import the test module
 

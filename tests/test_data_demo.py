@@ -9,7 +9,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
 from helpers import ROOT
 
 DEMOS = ROOT / "demo_notebooks"

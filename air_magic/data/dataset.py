@@ -142,9 +142,8 @@ class StreamingFileDataset(IterableDataset[Any]):
         )
 
     def __len__(self) -> int:
-        """Files this rank reads in a whole epoch."""
-        r, w = self._layout or _rank_and_world()
-        return Plan(len(self.listing), self.epoch, 0, r, w, self.split).rank_count()
+        """Files this rank reads in the rest of the current epoch."""
+        return self.plan().rank_count()
 
     # -- reading -------------------------------------------------------------------------------
     def _file_cache(self) -> FileCache:
