@@ -12,9 +12,10 @@ reads every file once per measurement, in the same run:
 
 Each reader reads the whole file in the worker (the usual place to decode) and
 hands back its length. Files per second and MB/s (10^6 bytes) are the median of
-`--repeat` epochs; the cold S3 epoch is measured with a fresh cache each time.
+`--repeat` S3 epochs (the cold one with a fresh cache each time) and of
+`--local-repeat` warm-cache and local epochs, interleaved.
 
-    python bench/data_read.py [--files 1000] [--size-kib 256] [--workers 2] [--repeat 3] [--out bench/results/data_read.json]
+    python bench/data_read.py [--files 2000] [--size-kib 64] [--workers 2] [--repeat 1] [--local-repeat 7]
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=1000)
-    parser.add_argument("--size-kib", type=int, default=256)
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--size-kib", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="epochs from S3 (slow: the cold cache each time)")
+    parser.add_argument("--local-repeat", type=int, default=7, help="warm-cache and local epochs, interleaved")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "data_read.json")
     args = parser.parse_args()
 
@@ -116,18 +118,22 @@ def main() -> None:
             results.setdefault(name, []).append(seconds)
             print(f"  {name}: {seconds:.3f} s", flush=True)
 
+        ds = StreamingFileDataset(url, transform=read_length, cache_dir=cache_root, seed=0)
         for rep in range(args.repeat):
-            print(f"epoch {rep + 1} of {args.repeat}", flush=True)
+            print(f"S3 epoch {rep + 1} of {args.repeat}", flush=True)
             record("S3, plain fsspec loop", *timed(lambda: fsspec_loop(s3fs.S3FileSystem(skip_instance_cache=True), s3_names)))
             shutil.rmtree(cache_root, ignore_errors=True)
             ds = StreamingFileDataset(url, transform=read_length, cache_dir=cache_root, seed=rep)
             record("S3, StreamingFileDataset, cold cache", *timed(lambda ds=ds: epoch(ds)))
-            ds.set_epoch(1)
+        plain = torch.utils.data.DataLoader(PathsDataset(paths), shuffle=True, **loader_kw)
+        local = StreamingFileDataset(src, transform=read_length)
+        for rep in range(args.local_repeat):  # interleaved, so a busy moment hits every reader alike
+            print(f"warm and local epoch {rep + 1} of {args.local_repeat}", flush=True)
+            ds.set_epoch(rep + 1)
             record("S3, StreamingFileDataset, warm cache", *timed(lambda ds=ds: epoch(ds)))
             record("local, plain fsspec loop", *timed(lambda: fsspec_loop(local_fs, paths)))
-            plain = torch.utils.data.DataLoader(PathsDataset(paths), shuffle=True, **loader_kw)
             record("local, plain DataLoader over paths", *timed(lambda plain=plain: sum(int(b.sum()) for b in plain)))
-            local = StreamingFileDataset(src, transform=read_length, seed=rep)
+            local.set_epoch(rep)
             record("local, StreamingFileDataset", *timed(lambda local=local: epoch(local)))
 
         table = {}
@@ -144,11 +150,13 @@ def main() -> None:
         }
         report = {
             "files": args.files, "file_size_bytes": size, "workers": args.workers, "batch_size": args.batch_size,
-            "repeat": args.repeat, "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "repeat": args.repeat, "local_repeat": args.local_repeat,
+            "load_average": os.getloadavg(), "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                                                "platform": platform.platform()},
             "results": table, "summary": summary,
         }
-        print(f"\n{args.files} files of {args.size_kib} KiB, {args.workers} DataLoader workers, median of {args.repeat}:")
+        print(f"\n{args.files} files of {args.size_kib} KiB, {args.workers} DataLoader workers, median of "
+              f"{args.repeat} S3 and {args.local_repeat} warm/local epochs; load average {os.getloadavg()}:")
         for name, row in table.items():
             print(f"  {name:42s} {row['files_per_s']:9.1f} files/s {row['MB_per_s']:8.1f} MB/s")
         print(f"  warm cache / plain local DataLoader: {summary['warm_cache_vs_plain_local_dataloader']:.3f}; "

@@ -18,6 +18,7 @@ from helpers import ROOT
 from s3_server import S3, s3  # noqa: F401 - s3 is a fixture
 
 from air_magic.data import DataLoader, StreamingFileDataset
+from air_magic.data.cache import CacheFullError
 
 KIB = 1024
 
@@ -171,3 +172,11 @@ def test_sigkill_mid_epoch_then_the_same_cache_serves_two_concurrent_runs(remote
     for run, out in zip(runs, outputs):
         assert run.returncode == 0 and f"OK {len(digests)}" in out, out
     assert list((cache / "part").iterdir()) == []
+
+
+def test_free_disk_floor_is_kept(remote, tmp_path: Path):
+    """A floor of free disk that cannot be kept fails the read, saying how much is free and what to change."""
+    url, _ = remote
+    ds = StreamingFileDataset(url, cache_dir=tmp_path / "c", min_free="100%", prefetch=0)
+    with pytest.raises(CacheFullError, match=r"bytes free on that disk and the cache keeps at least .* lower min_free"):
+        next(iter(ds))

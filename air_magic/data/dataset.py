@@ -13,6 +13,7 @@ the training loop and tells the dataset where to start.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -41,19 +42,13 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _min_free(value: int | str | None, directory: str) -> int:
-    if value is None:
+    """Bytes to keep free on the cache's disk: a size, or a share of the disk such as "5%"."""
+    if value is None or value == 0:
         return 0
     if isinstance(value, str) and value.strip().endswith("%"):
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        return int(shutil_total(directory) * float(value.strip()[:-1]) / 100)
+        return int(shutil.disk_usage(directory).total * float(value.strip()[:-1]) / 100)
     return parse_size(value) or 0
-
-
-def shutil_total(directory: str) -> int:
-    """Total bytes of the disk holding `directory`."""
-    import shutil
-
-    return shutil.disk_usage(directory).total
 
 
 class StreamingFileDataset(IterableDataset[Any]):

@@ -61,6 +61,12 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._settle()
         if int(epoch) != self._epoch:
             self._epoch, self._start = int(epoch), 0
+            self._retire()
+
+    def _retire(self) -> None:
+        """The live iterator, if any, stops: what comes next starts from (epoch, start)."""
+        if self._live is not None:
+            self._live.retired = True
             self._live = None
 
     def _settle(self) -> None:
@@ -80,9 +86,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> Any:  # type: ignore[override]  # torch's iterator, counted
         self._settle()
-        if self._live is not None:  # a new iteration continues from here; the old iterator stops
-            self._live.retired = True
-            self._live = None
+        self._retire()  # a new iteration continues from here; the old iterator stops
         dataset: StreamingFileDataset = self.dataset  # type: ignore[assignment]
         rank, world = _rank_and_world()
         dataset._layout = (rank, world)
@@ -126,7 +130,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             )
         if not 0 <= int(state["files_done"]) <= len(listing):
             raise ValueError(f"files_done={state['files_done']} is outside 0..{len(listing)}")
-        self._live = None
+        self._retire()
         self._epoch, self._start = int(state["epoch"]), int(state["files_done"])
 
 
