@@ -249,3 +249,15 @@ def test_resume_on_real_ranks_from_2x2_to_1x3(data: Path, here_runs: Path):
     before = first[0]["seen"] + first[1]["seen"]
     assert sorted(before + rest[0]["seen"]) == sorted(p.name for p in data.iterdir())
     assert rest[0]["seen"] == order_names(data, 24, 11, 0)[12:]
+
+
+def test_public_names_and_uc_aliases():
+    """air_magic.data exports its classes, and the UCVolume names are the same classes (same arguments)."""
+    import air_magic.data as data
+
+    assert sorted(data.__all__) == sorted(
+        ["StreamingFileDataset", "DataLoader", "CheckpointWriter", "CheckpointReader",
+         "UCVolumeDataset", "UCVolumeWriter", "UCVolumeReader"]
+    )
+    assert data.UCVolumeDataset is data.StreamingFileDataset
+    assert data.UCVolumeWriter is data.CheckpointWriter and data.UCVolumeReader is data.CheckpointReader
