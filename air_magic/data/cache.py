@@ -1,0 +1,294 @@
+"""A private, byte-capped local cache of remote files, shared safely by processes.
+
+Layout under the cache directory (mode 0700):
+
+    .lock                 flock'ed for every decision about space (short critical sections)
+    data/<key>            complete files; their mtime is the last use (least recently used goes first)
+    part/<key>.<pid>.<size>.part   a download in progress, counted at its full size
+    pins/<pid>            keys a live process still needs (prefetched, yielded and maybe unread, or
+                          about to be fetched), rewritten once per batch of upcoming files
+
+A reading process announces the next files it will read (one pins-file write
+per 64 files); nobody else evicts those, so it finds them cached without the
+lock. The filesystem is the only ledger, so nothing is lost or stuck when a process
+dies: the kernel drops a dead process's flock, and the next process to take the
+lock deletes the dead one's partial downloads and ignores its pins. Files are
+published with an atomic rename, so two runs sharing a directory never see a
+half-written file. Bytes on disk (complete + partial) stay within `limit`,
+except that a process with no download in flight may always fetch the one file
+it needs next: that is what keeps a small cap from deadlocking, and bounds the
+peak at `limit` plus one file per process. A floor of free disk space is kept.
+
+Not for local sources: those are read in place and never enter the cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_PART = re.compile(r"^(?P<key>.+)\.(?P<pid>[0-9]+)\.(?P<size>[0-9]+)\.part$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cache_key(url: str, size: int, version: str) -> str:
+    """A file name for one version of one remote file: a digest, then the readable base name."""
+    digest = hashlib.sha256(f"{url}\0{size}\0{version}".encode()).hexdigest()[:24]
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
+    return f"{digest}-{base}"
+
+
+class FetchCancelled(Exception):
+    """A prefetch given up because its iteration ended."""
+
+
+class CacheFullError(OSError):
+    """The free-disk floor cannot be kept even after evicting everything that may go."""
+
+
+class FileCache:
+    """The cache in `directory`; one instance per process (it keeps that process's pins)."""
+
+    def __init__(
+        self, directory: str, limit: int | None, min_free: int, retries: int = 5, backoff: float = 0.5,
+        poll: float = 0.02,
+    ) -> None:
+        self.directory = os.path.abspath(directory)
+        self.limit = limit
+        self.min_free = min_free
+        self.retries = retries
+        self.backoff = backoff
+        self.poll = poll
+        self._pins: Counter[str] = Counter()
+        self._announced: set[str] = set()
+        self._published: set[str] = set()
+        self._active = 0
+        self._state = threading.Lock()
+        for sub in ("", "data", "part", "pins"):
+            path = os.path.join(self.directory, sub)
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(self.directory, 0o700)
+
+    def path(self, key: str) -> str:
+        """Where a complete file lives."""
+        return os.path.join(self.directory, "data", key)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor drops the lock
+
+    def usage(self) -> int:
+        """Bytes the cache holds now: complete files plus downloads in progress at their full size."""
+        data, parts, _ = self._scan(clean=False)
+        return sum(size for size, _ in data.values()) + sum(parts.values())
+
+    def _scan(self, clean: bool = True) -> tuple[dict[str, tuple[int, float]], dict[str, int], set[str]]:
+        """(complete files: key -> (size, last use), live partial downloads: name -> size, pinned keys)."""
+        data: dict[str, tuple[int, float]] = {}
+        for entry in os.scandir(os.path.join(self.directory, "data")):
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            data[entry.name] = (st.st_size, st.st_mtime)
+        parts: dict[str, int] = {}
+        for entry in os.scandir(os.path.join(self.directory, "part")):
+            m = _PART.match(entry.name)
+            if m is None or not _alive(int(m["pid"])):
+                if clean:
+                    _remove(entry.path)  # left by a process that died mid-download
+                continue
+            parts[entry.name] = int(m["size"])
+        pinned: set[str] = set()
+        for entry in os.scandir(os.path.join(self.directory, "pins")):
+            owner = entry.name.split(".", 1)[0]
+            pid = int(owner) if owner.isdigit() else -1
+            if pid == os.getpid():
+                continue
+            if pid < 0 or not _alive(pid):
+                if clean:
+                    _remove(entry.path)
+                continue
+            if entry.name != owner:
+                continue  # a pins file being rewritten: the current one is still there
+            try:
+                with open(entry.path) as f:
+                    pinned.update(line for line in f.read().split("\n") if line)
+            except FileNotFoundError:
+                continue
+        with self._state:
+            pinned.update(k for k, n in self._pins.items() if n > 0)
+            pinned.update(self._announced)  # needed soon by this process too
+        return data, parts, pinned
+
+    def _publish(self) -> None:
+        """Write this process's pins file: its live pins plus the keys it announced it will need next.
+
+        Called with the lock held (a reader never sees it half-written).
+        """
+        path = os.path.join(self.directory, "pins", str(os.getpid()))
+        keys = {k for k, n in self._pins.items() if n > 0} | self._announced
+        self._published = keys
+        if not keys:
+            _remove(path)
+            return
+        with open(path, "w") as f:  # in place: every reader holds the lock, as every writer does
+            f.write("\n".join(sorted(keys)) + "\n")
+
+    def announce(self, keys: list[str]) -> None:
+        """Keys this process will fetch soon: published as pins in one write, so pinning them later costs nothing.
+
+        Other processes do not evict them meanwhile (they are about to be read). Unpins are lazy: the
+        published set is a superset of the live pins until the next announcement rewrites it.
+        """
+        with self._locked(), self._state:  # an eviction runs wholly before (then lookup misses) or after (then it sees them)
+            self._announced = set(keys)
+            self._publish()
+
+    def lookup(self, key: str) -> str | None:
+        """The cached path of an announced key, pinned, without taking the lock; None if it is not cached.
+
+        Safe without the lock: nobody evicts an announced key once `announce` returned (see there).
+        """
+        final = self.path(key)
+        if key not in self._announced:
+            return None
+        try:
+            os.utime(final)
+        except FileNotFoundError:
+            return None
+        self._pin(key)
+        return final
+
+    def unpin(self, key: str) -> None:
+        """This process no longer needs `key`: it may evict it (others may once the next announcement drops it)."""
+        with self._state:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+                self._announced.discard(key)
+
+    def release_all(self) -> None:
+        """Drop every pin and announcement of this process."""
+        with self._locked(), self._state:
+            self._pins.clear()
+            self._announced = set()
+            self._publish()
+
+    def _pin(self, key: str) -> None:
+        with self._state:
+            self._pins[key] += 1
+            if key not in self._published:
+                self._publish()
+
+    def fetch(
+        self, url: str, size: int, version: str, open_fs: Callable[[], Any], needed_now: Callable[[], bool],
+        stop: threading.Event | None = None,
+    ) -> str:
+        """A local path holding `url`, pinned for this process (call `unpin(key)` when done).
+
+        Waits for space while `needed_now()` is false (a prefetch); the file needed next may
+        go over the cap by itself when this process has no other download in flight.
+        """
+        key = cache_key(url, size, version)
+        final = self.path(key)
+        part = ""
+        while not part:
+            if stop is not None and stop.is_set():
+                raise FetchCancelled(url)
+            with self._locked():
+                if os.path.exists(final):
+                    os.utime(final)
+                    self._pin(key)
+                    return final
+                data, parts, pinned = self._scan()
+                if any(name.startswith(key + ".") for name in parts):
+                    pass  # another process or thread is fetching it: wait for that copy
+                else:
+                    used = sum(s for s, _ in data.values()) + sum(parts.values())
+                    free = shutil.disk_usage(self.directory).free
+                    evictable = sorted((t, k, s) for k, (s, t) in data.items() if k not in pinned)
+
+                    while not self._fits(used, free, size) and evictable:
+                        _, victim, vsize = evictable.pop(0)
+                        _remove(self.path(victim))
+                        used, free = used - vsize, free + vsize
+                    with self._state:
+                        alone = self._active == 0
+                    if self._fits(used, free, size) or (needed_now() and alone):
+                        if free - size < self.min_free and needed_now() and alone:
+                            raise CacheFullError(
+                                f"cannot cache {url} ({size} bytes) in {self.directory}: only {free} bytes free on "
+                                f"that disk and the cache keeps at least {self.min_free} free; free some space, "
+                                f"choose another cache_dir or lower min_free"
+                            )
+                        part = os.path.join(self.directory, "part", f"{key}.{os.getpid()}.{size}.part")
+                        open(part, "wb").close()  # the reservation
+                        with self._state:
+                            self._active += 1
+            if not part:
+                time.sleep(self.poll)
+        try:
+            self._download(url, size, part, open_fs)
+            with self._locked():
+                os.replace(part, final)
+                self._pin(key)
+        finally:
+            _remove(part)
+            with self._state:
+                self._active -= 1
+        return final
+
+    def _fits(self, used: int, free: int, size: int) -> bool:
+        cap_ok = self.limit is None or used + size <= self.limit
+        return cap_ok and free - size >= self.min_free
+
+    def _download(self, url: str, size: int, part: str, open_fs: Callable[[], Any]) -> None:
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
+            try:
+                fs = open_fs()
+                with fs.open(url, "rb", block_size=8 * 2**20) as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 8 * 2**20)
+                got = os.path.getsize(part)
+                if got != size:
+                    raise OSError(f"read {got} bytes, the listing said {size}: the file changed since it was listed")
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure of the remote read is retried
+                last = exc
+        raise OSError(f"could not read {url} after {self.retries + 1} attempts: {type(last).__name__}: {last}") from last
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
