@@ -24,7 +24,7 @@ def _load_run_py() -> ModuleType:
     return module
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_data_resume_notebook_resumes_model_optimizer_and_data_on_another_number_of_ranks(tmp_path: Path):
     """Trained on 2 ranks and interrupted at step 11, it resumes from step 8 on 1 rank and trains on every file exactly once per epoch."""
     run_py = _load_run_py()
@@ -34,11 +34,13 @@ def test_data_resume_notebook_resumes_model_optimizer_and_data_on_another_number
         '"exactly_once": exactly_once, "mean_loss": mean_loss}'
     )
     run = run_py.execute(
-        DEMOS / "data_resume.ipynb", workdir=tmp_path, output=tmp_path / "data_resume.ipynb", timeout=600,
+        DEMOS / "data_resume.ipynb", workdir=tmp_path, output=tmp_path / "data_resume.ipynb", timeout=900,
         env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
         append=[f"import json as _json\nprint({PROBE!r} + _json.dumps({probe}))"],
     )
-    assert run.error is None, f"data_resume.ipynb failed:\n{run.error}"
+    logs = "\n".join(f"--- {log}\n" + "\n".join(log.read_text().splitlines()[-15:])
+                     for d in run.run_dirs for log in sorted(d.glob("rank-*.log")))
+    assert run.error is None, f"data_resume.ipynb failed:\n{run.error}\nlast lines of every rank:\n{logs}"
     text = run_py.stream_text(run.notebook)
     assert "interrupted: simulated preemption at step 11" in text
     assert sorted(len(list(d.glob("rank-*.log"))) for d in run.run_dirs) == [1, 2], "expected a 2-rank run, then a 1-rank run"
