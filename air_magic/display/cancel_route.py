@@ -7,23 +7,19 @@ of its own and, for each comm message, asks the comm which (sub)shell should
 handle it (`comm._reply_subshell_for(data, default)`), passing the message's
 data. That question is asked at once, whatever the main thread is doing: so
 the hook itself recognizes a click (`{"method": "custom", "content":
-{"event": "click"}}`), calls `on_click` there, and still sends the message
-on to the main shell, where ipywidgets handles it as usual once the cell is
-done.
+{"event": "click"}}`) and calls `on_click` there.
 
-Why not a subshell: an earlier version routed the button's messages to a
-kernel subshell. A subshell that is idle answers each message between its own
-`busy` and `idle` status messages on IOPub, and Jupyter frontends and the
-server keep a single execution state per kernel, the last one published; so
-every message the frontend sent to the button (a click, or the widget
-manager's state requests) turned the kernel `idle` in the middle of a running
-cell. Here nothing runs on another shell and only the main shell publishes
-status, so the kernel reads `busy` from the start to the end of the cell.
+Every message to the panel's widgets is then handled by the main shell, once
+the cell is done: JupyterLab sends widget messages over a subshell of its own
+(see busy.py), whose thread would otherwise change the panel's widgets while
+the cell's thread draws them, and would publish `idle` for each message. An
+earlier version sent the button's messages to an air_magic subshell; that
+only added a thread and more `idle` statuses.
 
 This relies on an ipykernel internal (the comm routing hook of 7.4);
 pyproject pins the range and tests/test_panel.py checks the route end to end.
-Where the hook is missing, `route_clicks` returns False and the panel says to
-use the kernel's interrupt instead.
+Where the hook is missing, `keep_on_main_shell` returns False and the panel
+says to use the kernel's interrupt instead.
 """
 
 from __future__ import annotations
@@ -42,23 +38,23 @@ def is_click(data: Any) -> bool:
     )
 
 
-def route_clicks(widget: Any, on_click: Callable[[], None]) -> bool:
-    """Call `on_click` (on the kernel's shell-channel thread) as soon as `widget` is clicked; False if impossible.
+def keep_on_main_shell(widget: Any, on_click: Callable[[], None] | None = None) -> bool:
+    """Have the main shell handle every message the page sends to `widget`; False if impossible.
 
-    `on_click` must be quick and thread-safe (setting an Event is the intended use).
+    With `on_click`, call it on the kernel's shell-channel thread as soon as `widget` is clicked,
+    while the cell is still running. It must be quick and thread-safe (setting an Event is the intended use).
     """
     comm = getattr(widget, "comm", None)
-    original = getattr(comm, "_reply_subshell_for", None)
-    if comm is None or not callable(original):
+    if comm is None or not callable(getattr(comm, "_reply_subshell_for", None)):
         return False
 
     def route(data: Any, default: str | None) -> str | None:
-        if is_click(data):
+        if on_click is not None and is_click(data):
             try:
                 on_click()
             except Exception:  # noqa: BLE001, S110 - never break the kernel's shell-channel thread
                 pass
-        return original(data, default)  # type: ignore[no-any-return]
+        return None  # the main shell
 
     # An instance attribute: only this widget's comm is affected.
     comm._reply_subshell_for = route

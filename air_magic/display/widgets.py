@@ -27,7 +27,8 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
-from .cancel_route import route_clicks
+from . import busy
+from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
 from .record import ended_as, record_bundle, short_link_text
 from .tail import TailBuffer
@@ -92,6 +93,7 @@ class Panel(Listener):
     def on_start(self, ctx: RunContext) -> None:
         # Shown at once: the MLflow run is still being made (tracking.py does that in the background)
         # and no process has started yet, so the line says what the call waits for.
+        busy.hold()
         self.ctx = ctx
         self.spec = ctx.spec
         self._build(ctx.spec)
@@ -160,10 +162,12 @@ class Panel(Listener):
             result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics
         )
         # The widget's output becomes the static record: a saved or converted notebook keeps it.
-        self.handle.update(bundle, raw=True)
-        self.box.close()
-        for widget in self._widgets:
-            widget.close()
+        try:
+            self.handle.update(bundle, raw=True)
+            for widget in self._widgets:
+                widget.close()
+        finally:
+            busy.release()
 
     # -- drawing -----------------------------------------------------------
     def _build(self, spec: JobSpec) -> None:
@@ -199,9 +203,12 @@ class Panel(Listener):
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.box = w.VBox([header, self.charts, self.tabs])
         self.box.add_class("air-magic-panel")
-        self._widgets: list[Any] = [header, self.charts, self.tabs, *self.logs, self.status, self.link,
+        self._widgets: list[Any] = [self.box, header, self.charts, self.tabs, *self.logs, self.status, self.link,
                                     self.cancel_button, self.cancel_hint]
-        if not route_clicks(self.cancel_button, self._cancel_now):
+        for widget in self._widgets:
+            if widget is not self.cancel_button:
+                keep_on_main_shell(widget)
+        if not keep_on_main_shell(self.cancel_button, self._cancel_now):
             self.cancel_button.layout.display = "none"
             self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
 
