@@ -68,18 +68,24 @@ def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
     lock = threading.Lock()
     state: dict[str, Any] = {"fd": None}
 
+    prefixes: dict[Any, str] = {}  # the JSON text before each key's value, made once per key
+
+    def line(key: Any, value: Any, step: Any, now: float) -> str:
+        prefix = prefixes.get(key)
+        if prefix is None:
+            prefix = prefixes[key] = '{"key":' + json.dumps(str(key)) + ',"value":'
+        return f'{prefix}{float(value)!r},"step":{"null" if step is None else int(step)},"ts":{now!r}}}\n'
+
     def write(items: list[tuple[Any, Any, Any]]) -> None:
-        now = time.time()
-        text = "".join(
-            json.dumps({"key": str(k), "value": float(v), "step": s, "ts": now}) + "\n" for k, v, s in items
-        )
-        with lock:  # one os.write per call: lines of two threads never mix
-            try:
+        try:
+            now = time.time()
+            data = "".join(line(k, v, s, now) for k, v, s in items).encode()
+            with lock:  # one os.write per call: lines of two threads never mix
                 if state["fd"] is None:
                     state["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                os.write(state["fd"], text.encode())
-            except (OSError, TypeError, ValueError):
-                pass  # the charts are a convenience; the metric itself was logged
+                os.write(state["fd"], data)
+        except (OSError, TypeError, ValueError, OverflowError):
+            pass  # the charts are a convenience; the metric itself was logged
 
     def ours(target: Any) -> bool:
         return target is None or str(target) == run_id

@@ -1,8 +1,12 @@
 """Benchmark of the live panel in a real browser (JupyterLab in headless Chromium).
 
 Measures:
+  0. time from Shift+Enter to the panel on screen (with its "starting" line), for the
+     first call of a fresh kernel (MLflow on, its default store, nothing imported
+     yet) and for a later call; and to the first line of a rank;
   1. latency from a worker's print to the line appearing in the panel's DOM
-     (2 ranks, a timestamped line every 50 ms each; median and 95th percentile);
+     (2 ranks, a timestamped line every 50 ms each; median and 95th percentile),
+     and from a worker's `mlflow.log_metric` to its point in the panel's chart;
   2. the kernel's CPU use while 2 ranks print 10 MB/s each, and how long the
      page takes to answer a script call meanwhile (is the browser still responsive).
 
@@ -35,10 +39,11 @@ CELLS = [
     "from air_magic import distributed",
     f"""@distributed(num_accelerators=2, accelerator_type="CPU")
 def ticker():
-    import os, time
+    import os, time, mlflow
     r = os.environ["RANK"]
     for i in range({LINES}):
         print(f"LAT {{r}} {{i}} {{time.time():.6f}}", flush=True)
+        mlflow.log_metric("tick", i, step=i)
         time.sleep(0.05)
 ticker.distributed()""",
     """@distributed(num_accelerators=2, accelerator_type="CPU")
@@ -55,7 +60,50 @@ def flood(seconds, rate=10 * 1024 * 1024):
         time.sleep(max(0.0, start + tick * 0.1 - time.monotonic()))
     return tick * len(block)
 flood.distributed(SECONDS)""",
+    """@distributed(num_accelerators=2, accelerator_type="CPU")
+def quick():
+    print("quick", flush=True)
+quick.distributed()""",
 ]
+
+#: Times (performance.now(), ms) of each Shift+Enter, and of the first panel / first rank line after it.
+APPEARANCE = r"""
+() => {
+  window.__press = []; window.__panel = []; window.__first_line = [];
+  document.addEventListener('keydown', e => {
+    if (e.key === 'Enter' && e.shiftKey) window.__press.push(performance.now());
+  }, true);
+  let panels = document.querySelectorAll('.air-magic-panel, .air-magic-record').length, waiting = false;
+  new MutationObserver(() => {
+    const p = document.querySelectorAll('.air-magic-panel, .air-magic-record').length;
+    if (p > panels) { window.__panel.push(performance.now()); waiting = true; }
+    panels = p;
+    if (waiting) {
+      const live = document.querySelectorAll('.air-magic-panel'), last = live[live.length - 1];
+      // the line is in the live panel, or the call already ended and its record replaced the panel
+      if (!last || [...last.querySelectorAll('.air-magic-log')].some(e => /LAT|quick/.test(e.textContent || ''))) {
+        window.__first_line.push(performance.now()); waiting = false;
+      }
+    }
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}
+"""
+
+#: Lag from a rank's log_metric (its LAT line carries the time) to that step in the chart.
+CHART_LAG = r"""
+() => {
+  window.__chart_lag = []; const logged = {}; let shown = -1;
+  new MutationObserver(() => {
+    const now = Date.now() / 1000;
+    for (const el of document.querySelectorAll('.air-magic-log[data-rank="0"]'))
+      for (const m of (el.textContent || '').matchAll(/LAT 0 (\d+) ([\d.]+)/g)) logged[m[1]] = parseFloat(m[2]);
+    for (const c of document.querySelectorAll('.air-magic-chart')) {
+      const m = (c.textContent || '').match(/tick step 0–(\d+)/);
+      if (m && +m[1] > shown) { shown = +m[1]; if (logged[m[1]]) window.__chart_lag.push(now - logged[m[1]]); }
+    }
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}
+"""
 
 OBSERVER = r"""
 () => {
@@ -85,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="air-magic-bench-"))
     (root / "runs").mkdir()
-    cells = CELLS[:2] + [CELLS[2].replace("SECONDS", str(args.seconds))]
+    cells = CELLS[:2] + [CELLS[2].replace("SECONDS", str(args.seconds))] + CELLS[3:]
     write_notebook(root / "bench.ipynb", cells)
     lab = Lab(root, env={"AIR_MAGIC_RUNS_DIR": str(root / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
     try:
@@ -94,10 +142,20 @@ def main() -> None:
             nb.run(0)
             nb.wait_done(0)
             page.evaluate(OBSERVER)
+            page.evaluate(CHART_LAG)
+            page.evaluate(APPEARANCE)
             nb.run(1)
             nb.wait_done(1, timeout=300)
             time.sleep(0.5)
             lat = page.evaluate("window.__lat")
+            chart_lag = page.evaluate("window.__chart_lag")
+            appear_first = page.evaluate("[window.__press[0], window.__panel[0], window.__first_line[0]]")
+            for _ in range(3):  # later calls
+                nb.run(3)
+                nb.wait_done(3)
+            presses, panels, first_lines = page.evaluate("[window.__press, window.__panel, window.__first_line]")
+            warm = [panel - press for press, panel in zip(presses[1:], panels[1:])]
+            warm_lines = [line - press for press, line in zip(presses[1:], first_lines[1:])]
             (kernel_pid,) = lab.kernel_pids()
             kernel = psutil.Process(kernel_pid)
             nb.run(2)
@@ -121,6 +179,13 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{psutil.cpu_count()}-core CPU VM, {platform.python_version()}",
+        "panel_shown_first_call_ms": round(appear_first[1] - appear_first[0], 1),
+        "first_line_first_call_ms": round(appear_first[2] - appear_first[0], 1),
+        "panel_shown_later_calls_ms": [round(x, 1) for x in warm],
+        "first_line_later_calls_ms": [round(x, 1) for x in warm_lines],
+        "chart_lag_points": len(chart_lag),
+        "chart_lag_median_ms": round(1000 * statistics.median(chart_lag), 1) if chart_lag else None,
+        "chart_lag_max_ms": round(1000 * max(chart_lag), 1) if chart_lag else None,
         "latency_lines": len(lat),
         "latency_expected": 2 * LINES,
         "latency_median_ms": round(1000 * statistics.median(lat), 1),
