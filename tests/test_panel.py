@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, Kernel, process_env
+from helpers import ROOT, CellResult, Kernel, process_env
 from widget_state import WidgetMirror, click, run_cell
 
 from air_magic.display.tail import TailBuffer
@@ -116,6 +116,75 @@ forever.distributed()
     pids = [int(pid) for log in panel["logs"] for pid in re.findall(r"pid (\d+) child (\d+)", log)[0]]
     assert len(pids) == 4
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
+
+
+class StatusMirror(WidgetMirror):
+    """A WidgetMirror that also keeps every status message: (execution_state, parent msg_type, parent msg_id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: list[tuple[str, str, str]] = []
+
+    def feed(self, msg: dict) -> None:
+        super().feed(msg)
+        if msg["msg_type"] == "status":
+            parent = msg["parent_header"]
+            self.statuses.append((msg["content"]["execution_state"], parent.get("msg_type"), parent.get("msg_id")))
+
+
+def test_the_kernel_stays_busy_while_jupyterlab_talks_to_widgets_on_its_own_subshell(lab_kernel):
+    """As JupyterLab does, a subshell is created and a tab change and Cancel are sent on it mid-call: every idle those
+    publish is followed at once by busy for the cell, and the click still cancels the call."""
+    mirror = StatusMirror()
+    kc = lab_kernel.kc
+    sent: dict[str, str] = {}
+
+    def act(m: WidgetMirror) -> None:
+        if "clicked" in sent or not m.of_model("TabModel") or not all("pid " in log for log in m.panel()["logs"]):
+            return
+        request = kc.session.msg("create_subshell_request", {})
+        kc.control_channel.send(request)
+        reply = kc.control_channel.get_msg(timeout=30)
+        subshell = reply["content"]["subshell_id"]
+        (tab_id, _), = m.of_model("TabModel")[-1:]
+        for data in ({"method": "update", "state": {"selected_index": 1}, "buffer_paths": []},
+                     {"method": "custom", "content": {"event": "click"}}):
+            comm_id = tab_id if data["method"] == "update" else m.panel()["button"]
+            msg = kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+            msg["header"]["subshell_id"] = subshell
+            kc.shell_channel.send(msg)
+        sent["clicked"] = subshell
+
+    msg_id = lab_kernel.send(
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU")
+def forever():
+    import os, time
+    print(f"pid {os.getpid()}", flush=True)
+    while True:
+        time.sleep(0.2)
+forever.distributed()
+"""
+    )
+    out = CellResult()
+    deadline = time.monotonic() + 180
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        mirror.feed(msg)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            out.add(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        act(mirror)
+    assert "clicked" in sent and out.ename == "JobCancelledError", out.traceback
+    mine = [i for i, s in enumerate(mirror.statuses) if s[2] == msg_id]
+    during = mirror.statuses[mine[0]:mine[-1] + 1]
+    assert during[0] == ("busy", "execute_request", msg_id) and during[-1] == ("idle", "execute_request", msg_id)
+    others = [i for i, s in enumerate(during[:-1]) if s[0] == "idle"]
+    assert others, "the subshell's requests published their own idle"
+    for i in others:
+        assert during[i][2] != msg_id and during[i + 1] == ("busy", "execute_request", msg_id), during
     assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
 
 
