@@ -119,6 +119,58 @@ forever.distributed()
     assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
 
 
+def test_a_timeout_and_an_interrupt_leave_a_record_saying_so(lab_kernel):
+    """A call stopped by its timeout, or by a kernel interrupt, is replaced by a record that says how it ended."""
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU", timeout=2, mlflow=False)
+def sleepy():
+    import time
+    print("going to sleep", flush=True)
+    time.sleep(60)
+sleepy.distributed()
+""",
+        WidgetMirror(),
+    )
+    assert out.ename == "DistributedTimeoutError"
+    record = out.displays[-1]["data"]
+    assert "timed out" in record["text/plain"] and "going to sleep" in record["text/html"]
+
+    mirror = WidgetMirror()
+    seen: dict[str, bool] = {}
+
+    def interrupt_once_running(m: WidgetMirror) -> None:
+        if not seen and m.of_model("TabModel") and all("going" in log for log in m.panel()["logs"]):
+            seen["interrupted"] = True
+            lab_kernel.interrupt()
+
+    out = run_cell(lab_kernel, "sleepy.with_overrides(timeout=None).distributed()", mirror,
+                   while_running=interrupt_once_running)
+    assert seen and out.ename == "KeyboardInterrupt"
+    record = out.displays[-1]["data"]
+    assert "interrupted" in record["text/plain"] and "rank 1: stopped" in record["text/html"]
+
+
+def test_a_call_that_never_starts_leaves_no_starting_line(lab_kernel):
+    """The line shown the moment a call begins is emptied when the call fails before its panel (an argument that cannot be pickled)."""
+    out = run_cell(
+        lab_kernel,
+        """
+import threading
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def takes(lock):
+    return 1
+takes.distributed(threading.Lock())
+""",
+        WidgetMirror(),
+    )
+    assert out.ename == "SerializationError"
+    first, last = out.displays[0], out.displays[-1]
+    assert "starting" in first["data"]["text/plain"]
+    assert last["transient"]["display_id"] == first["transient"]["display_id"] and last["data"] == {"text/plain": ""}
+
+
 class StatusMirror(WidgetMirror):
     """A WidgetMirror that also keeps every status message: (execution_state, parent msg_type, parent msg_id)."""
 

@@ -27,7 +27,7 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
-from . import busy
+from . import busy, waiting_for
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
 from .record import ended_as, record_bundle, short_link_text
@@ -52,17 +52,6 @@ def _title(rank: int, state: RankState) -> str:
     return f"rank {rank}: {state.value}"
 
 
-def _helper_running() -> bool | None:
-    """Whether air_magic's helper process is already up (None if that cannot be told)."""
-    from .. import launcher
-
-    client = getattr(launcher, "_client", None)
-    alive = getattr(client, "alive", None)
-    if client is None:
-        return False
-    return alive if isinstance(alive, bool) else None
-
-
 class Panel(Listener):
     """One call's panel; build it with `Panel(spec)` (shown at once) and hand it to the runner as a listener."""
 
@@ -83,7 +72,8 @@ class Panel(Listener):
     metrics: MetricsTail | None
     handle: Any
 
-    def __init__(self, refresh: float = REFRESH) -> None:
+    def __init__(self, starting: Any = None, refresh: float = REFRESH) -> None:
+        self.starting = starting  # display.StartingLine whose place the panel takes, if one was shown
         self.refresh = refresh
         self.spec: JobSpec | None = None
         self.ctx: RunContext | None = None
@@ -98,16 +88,15 @@ class Panel(Listener):
         self.spec = ctx.spec
         self._build(ctx.spec)
         self.metrics = MetricsTail(ctx.run_dir, ctx.spec.world_size) if ctx.spec.mlflow else None
-        waits = []
-        if ctx.spec.mlflow and not ctx.links.get("mlflow"):
-            waits.append("creating the MLflow run")
-        if _helper_running() is False:
-            waits.append("starting air_magic's helper process")
-        waits.append(f"starting {ctx.spec.world_size} rank(s)")
-        self.phase = "starting: " + ", ".join(waits)
+        self.phase = waiting_for(ctx.spec, run_made=bool(ctx.links.get("mlflow")))
         self._show_status()
         self._show_link()
-        self.handle = display(self.box, display_id=True)
+        if self.starting is not None:
+            self.starting.taken = True
+            self.handle = self.starting.handle
+            self.handle.update(self.box)
+        else:
+            self.handle = display(self.box, display_id=True)
 
     def on_output(self, rank: int, text: str) -> None:
         self.tails[rank].feed(text)
