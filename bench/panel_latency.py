@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -43,7 +44,7 @@ def ticker():
     r = os.environ["RANK"]
     for i in range({LINES}):
         print(f"LAT {{r}} {{i}} {{time.time():.6f}}", flush=True)
-        mlflow.log_metric("tick", i, step=i)
+        mlflow.log_metric("clock", time.time() % 100, step=i)
         time.sleep(0.05)
 ticker.distributed()""",
     """@distributed(num_accelerators=2, accelerator_type="CPU")
@@ -66,25 +67,25 @@ def quick():
 quick.distributed()""",
 ]
 
-#: Times (performance.now(), ms) of each Shift+Enter, and of the first panel / first rank line after it.
+#: For the cell run next (window.__watch_idx): ms from its Shift+Enter to the first air_magic output in it
+#: (the starting line, the panel or the record) and to the first line of a rank, appended to window.__times.
 APPEARANCE = r"""
 () => {
-  window.__press = []; window.__panel = []; window.__first_line = [];
+  window.__watch = null; window.__times = []; window.__watch_idx = null;
+  const SHOWN = '.air-magic-starting, .air-magic-panel, .air-magic-record', LINES = '.air-magic-log, .air-magic-record-log';
   document.addEventListener('keydown', e => {
-    if (e.key === 'Enter' && e.shiftKey) window.__press.push(performance.now());
+    if (!(e.key === 'Enter' && e.shiftKey) || window.__watch_idx == null) return;
+    const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[window.__watch_idx];
+    cell.querySelectorAll(SHOWN + ', ' + LINES).forEach(el => { el.dataset.old = '1'; });
+    window.__watch = {cell, t0: performance.now(), shown: null, line: null};
   }, true);
-  let panels = document.querySelectorAll('.air-magic-panel, .air-magic-record').length, waiting = false;
   new MutationObserver(() => {
-    const p = document.querySelectorAll('.air-magic-panel, .air-magic-record').length;
-    if (p > panels) { window.__panel.push(performance.now()); waiting = true; }
-    panels = p;
-    if (waiting) {
-      const live = document.querySelectorAll('.air-magic-panel'), last = live[live.length - 1];
-      // the line is in the live panel, or the call already ended and its record replaced the panel
-      if (!last || [...last.querySelectorAll('.air-magic-log')].some(e => /LAT|quick/.test(e.textContent || ''))) {
-        window.__first_line.push(performance.now()); waiting = false;
-      }
-    }
+    const w = window.__watch;
+    if (!w) return;
+    const now = performance.now(), fresh = sel => [...w.cell.querySelectorAll(sel)].filter(el => !el.dataset.old);
+    if (w.shown == null && fresh(SHOWN).length) w.shown = now - w.t0;
+    if (w.line == null && fresh(LINES).some(el => /LAT|quick/.test(el.textContent || ''))) w.line = now - w.t0;
+    if (w.shown != null && w.line != null) { window.__times.push([w.shown, w.line]); window.__watch = null; }
   }).observe(document.body, {subtree: true, childList: true, characterData: true});
 }
 """
@@ -92,14 +93,14 @@ APPEARANCE = r"""
 #: Lag from a rank's log_metric (its LAT line carries the time) to that step in the chart.
 CHART_LAG = r"""
 () => {
-  window.__chart_lag = []; const logged = {}; let shown = -1;
+  // rank 0 logs the wall clock (mod 100 s) as its metric; the chart's legend shows its last value
+  window.__chart_lag = []; let last = null;
   new MutationObserver(() => {
-    const now = Date.now() / 1000;
-    for (const el of document.querySelectorAll('.air-magic-log[data-rank="0"]'))
-      for (const m of (el.textContent || '').matchAll(/LAT 0 (\d+) ([\d.]+)/g)) logged[m[1]] = parseFloat(m[2]);
-    for (const c of document.querySelectorAll('.air-magic-chart')) {
-      const m = (c.textContent || '').match(/tick step 0–(\d+)/);
-      if (m && +m[1] > shown) { shown = +m[1]; if (logged[m[1]]) window.__chart_lag.push(now - logged[m[1]]); }
+    const chart = document.querySelector('.air-magic-panel .air-magic-chart[title="clock"]');
+    const m = chart && (chart.textContent || '').match(/rank 0: ([\d.]+)/);
+    if (m && m[1] !== last) {
+      last = m[1];
+      window.__chart_lag.push(((Date.now() / 1000) % 100 - parseFloat(m[1]) + 100) % 100);
     }
   }).observe(document.body, {subtree: true, childList: true, characterData: true});
 }
@@ -144,19 +145,21 @@ def main() -> None:
             page.evaluate(OBSERVER)
             page.evaluate(CHART_LAG)
             page.evaluate(APPEARANCE)
+            page.evaluate("() => { window.__watch_idx = 1; }")
             nb.run(1)
             nb.wait_done(1, timeout=300)
             time.sleep(0.5)
             lat = page.evaluate("window.__lat")
             chart_lag = page.evaluate("window.__chart_lag")
-            appear_first = page.evaluate("[window.__press[0], window.__panel[0], window.__first_line[0]]")
+            page.evaluate("() => { window.__watch_idx = 3; }")
             for _ in range(3):  # later calls
                 nb.run(3)
                 nb.wait_done(3)
-            presses, panels, first_lines = page.evaluate("[window.__press, window.__panel, window.__first_line]")
-            warm = [panel - press for press, panel in zip(presses[1:], panels[1:])]
-            warm_lines = [line - press for press, line in zip(presses[1:], first_lines[1:])]
-            print("panel shown (ms): first call", round(appear_first[1] - appear_first[0]), "later", warm, flush=True)
+            times = page.evaluate("window.__times")
+            appear_first, later = times[0], times[1:]
+            warm = [t[0] for t in later]
+            warm_lines = [t[1] for t in later]
+            print("shown (ms): first call", round(appear_first[0]), "later", warm, flush=True)
             (kernel_pid,) = lab.kernel_pids()
             kernel = psutil.Process(kernel_pid)
             nb.run(2)
@@ -180,8 +183,9 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{psutil.cpu_count()}-core CPU VM, {platform.python_version()}",
-        "panel_shown_first_call_ms": round(appear_first[1] - appear_first[0], 1),
-        "first_line_first_call_ms": round(appear_first[2] - appear_first[0], 1),
+        "load_average_1min": round(os.getloadavg()[0], 1),
+        "panel_shown_first_call_ms": round(appear_first[0], 1),
+        "first_line_first_call_ms": round(appear_first[1], 1),
         "panel_shown_later_calls_ms": [round(x, 1) for x in warm],
         "first_line_later_calls_ms": [round(x, 1) for x in warm_lines],
         "chart_lag_points": len(chart_lag),

@@ -87,6 +87,9 @@ def make_display(spec: JobSpec) -> Listener:
     """The panel inside a Jupyter kernel that can show widgets, the plain-text display otherwise."""
     mode = display_mode()
     if mode == "panel" or (mode == "auto" and in_widget_kernel()):
+        from . import busy
+
+        busy.hold()  # the kernel reads busy until the call ends (see busy.py)
         starting = StartingLine(spec)  # on screen at once: importing ipywidgets takes a while the first time
         from .widgets import Panel
 
