@@ -103,7 +103,8 @@ class Lab:
         return f"http://127.0.0.1:{self.port}"
 
     def url(self, notebook: str) -> str:
-        return f"{self.base}/lab/tree/{notebook}?token={self.token}"
+        # reset: open only this notebook, not the tabs an earlier page of the same server left in its workspace
+        return f"{self.base}/lab/tree/{notebook}?reset&token={self.token}"
 
     def api(self, path: str, method: str = "GET", body: dict | None = None) -> Any:
         """Call the server's REST API (`path` after /api/) with the token; the decoded JSON answer."""
@@ -236,7 +237,7 @@ class Notebook:
         page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=60_000)
 
     def cell(self, index: int) -> Any:
-        return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+        return self.page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell").nth(index)
 
     def run(self, index: int) -> Any:
         """Start cell `index` (Shift+Enter in its editor) and return its locator."""

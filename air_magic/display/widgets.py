@@ -10,10 +10,12 @@ run directory (display/charts.py) and drawn as small charts. The Cancel click
 is recognized on the kernel's shell-channel thread (display/cancel_route.py)
 and only sets the call's cancel flag.
 
-The panel is shown as soon as it is built (before the MLflow run is created
-or any process starts) with a line saying what it waits for. When the call
-ends, the panel's output is replaced by a static record (display/record.py)
-that needs no kernel and no widget state, so the saved notebook keeps it.
+The panel takes the place of the starting line that make_display() shows
+the moment a call begins, and appears before the MLflow run exists or any
+process starts, with its phase saying what it waits for. When the call ends,
+the panel's output is replaced by a static record (display/record.py) that
+needs no kernel and no widget state, so the saved notebook keeps it. While a
+call runs, display/busy.py keeps the kernel reading `busy`.
 """
 
 from __future__ import annotations
