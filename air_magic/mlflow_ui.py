@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 
 _PKG_PARENT = str(Path(__file__).resolve().parent.parent)
 _BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.mlflow_ui import watchdog_main; watchdog_main()"
+#: The query that makes MLflow 3's UI show a run in its model-training view.
+TRAINING_VIEW = "workflowType=machine_learning"
 
 
 def jupyter_base_url() -> str | None:
@@ -132,7 +134,8 @@ def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     """A link that opens the run in an MLflow UI that is really there, or None if there is no such UI."""
-    fragment = f"#/experiments/{experiment_id}/runs/{run_id}"
+    # workflowType=machine_learning: MLflow 3's UI otherwise opens runs in its GenAI view ("Evaluation runs").
+    fragment = f"#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
     scheme = urlparse(tracking_uri).scheme
     if scheme in ("http", "https"):
         return tracking_uri.rstrip("/") + "/" + fragment

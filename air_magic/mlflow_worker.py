@@ -1,4 +1,4 @@
-"""Inside a worker: make `mlflow.set_experiment` explain itself instead of failing later.
+"""Inside a worker: make `mlflow.set_experiment` explain itself, and copy logged metrics for the live charts.
 
 The call's run already exists, in the experiment chosen in the notebook; the
 worker logs to it through `MLFLOW_RUN_ID`. Without this hook a worker that
@@ -6,6 +6,11 @@ calls `mlflow.set_experiment("other")` gets MLflow's "active experiment ID does
 not match environment run ID" at its first `log_metric`. With it, the call is
 kept on the run's experiment and a warning (in the rank's log) says where the
 metrics go and how to choose another experiment.
+
+`mlflow.log_metric` / `log_metrics` also append each value as a JSON line
+(`{"key", "value", "step", "ts"}`) to `rank-N.metrics.jsonl` in the run
+directory (mode 0600), which the notebook's display reads for its charts
+without asking the tracking server (`_tee_metrics`).
 
 This module never imports mlflow: `install()` adds an import hook that patches
 mlflow only if the user's code imports it.
@@ -47,6 +52,63 @@ def _patch(mlflow: ModuleType) -> None:
     fluent = sys.modules.get("mlflow.tracking.fluent")
     if fluent is not None:
         fluent.set_experiment = set_experiment  # type: ignore[attr-defined]
+    _tee_metrics(mlflow, run_id)
+
+
+def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
+    """Make log_metric/log_metrics also append their values to this rank's metrics file in the run directory."""
+    run_dir, rank = os.environ.get("AIR_MAGIC_RUN_DIR"), os.environ.get("RANK")
+    if not run_dir or rank is None or getattr(mlflow.log_metric, "_air_magic_tee", False):
+        return
+    path = os.path.join(run_dir, f"rank-{rank}.metrics.jsonl")
+    import json
+    import threading
+    import time
+
+    lock = threading.Lock()
+    state: dict[str, Any] = {"fd": None}
+
+    prefixes: dict[Any, str] = {}  # the JSON text before each key's value, made once per key
+
+    def line(key: Any, value: Any, step: Any, now: float) -> str:
+        prefix = prefixes.get(key)
+        if prefix is None:
+            prefix = prefixes[key] = '{"key":' + json.dumps(str(key)) + ',"value":'
+        return f'{prefix}{float(value)!r},"step":{"null" if step is None else int(step)},"ts":{now!r}}}\n'
+
+    def write(items: list[tuple[Any, Any, Any]]) -> None:
+        try:
+            now = time.time()
+            data = "".join(line(k, v, s, now) for k, v, s in items).encode()
+            with lock:  # one os.write per call: lines of two threads never mix
+                if state["fd"] is None:
+                    state["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                os.write(state["fd"], data)
+        except (OSError, TypeError, ValueError, OverflowError):
+            pass  # the charts are a convenience; the metric itself was logged
+
+    def ours(target: Any) -> bool:
+        return target is None or str(target) == run_id
+
+    original_metric, original_metrics = mlflow.log_metric, mlflow.log_metrics
+
+    def log_metric(key: str, value: float, step: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        out = original_metric(key, value, step, *args, **kwargs)
+        if ours(kwargs.get("run_id", args[2] if len(args) > 2 else None)):  # (synchronous, timestamp, run_id)
+            write([(key, value, step)])
+        return out
+
+    def log_metrics(metrics: dict[str, float], step: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        out = original_metrics(metrics, step, *args, **kwargs)
+        if ours(kwargs.get("run_id", args[1] if len(args) > 1 else None)):  # (synchronous, run_id)
+            write([(k, v, step) for k, v in metrics.items()])
+        return out
+
+    for new, old in ((log_metric, original_metric), (log_metrics, original_metrics)):
+        wrapper: Any = new
+        wrapper.__doc__, wrapper.__wrapped__, wrapper._air_magic_tee = old.__doc__, old, True
+    mlflow.log_metric = log_metric  # type: ignore[attr-defined]
+    mlflow.log_metrics = log_metrics  # type: ignore[attr-defined]
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

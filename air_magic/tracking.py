@@ -7,15 +7,29 @@ run id and tracking URI through the environment, so a plain
 `mlflow.log_metric(...)` in the function lands on that run; on end it stores
 each rank's log as an artifact and ends the run FINISHED, FAILED or KILLED.
 
+The run is made on a background thread that `on_start` starts and
+`worker_env` waits for: importing mlflow and creating the run take seconds on
+a first call, and meanwhile the display is already on screen and air_magic's
+helper process starts. MLflow's own INFO lines (such as "Creating initial
+MLflow database tables") are kept out of the cell's output.
+
+With MLflow's local default store (`sqlite:///mlflow.db`) and an experiment
+that air_magic creates, artifacts (each rank's log) go to `mlartifacts/`
+next to the database, not to MLflow's `./mlruns` default.
+
 This module is imported in the notebook process only. Workers never import
 mlflow on our account: the environment variables are all they get.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -35,6 +49,36 @@ ASYNC_LOGGING_ENV = {
     "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS": "1",
     "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE": "1",
 }
+
+
+#: Artifacts of experiments air_magic creates over a local sqlite store go here, next to the database.
+ARTIFACTS_DIR = "mlartifacts"
+_QUIET_LOGGERS = ("mlflow", "alembic")
+
+
+@contextmanager
+def quiet_mlflow_logs() -> Iterator[None]:
+    """Keep MLflow's (and alembic's) INFO lines out of the cell output; warnings and errors still show."""
+    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        if lg.getEffectiveLevel() < logging.WARNING:
+            lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def sqlite_artifact_root(tracking_uri: str) -> str | None:
+    """`<folder of the database>/mlartifacts` for a local sqlite store, else None (MLflow decides)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri[len("sqlite:///"):]
+    if not path.startswith("/"):
+        return None
+    return str(Path(path).parent / ARTIFACTS_DIR)
 
 
 def absolute_uri(uri: str) -> str:
@@ -80,15 +124,20 @@ class MlflowTracker(Listener):
         """(id, name) of the experiment chosen by the user, else of the default one (created if needed)."""
         from mlflow.tracking import fluent
 
-        if fluent._active_experiment_id is not None or os.environ.get("MLFLOW_EXPERIMENT_NAME") or \
-                os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        if self.chosen_experiment is not None:
+            return self.chosen_experiment, str(client.get_experiment(self.chosen_experiment).name)
+        if os.environ.get("MLFLOW_EXPERIMENT_NAME") or os.environ.get("MLFLOW_EXPERIMENT_ID"):
             experiment_id = fluent._get_experiment_id()
             return str(experiment_id), str(client.get_experiment(experiment_id).name)
         name = default_experiment_name()
         found = client.get_experiment_by_name(name)
         if found is None:
+            root = sqlite_artifact_root(self.tracking_uri or "")
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or FALLBACK_EXPERIMENT
             try:
-                return client.create_experiment(name), name
+                return client.create_experiment(
+                    name, artifact_location=None if root is None else Path(root, safe).as_uri()
+                ), name
             except mlflow.exceptions.MlflowException:  # another kernel made it first
                 found = client.get_experiment_by_name(name)
                 if found is None:
@@ -96,16 +145,49 @@ class MlflowTracker(Listener):
         return found.experiment_id, name
 
     def on_start(self, ctx: RunContext) -> None:
+        # What only the calling thread can see (MLflow's active run and experiment are per thread) is
+        # read here; the slow part (importing mlflow, creating the run) runs on a thread until worker_env().
+        self.failure: BaseException | None = None
+        self.parent_run_id: str | None = None
+        self.chosen_experiment: str | None = None
+        if "mlflow" in sys.modules:  # not imported yet: the notebook cannot have an active run or experiment
+            from mlflow.tracking import fluent
+
+            parent = fluent.active_run()
+            if parent is not None:
+                self.parent_run_id = parent.info.run_id
+                self.chosen_experiment = parent.info.experiment_id
+            elif fluent._active_experiment_id is not None:
+                self.chosen_experiment = str(fluent._active_experiment_id)
+        self.starting: threading.Thread | None = threading.Thread(target=self._start_quietly, args=(ctx,), name="air_magic-mlflow-run",
+                                         daemon=True)
+        self.starting.start()
+
+    def _start_quietly(self, ctx: RunContext) -> None:
         try:
-            self._start(ctx)
-        except Exception as exc:  # noqa: BLE001 - an unreachable tracking server must not stop training
+            import mlflow  # noqa: F401 - first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
+
+            with quiet_mlflow_logs():
+                self._start(ctx)
+        except BaseException as exc:  # noqa: BLE001 - reported on the calling thread by _started()
             self.run_id = None
+            self.failure = exc
+
+    def _started(self) -> None:
+        """Wait for the run to exist; warn (on the calling thread) if it could not be made."""
+        starting = getattr(self, "starting", None)
+        if starting is None:
+            return
+        starting.join()
+        self.starting = None
+        exc = self.failure
+        if exc is not None:  # an unreachable tracking server must not stop training
             warnings.warn(
                 f"air_magic: MLflow tracking is off for this call because the run could not be created "
                 f"({type(exc).__name__}: {exc}). Check MLFLOW_TRACKING_URI, or pass mlflow=False "
                 f"(--no-mlflow for %%distributed) to run without MLflow.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _start(self, ctx: RunContext) -> None:
@@ -128,15 +210,15 @@ class MlflowTracker(Listener):
         user = os.environ.get("USER") or os.environ.get("LOGNAME")
         if user:
             tags[MLFLOW_USER] = user
-        parent = mlflow.active_run()
-        if parent is not None:
-            self.experiment_id = parent.info.experiment_id
-            self.experiment_name = client.get_experiment(self.experiment_id).name
-            tags[MLFLOW_PARENT_RUN_ID] = parent.info.run_id
+        if self.parent_run_id is not None and self.chosen_experiment is not None:
+            experiment_id = self.chosen_experiment
+            self.experiment_name = client.get_experiment(experiment_id).name
+            tags[MLFLOW_PARENT_RUN_ID] = self.parent_run_id
         else:
-            self.experiment_id, self.experiment_name = self._experiment(mlflow, client)
-        run = client.create_run(self.experiment_id, run_name=spec.name, tags=tags)
-        self.run_id = run.info.run_id
+            experiment_id, self.experiment_name = self._experiment(mlflow, client)
+        self.experiment_id = experiment_id
+        run = client.create_run(experiment_id, run_name=spec.name, tags=tags)
+        run_id: str = run.info.run_id
         kind = spec.origin
         params = {
             kind: spec.name,
@@ -144,16 +226,19 @@ class MlflowTracker(Listener):
             "accelerator_type": spec.accelerator_type,
             "timeout": "none" if spec.timeout is None else f"{spec.timeout:g}",
         }
-        client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
-        self.url = mlflow_ui.run_url(self.tracking_uri, self.experiment_id, self.run_id)
+        client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
+        self.run_id = run_id
+        self.url = mlflow_ui.run_url(self.tracking_uri, experiment_id, run_id)
         if self.url:
             ctx.links["mlflow"] = self.url
 
     def worker_hooks(self) -> list[str]:
         """The MLflow hook (mlflow_worker.py) in every rank of a call that has a run."""
+        self._started()
         return ["air_magic.mlflow_worker"] if self.run_id is not None else []
 
     def worker_env(self) -> dict[str, str]:
+        self._started()
         if self.run_id is None or self.tracking_uri is None:
             return {}
         env = {
@@ -170,21 +255,28 @@ class MlflowTracker(Listener):
 
     # -- on end ------------------------------------------------------------
     def on_end(self, result: JobResult) -> None:
+        self._started()
         if self.run_id is None:
             return
+        with quiet_mlflow_logs():
+            self._end(result)
+
+    def _end(self, result: JobResult) -> None:
+        run_id = self.run_id
+        assert run_id is not None
         try:
             for rank in result.ranks:
                 if rank.log_path is not None and rank.log_path.exists():
-                    self.client.log_artifact(self.run_id, str(rank.log_path), artifact_path="logs")
+                    self.client.log_artifact(run_id, str(rank.log_path), artifact_path="logs")
         except Exception as exc:  # noqa: BLE001 - the call's own outcome matters more than its logs
             warnings.warn(
                 f"air_magic could not store the rank logs in MLflow run {self.run_id}: {exc!r}. "
                 f"They are still in {result.run_dir}.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
         finally:
-            self.client.set_terminated(self.run_id, result.status.value)
+            self.client.set_terminated(run_id, result.status.value)
 
 
 def make_tracker(spec: JobSpec) -> Listener | None:

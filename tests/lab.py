@@ -1,10 +1,14 @@
 """JupyterLab in headless Chromium, for tests and benchmarks that need a real browser.
 
-`Lab` starts a Jupyter server on 127.0.0.1 with a random token in a private
-root directory (its own settings, so no news or update pop-ups), with
-air_magic importable by its kernels. `browser_page` drives Debian's Chromium
-(/usr/bin/chromium) through Playwright; no browser is downloaded.
-`Notebook` runs cells by keyboard, as a user would.
+`Lab` starts one JupyterLab server on 127.0.0.1 with a random token in a
+private root directory (its own settings, so no news or update pop-ups), with
+the project's jupyter-config/ on its config path (the MLflow proxy route) and
+air_magic importable by its kernels; its environment comes from
+helpers.process_env. The `lab` fixture starts one per test module: import it
+(`from lab import lab`) to use it. `browser_page` drives Debian's Chromium
+(/usr/bin/chromium) through Playwright; no browser is downloaded. `Notebook`
+runs cells by keyboard, as a user would; `Lab.execute` runs code in a kernel
+over the server's websocket, as a frontend does.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import psutil
+import pytest
 
-from helpers import ROOT
+from helpers import ROOT, process_env
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -56,7 +61,7 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
 
 
 class Lab:
-    """A JupyterLab server on 127.0.0.1 with a token, serving `root`."""
+    """A JupyterLab server on 127.0.0.1 with a token, serving `root`; kernels get `env` on top of process_env()."""
 
     def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
@@ -67,13 +72,17 @@ class Lab:
         (settings / "notification.jupyterlab-settings").write_text(
             json.dumps({"fetchNews": "false", "checkForUpdates": False})
         )
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        (root / "runs").mkdir(exist_ok=True)
+        extra = {"AIR_MAGIC_RUNS_DIR": str(root / "runs"), "AIR_MAGIC_DISPLAY": "auto"}
+        extra.update(env or {})
+        full_env = process_env(extra)
+        full_env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(
+            p for p in [str(ROOT / "jupyter-config"), os.environ.get("JUPYTER_CONFIG_PATH", "")] if p
+        )
         full_env["JUPYTERLAB_SETTINGS_DIR"] = str(root / ".lab-settings")
         full_env["JUPYTERLAB_WORKSPACES_DIR"] = str(root / ".lab-workspaces")
         full_env["JUPYTER_RUNTIME_DIR"] = str(root / ".runtime")
-        self.log = open(root / "jupyterlab.log", "wb")
+        self.log = open(root / "jupyterlab.log", "wb")  # noqa: SIM115 - open as long as the server runs
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
@@ -94,15 +103,59 @@ class Lab:
         return f"http://127.0.0.1:{self.port}"
 
     def url(self, notebook: str) -> str:
-        return f"{self.base}/lab/tree/{notebook}?token={self.token}"
+        # reset: open only this notebook, not the tabs an earlier page of the same server left in its workspace
+        return f"{self.base}/lab/tree/{notebook}?reset&token={self.token}"
 
-    def api(self, path: str, method: str = "GET") -> Any:
+    def api(self, path: str, method: str = "GET", body: dict | None = None) -> Any:
+        """Call the server's REST API (`path` after /api/) with the token; the decoded JSON answer."""
         req = urllib.request.Request(
-            f"{self.base}/api/{path}", method=method, headers={"Authorization": f"token {self.token}"}
+            f"{self.base}/api/{path}", method=method, data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=30) as resp:
-            body = resp.read()
-        return json.loads(body) if body else None
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def execute(self, kernel_id: str, code: str, timeout: float = 300) -> str:
+        """Run `code` in a kernel over the server's websocket, as a frontend does.
+
+        Returns its stdout followed by the text/plain of what it displayed; raises on an error.
+        """
+        import uuid
+
+        import websocket
+
+        ws = websocket.create_connection(
+            f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels",
+            header=[f"Authorization: token {self.token}"], timeout=timeout,
+        )
+        try:
+            msg_id = uuid.uuid4().hex
+            ws.send(json.dumps({
+                "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test", "session": "t",
+                           "version": "5.3", "date": ""},
+                "parent_header": {}, "metadata": {}, "channel": "shell",
+                "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                            "allow_stdin": False, "stop_on_error": True},
+            }))
+            out, shown = "", ""
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                msg = json.loads(ws.recv())
+                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                kind, content = msg["msg_type"], msg["content"]
+                if kind == "stream":
+                    out += content["text"]
+                elif kind in ("display_data", "update_display_data"):
+                    shown += content["data"].get("text/plain", "") + "\n"
+                elif kind == "error":
+                    raise AssertionError("\n".join(content["traceback"]) + "\n" + out)
+                elif kind == "status" and content["execution_state"] == "idle":
+                    return out + shown
+            raise TimeoutError(out)
+        finally:
+            ws.close()
 
     def _wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -142,15 +195,24 @@ class Lab:
         self.log.close()
 
 
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """One JupyterLab server for the tests of a module (the panel display, MLflow's default store in its root)."""
+    server = Lab(tmp_path_factory.mktemp("lab"))
+    yield server
+    server.close()
+
+
 @contextmanager
-def browser_page(width: int = 1280, height: int = 900) -> Iterator[Any]:
-    """A Playwright page in headless Debian Chromium."""
+def browser_page(width: int = 1280, height: int = 900, headers: dict[str, str] | None = None) -> Iterator[Any]:
+    """A Playwright page in headless Debian Chromium (sending `headers` with every request, if given)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page(viewport={"width": width, "height": height})
+            context = browser.new_context(viewport={"width": width, "height": height}, extra_http_headers=headers)
+            page = context.new_page()
             yield page
         finally:
             browser.close()
@@ -175,7 +237,7 @@ class Notebook:
         page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=60_000)
 
     def cell(self, index: int) -> Any:
-        return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+        return self.page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell").nth(index)
 
     def run(self, index: int) -> Any:
         """Start cell `index` (Shift+Enter in its editor) and return its locator."""

@@ -1,4 +1,4 @@
-"""The panel in a real browser: JupyterLab in headless Chromium, a real click on Cancel."""
+"""The panel in a real browser: JupyterLab in headless Chromium, a real click on Cancel, the record a call leaves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from lab import CHROMIUM, Lab, Notebook, browser_page, write_notebook
+from helpers import ROOT, process_env
+from lab import CHROMIUM, Notebook, browser_page, lab, write_notebook  # noqa: F401 - lab: the module's JupyterLab
 
 pytestmark = [
     pytest.mark.browser,
@@ -47,41 +48,60 @@ def flood():
 flood.distributed()""",
 ]
 
+#: A first call of a kernel that logs metrics and runs until Cancel.
+TRAIN_CELLS = [
+    "from air_magic import distributed",
+    """@distributed(num_accelerators=2, accelerator_type="CPU")
+def train_until_cancelled():
+    import math, os, time, mlflow
+    r = int(os.environ["RANK"])
+    print(f"pid {os.getpid()} training on rank {r}", flush=True)
+    for step in range(100_000):
+        mlflow.log_metrics({"loss": math.exp(-step / 20) + r / 10, "accuracy": 1 - math.exp(-step / 15)}, step=step)
+        if step % 10 == 0:
+            print(f"step {step} loss {math.exp(-step / 20):.4f}", flush=True)
+        time.sleep(0.1)
+train_until_cancelled.distributed()""",
+]
+
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lab")
-    (root / "runs").mkdir()
-    write_notebook(root / "panel.ipynb", CELLS)
-    server = Lab(root, env={"AIR_MAGIC_RUNS_DIR": str(root / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
-    yield server
-    server.close()
+def notebooks(lab):
+    write_notebook(lab.root / "panel.ipynb", CELLS)
+    return lab
 
 
 def _log_text(cell, rank: int) -> str:
     return cell.locator(f".air-magic-log[data-rank='{rank}']").text_content() or ""
 
 
-def test_the_panel_and_a_real_cancel_click_in_jupyterlab(lab):
-    """Both tabs show their own rank's lines; clicking Cancel mid-run stops every process and the next cell runs."""
+def _record(cell) -> str:
+    return cell.locator(".air-magic-record").inner_text()
+
+
+def _gone(pids: list[int]) -> bool:
+    return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
+    """Each tab shows its own rank's lines while the call runs; Cancel mid-run stops every process; each call leaves its record."""
     with browser_page() as page:
-        nb = Notebook(page, lab, "panel.ipynb")
+        nb = Notebook(page, notebooks, "panel.ipynb")
         nb.run(0)
         nb.wait_done(0)
 
         cell = nb.run(1)
         nb.wait_done(1)
-        tabs = cell.locator(".air-magic-panel .lm-TabBar-tab")
-        tabs.filter(has_text="rank 1: done").wait_for(timeout=30_000)
-        assert [t.strip() for t in tabs.all_inner_texts()] == ["rank 0: done", "rank 1: done"]
-        rank0 = cell.locator(".air-magic-log[data-rank='0']")
-        assert rank0.is_visible() and "line 2 from rank 0" in rank0.inner_text()
-        assert "stderr of rank 0" in rank0.inner_text() and "from rank 1" not in rank0.inner_text()
-        tabs.filter(has_text="rank 1").click()
-        rank1 = cell.locator(".air-magic-log[data-rank='1']")
-        rank1.wait_for(state="visible")
-        assert "line 2 from rank 1" in rank1.inner_text() and "from rank 0" not in rank1.inner_text()
-        assert "[1]" in cell.locator(".jp-OutputArea-output").last.inner_text() or "[0, 1]" in cell.inner_text()
+        record = cell.locator(".air-magic-record")
+        record.wait_for(timeout=30_000)
+        ranks = cell.locator(".air-magic-record-rank summary")
+        assert [t.strip() for t in ranks.all_inner_texts()] == ["rank 0: done", "rank 1: done"]
+        logs = cell.locator(".air-magic-record-log")
+        assert "line 2 from rank 0" in logs.nth(0).inner_text() and "stderr of rank 0" in logs.nth(0).inner_text()
+        assert "line 2 from rank 1" in logs.nth(1).inner_text() and "from rank 0" not in logs.nth(1).inner_text()
+        assert "finished" in _record(cell)
+        assert not cell.locator(".air-magic-panel").count(), "the live panel gave way to the record"
+        assert "[0, 1]" in cell.inner_text()
         nb.screenshot("panel-two-ranks.png")
 
         cell = nb.run(2)
@@ -89,6 +109,12 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(lab):
         while not all("pid " in _log_text(cell, r) for r in (0, 1)):
             assert time.monotonic() < deadline, "the ranks never showed their first line"
             time.sleep(0.2)
+        tabs = cell.locator(".air-magic-panel .lm-TabBar-tab")
+        assert [t.strip() for t in tabs.all_inner_texts()] == ["rank 0: running", "rank 1: running"]
+        rank0 = cell.locator(".air-magic-log[data-rank='0']")
+        assert rank0.is_visible() and "pid " in rank0.inner_text()
+        tabs.filter(has_text="rank 1").click()
+        cell.locator(".air-magic-log[data-rank='1']").wait_for(state="visible")
         assert "running" in cell.locator(".air-magic-panel").inner_text()
         pids = [int(p) for r in (0, 1) for p in re.findall(r"pid (\d+) child (\d+)", _log_text(cell, r))[0]]
         nb.screenshot("panel-running.png")
@@ -99,14 +125,15 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(lab):
         nb.wait_done(2)
         assert ended - clicked < 5.0
         gone_by = time.monotonic() + 5
-        while [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        while not _gone(pids):
             assert time.monotonic() < gone_by, "workers or their children outlived the cancel"
             time.sleep(0.1)
         errors = cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
         assert "was cancelled" in errors.last.inner_text() and "Traceback" not in cell.inner_text()
-        assert [t.strip() for t in cell.locator(".lm-TabBar-tab").all_inner_texts()] == [
+        assert [t.strip() for t in cell.locator(".air-magic-record-rank summary").all_inner_texts()] == [
             "rank 0: stopped", "rank 1: stopped"
         ]
+        assert "cancelled" in _record(cell)
         nb.screenshot("panel-cancelled.png")
 
         cell = nb.run(3)
@@ -114,26 +141,123 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(lab):
         nb.screenshot("panel-next-cell.png")
 
 
-def test_a_200_mb_flood_leaves_the_page_responsive_and_shows_a_bounded_tail(lab):
-    """While a rank prints 200 MB the page keeps answering, and the tab ends with a note of the lines left out."""
+def test_a_200_mb_flood_leaves_the_page_responsive_and_shows_a_bounded_tail(notebooks):
+    """While a rank prints 200 MB the page keeps answering, and the record ends with a note of the lines left out."""
     with browser_page() as page:
-        nb = Notebook(page, lab, "panel.ipynb")
+        nb = Notebook(page, notebooks, "panel.ipynb")
         nb.run(0)
         nb.wait_done(0)
         cell = nb.run(4)
         slowest = 0.0
         deadline = time.monotonic() + 300
-        while "*" in cell.locator(".jp-InputPrompt").inner_text() or not cell.locator(".air-magic-log").count():
+        while "*" in cell.locator(".jp-InputPrompt").inner_text() or not cell.locator(".air-magic-record").count():
             assert time.monotonic() < deadline, "the flood cell did not finish"
             t0 = time.monotonic()
             page.evaluate("1")
             slowest = max(slowest, time.monotonic() - t0)
             time.sleep(0.2)
         nb.wait_done(4)
-        log = cell.locator(".air-magic-log[data-rank='0']")
-        log.get_by_text("flood over on rank 0").wait_for(timeout=30_000)
-        text = log.inner_text()
+        text = _record(cell)
+        assert "flood over on rank 0" in text and "flood over on rank 1" in text
         assert "earlier line(s) not shown" in text and "rank-0.log" in text
         assert len(text) < 64 * 1024
         assert slowest < 5.0, f"the page stopped answering for {slowest:.1f} s"
         nb.screenshot("panel-flood.png")
+
+
+def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_charts(lab):
+    """A kernel's first call: the panel shows at once, the kernel reads busy throughout (server and JupyterLab),
+    the header fits one line at 1280 px, metrics are charted live, and Cancel still works mid-cell."""
+    write_notebook(lab.root / "train.ipynb", TRAIN_CELLS)
+    with browser_page(1280, 800) as page:
+        nb = Notebook(page, lab, "train.ipynb")
+        (session,) = [s for s in lab.api("sessions") if s["path"].endswith("train.ipynb")]
+        kernel = session["kernel"]["id"]
+        nb.run(0)
+        nb.wait_done(0)
+        cell = nb.run(1)
+        pressed = time.monotonic()
+        cell.locator(".air-magic-panel").wait_for(timeout=30_000)
+        shown_after = time.monotonic() - pressed
+        assert "starting" in cell.locator(".air-magic-status").inner_text()
+        server_states, lab_states = [], []
+        charts = cell.locator(".air-magic-chart")
+        cancel = cell.locator(".air-magic-panel button.air-magic-cancel")
+        deadline = time.monotonic() + 120
+        while charts.count() < 2 or "step 20" not in _log_text(cell, 1):
+            assert time.monotonic() < deadline, "no charts or no lines within 120 s"
+            server_states.append(lab.api(f"kernels/{kernel}")["execution_state"])
+            lab_states.append(page.locator(".jp-StatusBar-Widget", has_text="Python 3").first.inner_text())
+            time.sleep(0.1)
+        # the header: one line, short link text (the URL on hover), the button's label whole
+        header = cell.locator(".air-magic-header")
+        status = cell.locator(".air-magic-status .air-magic-phase")
+        line = status.evaluate("e => parseFloat(getComputedStyle(e).lineHeight) || 20")
+        assert header.bounding_box()["height"] < 2 * line + 12, "the header wraps"
+        assert status.bounding_box()["height"] < 1.5 * line, "the status wraps"
+        link = cell.locator(".air-magic-link a")
+        assert re.fullmatch(r"run [0-9a-f]{8}", link.inner_text().strip()), link.inner_text()
+        assert "/runs/" in link.get_attribute("title") and link.get_attribute("title") == link.get_attribute("href")
+        for label in ("Cancel", "Cancelling…", "Cancelled"):  # every label the button shows fits it whole
+            fits = cancel.evaluate(
+                """(b, label) => { const c = b.cloneNode(true);
+                   const t = [...c.childNodes].find(n => n.nodeType === 3) || c;
+                   t.textContent = label; c.style.position = 'absolute'; c.style.visibility = 'hidden';
+                   b.parentNode.appendChild(c); const ok = c.scrollWidth <= b.clientWidth + 1; c.remove(); return ok; }""",
+                label,
+            )
+            assert fits, f"the Cancel button cuts {label!r}"
+        assert cancel.evaluate("b => b.scrollWidth <= b.clientWidth + 1")
+        page.wait_for_timeout(600)
+        docs = ROOT / "docs"
+        docs.mkdir(exist_ok=True)
+        cell.locator(".air-magic-panel").screenshot(path=str(docs / "panel.png"))
+        text = cell.locator(".air-magic-charts").inner_text()
+        assert "loss" in text and "accuracy" in text and "rank 0:" in text and "rank 1:" in text
+        pids = [int(p) for r in (0, 1) for p in re.findall(r"pid (\d+) training", _log_text(cell, r))]
+        cancel.click()
+        while not cell.locator(".air-magic-record").count():
+            assert time.monotonic() < deadline, "Cancel did not end the call"
+            server_states.append(lab.api(f"kernels/{kernel}")["execution_state"])
+            time.sleep(0.1)
+        nb.wait_done(1)
+        assert _gone(pids)
+        assert "JobCancelledError" in cell.inner_text()
+        assert "cancelled" in _record(cell) and cell.locator(".air-magic-record .air-magic-chart").count() == 2
+    assert shown_after < 10, f"the panel took {shown_after:.1f} s to show (bench/panel_latency.py measures it)"
+    assert set(server_states) == {"busy"}, f"the server saw the kernel as {server_states}"
+    assert all("Busy" in s for s in lab_states), f"JupyterLab showed the kernel as {sorted(set(lab_states))}"
+
+
+def test_a_saved_notebook_shows_its_record_without_a_kernel(lab, tmp_path):
+    """A notebook executed headless and reopened in JupyterLab with no kernel shows every call's record."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS[:2]]
+    env = process_env({"AIR_MAGIC_RUNS_DIR": str(lab.root / "runs"), "AIR_MAGIC_DISPLAY": "panel"})
+    NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}},
+                   extra_arguments=["--HistoryManager.enabled=False"]).execute(env=env)
+    nb.metadata.pop("kernelspec", None)  # nothing to start: the page is all there is
+    nb.metadata.pop("language_info", None)
+    nbformat.write(nb, lab.root / "saved.ipynb")
+    (ROOT / "test-artifacts").mkdir(exist_ok=True)
+    with browser_page() as page:
+        page.goto(lab.url("saved.ipynb"))
+        dialog = page.locator(".jp-Dialog")
+        dialog.wait_for(timeout=120_000)  # JupyterLab asks which kernel to start
+        page.screenshot(path=str(ROOT / "test-artifacts" / "saved-dialog.png"))
+        if dialog.locator("select").count():
+            dialog.locator("select").select_option(label="No Kernel")
+            dialog.get_by_role("button", name="Select").click()
+        else:
+            dialog.get_by_role("button", name="No Kernel").click()
+        record = page.locator(".air-magic-record")
+        record.wait_for(timeout=60_000)
+        text = record.inner_text()
+        assert "finished" in text and "line 2 from rank 0" in text and "line 2 from rank 1" in text
+        assert "stderr of rank 1" in text
+        assert "Error displaying widget" not in page.inner_text("body")
+        assert not [s for s in lab.api("sessions") if s["path"].endswith("saved.ipynb")], "no kernel was started"
+        page.screenshot(path=str(ROOT / "test-artifacts" / "saved-record.png"), full_page=True)

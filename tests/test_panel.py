@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, Kernel
+from helpers import ROOT, CellResult, Kernel, process_env
 from widget_state import WidgetMirror, click, run_cell
 
 from air_magic.display.tail import TailBuffer
@@ -62,9 +63,16 @@ hello.distributed()
         assert f"hello from rank {rank}" in log and f"warning on rank {rank}" in log
         assert f"hello from rank {1 - rank}" not in log
     assert "finished" in panel["status"] and "2 rank(s)" in panel["status"]
-    assert 'MLflow run: <a href="' in panel["link"] and "/runs/" in panel["link"], panel["link"]
+    assert 'MLflow <a href="' in panel["link"] and "/runs/" in panel["link"], panel["link"]
     assert panel["button_state"]["disabled"] is True
     assert "[rank 0]" not in out.stdout, "the panel replaces the plain lines"
+    record = out.displays[-1]
+    assert set(record["data"]) == {"text/html", "text/plain"}, "the ended panel is replaced by a static record"
+    assert record["transient"]["display_id"] == out.displays[0]["transient"]["display_id"]
+    for rank in (0, 1):
+        assert f"hello from rank {rank}" in record["data"]["text/html"]
+        assert f"[rank {rank}] warning on rank {rank}" in record["data"]["text/plain"]
+    assert "finished" in record["data"]["text/plain"] and "/runs/" in record["data"]["text/plain"]
 
 
 def test_cancel_click_while_the_cell_runs_stops_every_process_and_the_kernel_stays_usable(lab_kernel):
@@ -103,9 +111,132 @@ forever.distributed()
     panel = mirror.panel()
     assert panel["titles"] == ["rank 0: stopped", "rank 1: stopped"]
     assert "cancelled" in panel["status"]
+    assert "cancelled" in out.displays[-1]["data"]["text/plain"]
+    assert "rank 0: stopped" in out.displays[-1]["data"]["text/html"]
     pids = [int(pid) for log in panel["logs"] for pid in re.findall(r"pid (\d+) child (\d+)", log)[0]]
     assert len(pids) == 4
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
+
+
+def test_a_timeout_and_an_interrupt_leave_a_record_saying_so(lab_kernel):
+    """A call stopped by its timeout, or by a kernel interrupt, is replaced by a record that says how it ended."""
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU", timeout=2, mlflow=False)
+def sleepy():
+    import time
+    print("going to sleep", flush=True)
+    time.sleep(60)
+sleepy.distributed()
+""",
+        WidgetMirror(),
+    )
+    assert out.ename == "DistributedTimeoutError"
+    record = out.displays[-1]["data"]
+    assert "timed out" in record["text/plain"] and "going to sleep" in record["text/html"]
+
+    mirror = WidgetMirror()
+    seen: dict[str, bool] = {}
+
+    def interrupt_once_running(m: WidgetMirror) -> None:
+        if not seen and m.of_model("TabModel") and all("going" in log for log in m.panel()["logs"]):
+            seen["interrupted"] = True
+            lab_kernel.interrupt()
+
+    out = run_cell(lab_kernel, "sleepy.with_overrides(timeout=None).distributed()", mirror,
+                   while_running=interrupt_once_running)
+    assert seen and out.ename == "KeyboardInterrupt"
+    record = out.displays[-1]["data"]
+    assert "interrupted" in record["text/plain"] and "rank 1: stopped" in record["text/html"]
+
+
+def test_a_call_that_never_starts_leaves_no_starting_line(lab_kernel):
+    """The line shown the moment a call begins is emptied when the call fails before its panel (an argument that cannot be pickled)."""
+    out = run_cell(
+        lab_kernel,
+        """
+import threading
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def takes(lock):
+    return 1
+takes.distributed(threading.Lock())
+""",
+        WidgetMirror(),
+    )
+    assert out.ename == "SerializationError"
+    first, last = out.displays[0], out.displays[-1]
+    assert "starting" in first["data"]["text/plain"]
+    assert last["transient"]["display_id"] == first["transient"]["display_id"] and last["data"] == {"text/plain": ""}
+
+
+class StatusMirror(WidgetMirror):
+    """A WidgetMirror that also keeps every status message: (execution_state, parent msg_type, parent msg_id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: list[tuple[str, str, str]] = []
+
+    def feed(self, msg: dict) -> None:
+        super().feed(msg)
+        if msg["msg_type"] == "status":
+            parent = msg["parent_header"]
+            self.statuses.append((msg["content"]["execution_state"], parent.get("msg_type"), parent.get("msg_id")))
+
+
+def test_the_kernel_stays_busy_while_jupyterlab_talks_to_widgets_on_its_own_subshell(lab_kernel):
+    """As JupyterLab does, a subshell is created and a tab change and Cancel are sent on it mid-call: every idle those
+    publish is followed at once by busy for the cell, and the click still cancels the call."""
+    mirror = StatusMirror()
+    kc = lab_kernel.kc
+    sent: dict[str, str] = {}
+
+    def act(m: WidgetMirror) -> None:
+        if "clicked" in sent or not m.of_model("TabModel") or not all("pid " in log for log in m.panel()["logs"]):
+            return
+        request = kc.session.msg("create_subshell_request", {})
+        kc.control_channel.send(request)
+        reply = kc.control_channel.get_msg(timeout=30)
+        subshell = reply["content"]["subshell_id"]
+        (tab_id, _), = m.of_model("TabModel")[-1:]
+        for data in ({"method": "update", "state": {"selected_index": 1}, "buffer_paths": []},
+                     {"method": "custom", "content": {"event": "click"}}):
+            comm_id = tab_id if data["method"] == "update" else m.panel()["button"]
+            msg = kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+            msg["header"]["subshell_id"] = subshell
+            kc.shell_channel.send(msg)
+        sent["clicked"] = subshell
+
+    msg_id = lab_kernel.send(
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU")
+def forever():
+    import os, time
+    print(f"pid {os.getpid()}", flush=True)
+    while True:
+        time.sleep(0.2)
+forever.distributed()
+"""
+    )
+    out = CellResult()
+    deadline = time.monotonic() + 180
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        mirror.feed(msg)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            out.add(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        act(mirror)
+    assert "clicked" in sent and out.ename == "JobCancelledError", out.traceback
+    mine = [i for i, s in enumerate(mirror.statuses) if s[2] == msg_id]
+    during = mirror.statuses[mine[0]:mine[-1] + 1]
+    assert during[0] == ("busy", "execute_request", msg_id) and during[-1] == ("idle", "execute_request", msg_id)
+    others = [i for i, s in enumerate(during[:-1]) if s[0] == "idle"]
+    assert others, "the subshell's requests published their own idle"
+    for i in others:
+        assert during[i][2] != msg_id and during[i + 1] == ("busy", "execute_request", msg_id), during
     assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
 
 
@@ -144,6 +275,86 @@ run_dir = flood.distributed()[0]
     run_dir = run_cell(lab_kernel, "run_dir", WidgetMirror()).check().result.strip("'")
     assert os.path.getsize(Path(run_dir) / "rank-0.log") >= 200_000_000
     assert "[rank 0]" not in out.stdout
+
+
+HEADLESS_CELLS = [
+    "from air_magic import distributed",
+    """@distributed(num_accelerators=2, accelerator_type="CPU")
+def train():
+    import os, mlflow
+    r = int(os.environ["RANK"])
+    for step in range(100):
+        print(f"step {step} on rank {r}")
+        mlflow.log_metric("loss", 1.0 / (step + 1) + r, step=step)
+    mlflow.log_metrics({"acc": 0.5 + r / 10, "lr": 0.01}, step=99)
+    return r
+train.distributed()""",
+    """@distributed(num_accelerators=2, accelerator_type="CPU")
+def broken():
+    import os
+    print("about to fail on rank", os.environ["RANK"])
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 gave up")
+broken.distributed()""",
+    """@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def untracked():
+    import os, sys
+    print("untracked rank", os.environ["RANK"], "mlflow imported:", "mlflow" in sys.modules)
+untracked.distributed()""",
+]
+
+
+def test_a_notebook_executed_headless_keeps_a_static_record_that_nbconvert_shows(tmp_path):
+    """Run headless with the panel, saved and converted: every call's status, link, ranks' last lines and charts stay, with no widget state and no MLflow noise."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    (tmp_path / "runs").mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in HEADLESS_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "panel"})
+    env.pop("MLFLOW_TRACKING_URI", None)  # MLflow's own default: ./mlflow.db beside the notebook
+    client = NotebookClient(
+        nb, kernel_name="python3", timeout=240, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}},
+        extra_arguments=["--HistoryManager.enabled=False"],
+    )
+    client.execute(env=env)
+    nbformat.write(nb, tmp_path / "record.ipynb")
+
+    saved = nbformat.read(tmp_path / "record.ipynb", as_version=4)
+    outputs = [cell.outputs for cell in saved.cells]
+    everything = json.dumps(saved)
+    assert "application/vnd.jupyter.widget-view+json" not in everything
+    assert "Creating initial MLflow database tables" not in everything and "INFO" not in everything
+    assert not (tmp_path / "mlruns").exists(), "MLflow's ./mlruns default is not used"
+    assert (tmp_path / "mlflow.db").exists() and (tmp_path / "mlartifacts").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db", "record.ipynb", "runs"]
+
+    (trained,) = [o for o in outputs[1] if o["output_type"] == "display_data"]
+    text, page = trained["data"]["text/plain"], trained["data"]["text/html"]
+    assert "finished" in text and "MLflow run: " in text and "workflowType=machine_learning" in text
+    for rank in (0, 1):
+        assert f"[rank {rank}] step 99 on rank {rank}" in text and f"step 99 on rank {rank}" in page
+        assert f"step 0 on rank {rank}" not in page, "the record keeps the last lines only"
+    assert "60 earlier line(s) not shown; full log: " in page and "rank-0.log" in page
+    assert page.count('class="air-magic-chart"') == 3 and "<svg" in page  # loss, acc, lr
+    assert "loss" in text and "rank 1: 1.01" in text
+
+    (failed,) = [o for o in outputs[2] if o["output_type"] == "display_data"]
+    assert "failed" in failed["data"]["text/plain"] and "rank 1: failed" in failed["data"]["text/html"]
+    assert "about to fail on rank 1" in failed["data"]["text/html"]
+    assert [o["ename"] for o in outputs[2] if o["output_type"] == "error"] == ["ValueError"]
+
+    (untracked,) = [o for o in outputs[3] if o["output_type"] == "display_data"]
+    assert "mlflow imported: False" in untracked["data"]["text/plain"]
+    assert "MLflow" not in untracked["data"]["text/plain"] and "air-magic-chart" not in untracked["data"]["text/html"]
+
+    html_page, _ = HTMLExporter().from_notebook_node(saved)
+    for rank in (0, 1):
+        assert f"step 99 on rank {rank}" in html_page and f"untracked rank {rank}" in html_page
+    assert "VBox(" not in html_page and "Error displaying widget" not in html_page
 
 
 def test_a_script_prints_rank_prefixed_lines_and_the_link_once(tmp_path):

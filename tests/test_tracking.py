@@ -92,7 +92,7 @@ def client(store):
 def run_id_of(stdout: str) -> str:
     match = LINK.search(stdout)
     assert match, f"no MLflow link printed:\n{stdout}"
-    return match.group(1).rsplit("/", 1)[-1]
+    return match.group(1).split("?", 1)[0].rsplit("/", 1)[-1]
 
 
 def test_call_makes_a_finished_run_with_settings_metrics_and_logs(nb, store, client):
@@ -139,7 +139,7 @@ one.distributed()
     link = LINK.search(out.stdout).group(1)
     assert link.startswith("http://127.0.0.1:"), link
     base, fragment = link.split("#", 1)
-    run_id = fragment.rsplit("/", 1)[-1]
+    run_id = fragment.split("?", 1)[0].rsplit("/", 1)[-1]
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -318,7 +318,7 @@ def test_configured_server_link_is_that_servers_run_page():
 
     before = {p.pid for p in mlflow_ui_processes()}
     url = mlflow_ui.run_url("https://mlflow.example.org/", "7", "abc123")
-    assert url == "https://mlflow.example.org/#/experiments/7/runs/abc123"
+    assert url == "https://mlflow.example.org/#/experiments/7/runs/abc123?workflowType=machine_learning"
     assert not mlflow_ui._uis and not mlflow_ui_processes(before)
 
 

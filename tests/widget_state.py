@@ -50,7 +50,7 @@ class WidgetMirror:
             "button": buttons[-1][0] if buttons else None,
             "button_state": buttons[-1][1] if buttons else None,
             "status": next((h for h in reversed(htmls) if "rank(s)" in h), ""),
-            "link": next((h for h in reversed(htmls) if "MLflow run" in h), ""),
+            "link": next((h for h in reversed(htmls) if "MLflow" in h and "rank(s)" not in h), ""),
         }
 
 
@@ -82,6 +82,8 @@ def run_cell(
             out.result = content["data"].get("text/plain")
         elif mine and kind == "error":
             out.error = content
+        elif mine and kind in ("display_data", "update_display_data"):
+            out.displays.append(content)
         elif mine and kind == "status" and content["execution_state"] == "idle":
             return out
         if while_running is not None:

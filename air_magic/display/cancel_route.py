@@ -1,77 +1,61 @@
-"""Deliver a widget's clicks while the kernel's main thread is busy running the cell.
+"""Deliver a Cancel click while the kernel's main thread is busy running the cell, without a second shell.
 
 A cell that calls the runner blocks the kernel's main thread until the job
-ends, and ipykernel handles widget messages on that thread, so a Cancel
-click would wait until the job is over. ipykernel 7 reads the shell channel
-in its own thread and asks each comm where its messages should go
-(`_reply_subshell_for`); a kernel subshell is a second thread with its own
-event loop that handles what is sent to it. So: create one subshell per
-kernel, and make the Cancel button's comm send its messages there. The click
-handler then runs in the subshell thread while the cell is still executing.
+ends, and ipykernel handles widget messages on that thread, so a click would
+wait until the job is over. ipykernel 7 reads the shell channel in a thread
+of its own and, for each comm message, asks the comm which (sub)shell should
+handle it (`comm._reply_subshell_for(data, default)`), passing the message's
+data. That question is asked at once, whatever the main thread is doing: so
+the hook itself recognizes a click (`{"method": "custom", "content":
+{"event": "click"}}`) and calls `on_click` there.
 
-This relies on ipykernel internals (the subshell manager and the comm
-routing hook of 7.4); pyproject pins the range and tests/test_panel.py checks
-the route end to end. Where the hooks are missing, `route_to_background`
-returns False and the panel says to use the kernel's interrupt instead.
+Every message to the panel's widgets is then handled by the main shell, once
+the cell is done: JupyterLab sends widget messages over a subshell of its own
+(see busy.py), whose thread would otherwise change the panel's widgets while
+the cell's thread draws them, and would publish `idle` for each message. An
+earlier version sent the button's messages to an air_magic subshell; that
+only added a thread and more `idle` statuses.
+
+This relies on an ipykernel internal (the comm routing hook of 7.4);
+pyproject pins the range and tests/test_panel.py checks the route end to end.
+Where the hook is missing, `keep_on_main_shell` returns False and the panel
+says to use the kernel's interrupt instead.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from typing import Any
 
-_lock = threading.Lock()
-_subshell_id: str | None = None
+
+def is_click(data: Any) -> bool:
+    """True for the data of the comm message a browser sends when a Button is clicked."""
+    return (
+        isinstance(data, dict)
+        and data.get("method") == "custom"
+        and isinstance(data.get("content"), dict)
+        and data["content"].get("event") == "click"
+    )
 
 
-def _kernel() -> Any:
-    try:
-        from ipykernel.kernelbase import Kernel
-    except ImportError:
-        return None
-    return Kernel.instance() if Kernel.initialized() else None
+def keep_on_main_shell(widget: Any, on_click: Callable[[], None] | None = None) -> bool:
+    """Have the main shell handle every message the page sends to `widget`; False if impossible.
 
-
-def background_subshell(timeout: float = 5.0) -> str | None:
-    """The id of this kernel's air_magic subshell, created on first use; None if the kernel has none."""
-    global _subshell_id
-    kernel = _kernel()
-    channel = getattr(kernel, "shell_channel_thread", None)
-    manager = getattr(channel, "_manager", None)
-    if channel is None or manager is None or not hasattr(manager, "_create_subshell"):
-        return None
-    with _lock:
-        if _subshell_id is not None and _subshell_id in manager.list_subshell():
-            return _subshell_id
-        done = threading.Event()
-        made: list[str] = []
-
-        def create() -> None:  # the manager may only be changed from the shell-channel thread
-            try:
-                made.append(manager._create_subshell())
-            finally:
-                done.set()
-
-        channel.io_loop.add_callback(create)
-        if not done.wait(timeout) or not made:
-            return None
-        _subshell_id = made[0]
-        return _subshell_id
-
-
-def route_to_background(widget: Any) -> bool:
-    """Send every message the frontend sends to `widget` to the background subshell; False if impossible."""
+    With `on_click`, call it on the kernel's shell-channel thread as soon as `widget` is clicked,
+    while the cell is still running. It must be quick and thread-safe (setting an Event is the intended use).
+    """
     comm = getattr(widget, "comm", None)
     if comm is None or not callable(getattr(comm, "_reply_subshell_for", None)):
         return False
-    subshell = background_subshell()
-    if subshell is None:
-        return False
 
-    def route(data: Any, default: str | None) -> str:
-        return subshell
+    def route(data: Any, default: str | None) -> str | None:
+        if on_click is not None and is_click(data):
+            try:
+                on_click()
+            except Exception:  # noqa: BLE001, S110 - never break the kernel's shell-channel thread
+                pass
+        return None  # the main shell
 
-    # An instance attribute, so the comm's own bookkeeping (which re-points replies at
-    # whichever thread last published on it) cannot send clicks back to the busy thread.
+    # An instance attribute: only this widget's comm is affected.
     comm._reply_subshell_for = route
     return True

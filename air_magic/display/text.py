@@ -38,6 +38,9 @@ class TextDisplay(Listener):
             self.out.write(f"air_magic: MLflow run: {link}\n")
             self.link_shown = True
 
+    def poll(self) -> None:
+        self.show_link()  # the run is made in the background: print its link once it exists
+
     def on_output(self, rank: int, text: str) -> None:
         text = self.partial.pop(rank, "") + text.replace("\r\n", "\n")
         lines = text.split("\n")

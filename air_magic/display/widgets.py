@@ -1,38 +1,53 @@
-"""The live panel shown in Jupyter: a tab per rank, status, elapsed time, MLflow link, Cancel.
+"""The live panel shown in Jupyter: a tab per rank, status, elapsed time, MLflow link, Cancel, metric charts.
 
 The only module of air_magic that imports ipywidgets. It is a runner
 listener: every hook runs on the thread that made the call, so widgets are
 only changed from that thread. Output is kept in a bounded tail per rank
 (display/tail.py) and sent to the browser at most every REFRESH seconds, so
 a flooding rank cannot drown the kernel or the browser; the full log stays
-in the run directory. The Cancel click is delivered on a kernel subshell
-thread (display/cancel_route.py) and only sets the call's cancel flag.
+in the run directory. Metrics the ranks log are read from their files in the
+run directory (display/charts.py) and drawn as small charts. The Cancel click
+is recognized on the kernel's shell-channel thread (display/cancel_route.py)
+and only sets the call's cancel flag.
+
+The panel takes the place of the starting line that make_display() shows
+the moment a call begins, and appears before the MLflow run exists or any
+process starts, with its phase saying what it waits for. When the call ends,
+the panel's output is replaced by a static record (display/record.py) that
+needs no kernel and no widget state, so the saved notebook keeps it. While a
+call runs, display/busy.py keeps the kernel reading `busy`.
 """
 
 from __future__ import annotations
 
 import html
 import time
+from typing import Any
 
 import ipywidgets as w
 from IPython.display import display
 
 from ..events import Listener, RunContext
-from ..job import JobResult, JobStatus, RankState
-from .cancel_route import route_to_background
+from ..job import JobResult, JobSpec, RankState
+from . import busy, waiting_for
+from .cancel_route import keep_on_main_shell
+from .charts import MetricsTail, charts_html
+from .record import ended_as, record_bundle, short_link_text
 from .tail import TailBuffer
 
 #: Seconds between two refreshes of a rank's tab (the browser sees at most this rate).
 REFRESH = 0.1
 #: Seconds between two updates of the clock.
 CLOCK = 0.5
+#: Seconds between two redraws of the metric charts.
+CHARTS = 0.5
 
 _LOG_STYLE = (
     "max-height:22em;overflow-y:auto;display:flex;flex-direction:column-reverse;"
     "font-family:var(--jp-code-font-family,monospace);font-size:12px;line-height:1.35;"
     "padding:4px 6px;background:var(--jp-layout-color1,#fff)"
 )
-_ENDED = {JobStatus.FINISHED: "finished", JobStatus.FAILED: "failed", JobStatus.KILLED: "stopped"}
+_NOWRAP = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis"
 
 
 def _title(rank: int, state: RankState) -> str:
@@ -40,58 +55,75 @@ def _title(rank: int, state: RankState) -> str:
 
 
 class Panel(Listener):
-    """One call's panel; build it with `Panel()` and hand it to the runner as a listener."""
+    """One call's panel; build it with `Panel(spec)` (shown at once) and hand it to the runner as a listener."""
 
-    def __init__(self, refresh: float = REFRESH) -> None:
+    box: w.VBox
+    tabs: w.Tab
+    logs: list[w.HTML]
+    status: w.HTML
+    link: w.HTML
+    charts: w.HTML
+    cancel_button: w.Button
+    cancel_hint: w.HTML
+    tails: list[TailBuffer]
+    dirty: set[int]
+    last_flush: float
+    last_clock: float
+    last_charts: float
+    launched_phase: str
+    metrics: MetricsTail | None
+    handle: Any
+
+    def __init__(self, starting: Any = None, refresh: float = REFRESH) -> None:
+        self.starting = starting  # display.StartingLine whose place the panel takes, if one was shown
         self.refresh = refresh
+        self.spec: JobSpec | None = None
+        self.ctx: RunContext | None = None
+        self.phase = "starting"
 
     # -- runner hooks ------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
+        # Shown at once: the MLflow run is still being made (tracking.py does that in the background)
+        # and no process has started yet, so the line says what the call waits for.
+        busy.hold()
         self.ctx = ctx
-        spec = ctx.spec
-        n = spec.world_size
-        self.tails = [TailBuffer() for _ in range(n)]
-        self.dirty: set[int] = set()
-        self.last_flush = 0.0
-        self.last_clock = 0.0
-        self.phase = "starting"
-        self.logs = [w.HTML(value=self._log_html(r), layout=w.Layout(width="100%")) for r in range(n)]
-        self.tabs = w.Tab(children=self.logs, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
-        self.status = w.HTML()
-        self.link = w.HTML()
-        self.cancel_button = w.Button(
-            description="Cancel", icon="stop", button_style="danger", tooltip="Stop every rank of this call",
-            layout=w.Layout(width="auto"),
-        )
-        self.cancel_button.on_click(self._clicked)
-        self.cancel_hint = w.HTML()
-        header = w.HBox(
-            [self.status, self.link, self.cancel_button, self.cancel_hint],
-            layout=w.Layout(align_items="center", justify_content="space-between"),
-        )
-        self.box = w.VBox([header, self.tabs])
-        self.box.add_class("air-magic-panel")
+        self.spec = ctx.spec
+        self._build(ctx.spec)
+        self.metrics = MetricsTail(ctx.run_dir, ctx.spec.world_size) if ctx.spec.mlflow else None
+        self.phase = waiting_for(ctx.spec, run_made=bool(ctx.links.get("mlflow")))
         self._show_status()
         self._show_link()
-        display(self.box)
-        if not route_to_background(self.cancel_button):
-            self.cancel_button.layout.display = "none"
-            self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
+        if self.starting is not None:
+            self.starting.taken = True
+            self.handle = self.starting.handle
+            self.handle.update(self.box)
+        else:
+            self.handle = display(self.box, display_id=True)
 
     def on_output(self, rank: int, text: str) -> None:
         self.tails[rank].feed(text)
         self.dirty.add(rank)
 
     def on_rank_state(self, rank: int, state: RankState) -> None:
-        if self.phase == "starting" and state == RankState.RUNNING:
+        if self.phase.startswith("starting") and state == RankState.RUNNING:
             self.phase = "running"
+            self._show_status()
         self.tabs.set_title(rank, _title(rank, state))
 
     def poll(self) -> None:
         now = time.monotonic()
+        if self.phase.startswith("starting: ") and self.phase != self.launched_phase:
+            self.phase = self.launched_phase  # the run exists and the processes are asked for
+            self._show_status()
         if self.dirty and now - self.last_flush >= self.refresh:
             self._flush()
             self.last_flush = now
+        if self.metrics is not None and now - self.last_charts >= CHARTS:
+            self.last_charts = now
+            if self.metrics.poll():
+                self.charts.value = charts_html(self.metrics)
+                self.charts.layout.display = None
+        assert self.ctx is not None
         if self.ctx.cancelled and not self.cancel_button.disabled:
             self.phase = "cancelling"
             self.cancel_button.disabled = True
@@ -102,14 +134,14 @@ class Panel(Listener):
         self._show_link()
 
     def on_end(self, result: JobResult) -> None:
+        assert self.ctx is not None
         self.dirty.update(range(len(self.tails)))
         self._flush()
+        if self.metrics is not None:
+            self.metrics.poll()
         for rank in result.ranks:
             self.tabs.set_title(rank.rank, _title(rank.rank, rank.state))
-        if self.ctx.cancelled and result.status == JobStatus.KILLED:
-            self.phase = "cancelled"
-        else:
-            self.phase = _ENDED[result.status]
+        self.phase = ended_as(result)
         self.cancel_button.disabled = True
         if self.phase == "cancelled":
             self.cancel_button.description = "Cancelled"
@@ -117,18 +149,75 @@ class Panel(Listener):
             self.cancel_button.layout.visibility = "hidden"  # keeps the header's layout steady
         self._show_status(result.elapsed)
         self._show_link()
+        bundle = record_bundle(
+            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics
+        )
+        # The widget's output becomes the static record: a saved or converted notebook keeps it.
+        try:
+            self.handle.update(bundle, raw=True)
+            for widget in self._widgets:
+                widget.close()
+        finally:
+            busy.release()
 
     # -- drawing -----------------------------------------------------------
-    def _clicked(self, _button: w.Button) -> None:
-        # Runs on the subshell thread while the cell is busy: only set the flag;
+    def _build(self, spec: JobSpec) -> None:
+        n = spec.world_size
+        self.tails = [TailBuffer() for _ in range(n)]
+        self.dirty = set()
+        self.last_flush = 0.0
+        self.last_clock = 0.0
+        self.last_charts = 0.0
+        self.metrics = None
+        self.started = time.monotonic()
+        self.phase = "starting"
+        self.launched_phase = f"starting: {n} rank(s)"
+        self.logs = [w.HTML(value=self._log_html(r), layout=w.Layout(width="100%")) for r in range(n)]
+        self.tabs = w.Tab(children=self.logs, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
+        self.status = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", overflow="hidden"))
+        self.status.add_class("air-magic-status")
+        self.link = w.HTML(layout=w.Layout(flex="0 0 auto"))
+        self.link.add_class("air-magic-link")
+        self.cancel_button = w.Button(
+            description="Cancel", icon="stop", button_style="danger", tooltip="Stop every rank of this call",
+            # wide enough for "Cancelling…" with its icon, and never squeezed by the row
+            layout=w.Layout(width="auto", min_width="9.5em", flex="0 0 auto"),
+        )
+        self.cancel_button.add_class("air-magic-cancel")
+        self.cancel_button.on_click(self._clicked)
+        self.cancel_hint = w.HTML(layout=w.Layout(flex="0 1 auto"))
+        header = w.HBox(
+            [self.status, self.link, self.cancel_button, self.cancel_hint],
+            layout=w.Layout(align_items="center", width="100%", flex_flow="row nowrap", grid_gap="8px"),
+        )
+        header.add_class("air-magic-header")
+        self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
+        self.box = w.VBox([header, self.charts, self.tabs])
+        self.box.add_class("air-magic-panel")
+        self._widgets: list[Any] = [self.box, header, self.charts, self.tabs, *self.logs, self.status, self.link,
+                                    self.cancel_button, self.cancel_hint]
+        for widget in self._widgets:
+            if widget is not self.cancel_button:
+                keep_on_main_shell(widget)
+        if not keep_on_main_shell(self.cancel_button, self._cancel_now):
+            self.cancel_button.layout.display = "none"
+            self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
+
+    def _cancel_now(self) -> None:
+        # Runs on the kernel's shell-channel thread while the cell is busy: only set the flag;
         # the runner stops the ranks and the next poll() redraws the button.
-        self.ctx.cancel()
+        if self.ctx is not None:
+            self.ctx.cancel()
+
+    def _clicked(self, _button: w.Button) -> None:
+        self._cancel_now()
 
     def _log_html(self, rank: int) -> str:
         tail = self.tails[rank]
+        path = str(self.ctx.log_paths[rank]) if self.ctx is not None else None
         # the note stays above the scrolling area, which is pinned to its newest line
         return (
-            f'<div class="air-magic-log" data-rank="{rank}">{tail.note_html(str(self.ctx.log_paths[rank]))}'
+            f'<div class="air-magic-log" data-rank="{rank}">{tail.note_html(path)}'
             f'<div style="{_LOG_STYLE}"><div>{tail.body_html()}</div></div></div>'
         )
 
@@ -138,19 +227,29 @@ class Panel(Listener):
         self.dirty.clear()
 
     def _show_status(self, elapsed: float | None = None) -> None:
-        spec = self.ctx.spec
-        seconds = self.ctx.elapsed if elapsed is None else elapsed
+        spec = self.spec
+        assert spec is not None
+        if elapsed is None:
+            elapsed = self.ctx.elapsed if self.ctx is not None else time.monotonic() - self.started
         self.last_clock = time.monotonic()
+        phase = html.escape(self.phase)
         self.status.value = (
+            f'<div style="{_NOWRAP}" title="{html.escape(spec.name, quote=True)} · {phase}">'
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
-            f' · <span class="air-magic-phase">{self.phase}</span> · {seconds:.0f} s'
+            f' · <span class="air-magic-phase">{phase}</span> · {elapsed:.0f} s</div>'
         )
 
     def _show_link(self) -> None:
-        url = self.ctx.links.get("mlflow")
+        url = self.ctx.links.get("mlflow") if self.ctx is not None else None
         if url:
-            value = f'MLflow run: <a href="{html.escape(url, quote=True)}" target="_blank">{html.escape(url)}</a>'
+            href = html.escape(url, quote=True)
+            value = (
+                f'<span style="white-space:nowrap">MLflow <a href="{href}" title="{href}" target="_blank">'
+                f"{html.escape(short_link_text(url))}</a></span>"
+            )
+        elif self.spec is not None and self.spec.mlflow and self.phase.startswith("starting"):
+            value = '<span style="color:gray;white-space:nowrap">MLflow run: …</span>'
         else:
-            value = '<span style="color:gray">MLflow run: not recorded</span>'
+            value = '<span style="color:gray;white-space:nowrap">MLflow run: not recorded</span>'
         if self.link.value != value:
             self.link.value = value

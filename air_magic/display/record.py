@@ -1,0 +1,116 @@
+"""The static record a call leaves in the notebook when it ends: HTML and plain text, no widget state.
+
+The live panel is a widget: saved, converted or reopened without its kernel it
+shows nothing. So when a call ends the panel's output is replaced by this
+record: how it ended, how long it took, the MLflow link, each rank's last
+lines (bounded, with a note of what was left out and where the full log is)
+and the metric charts. It uses only HTML that JupyterLab keeps in untrusted
+notebooks (no scripts, no data attributes), and a text/plain twin for
+nbconvert's text exporters and terminals. Knows nothing about widgets.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from ..errors import DistributedTimeoutError, JobCancelledError
+from ..job import JobResult, JobStatus
+from .charts import MetricsTail, charts_html, charts_text
+from .tail import TailBuffer
+
+#: Newest lines of each rank kept in the record.
+RECORD_LINES = 40
+#: Characters of each rank kept in the record.
+RECORD_CHARS = 8 * 1024
+#: Characters of one line kept in the record.
+RECORD_LINE_CHARS = 500
+
+_PRE = (
+    "margin:0;padding:4px 6px;white-space:pre-wrap;word-break:break-all;max-height:24em;overflow-y:auto;"
+    "font-size:12px;line-height:1.35;background:#f7f7f7;border:1px solid #e0e0e0"
+)
+
+
+def ended_as(result: JobResult) -> str:
+    """One word or two for how the call ended: finished, failed, cancelled, timed out, interrupted, stopped."""
+    if result.status == JobStatus.FINISHED:
+        return "finished"
+    if result.status == JobStatus.FAILED:
+        return "failed"
+    if isinstance(result.error, JobCancelledError):
+        return "cancelled"
+    if isinstance(result.error, DistributedTimeoutError):
+        return "timed out"
+    if isinstance(result.error, KeyboardInterrupt):
+        return "interrupted"
+    return "stopped"
+
+
+def record_tail(tail: TailBuffer) -> TailBuffer:
+    """The newest lines of `tail` within the record's smaller budget, with the count of lines left out kept."""
+    small = TailBuffer(max_lines=RECORD_LINES, max_chars=RECORD_CHARS, max_line_chars=RECORD_LINE_CHARS)
+    lines = list(tail.lines)[-RECORD_LINES:]
+    small.feed("".join(f"{line}\n" for line in lines) + tail.partial)
+    small.total_lines = tail.total_lines  # what the big tail already dropped counts as left out too
+    return small
+
+
+def short_link_text(url: str) -> str:
+    """A few characters that name the run in a header ('run 4b8c2e1f'), the full URL going in the tooltip."""
+    tail = url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    return f"run {tail[:8]}" if tail else "MLflow run"
+
+
+def record_bundle(
+    result: JobResult,
+    tails: list[TailBuffer],
+    log_paths: list[Path],
+    link: str | None,
+    metrics: MetricsTail | None = None,
+) -> dict[str, str]:
+    """The record as a MIME bundle: {'text/html': ..., 'text/plain': ...}."""
+    spec = result.spec
+    how = ended_as(result)
+    color = {"finished": "#2e7d32", "failed": "#c62828"}.get(how, "#b35900")
+    head = (
+        f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)} · "
+        f'<b style="color:{color}">{how}</b> in {result.elapsed:.1f} s'
+    )
+    if link:
+        head += (
+            f' · <a href="{html.escape(link, quote=True)}" target="_blank" title="{html.escape(link, quote=True)}">'
+            f"MLflow {html.escape(short_link_text(link))}</a>"
+        )
+    parts = [
+        '<div class="air-magic-record" style="font-family:var(--jp-ui-font-family,sans-serif);font-size:13px">',
+        f'<div class="air-magic-record-head" style="margin-bottom:4px">{head}</div>',
+        charts_html(metrics),
+    ]
+    text = [
+        f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}: {how} in {result.elapsed:.1f} s",
+    ]
+    if link:
+        text.append(f"MLflow run: {link}")
+    text.append(f"logs: {result.run_dir}")
+    metric_lines = charts_text(metrics)
+    if metric_lines:
+        text.append(metric_lines)
+    for rank in result.ranks:
+        small = record_tail(tails[rank.rank])
+        log = str(log_paths[rank.rank])
+        note = (
+            f"… {small.omitted:,} earlier line(s) not shown; full log: {log}" if small.omitted else f"log: {log}"
+        )
+        parts.append(
+            f'<details class="air-magic-record-rank" open style="margin:2px 0">'
+            f'<summary style="cursor:pointer">rank {rank.rank}: {rank.state.value}</summary>'
+            f'<div class="air-magic-record-note" style="color:#777;font-style:italic;font-size:12px">'
+            f"{html.escape(note)}</div>"
+            f'<pre class="air-magic-record-log" style="{_PRE}">{html.escape(small.text())}</pre></details>'
+        )
+        body = small.text()
+        text.append(f"--- rank {rank.rank}: {rank.state.value} ({note})")
+        text.extend(f"[rank {rank.rank}] {line}" for line in body.split("\n") if body)
+    parts.append("</div>")
+    return {"text/html": "".join(parts), "text/plain": "\n".join(text)}
