@@ -78,13 +78,29 @@ def install() -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
+#: Name of the thread MLflow's asynchronous logging runs while its queue is active (mlflow 2.x-3.x).
+_ASYNC_LOOP_THREAD = "MLflowAsyncLoggingLoop"
+
+
+def _async_logging_running() -> bool:
+    """Whether this process has MLflow metrics queued or in flight: its asynchronous logging thread is alive.
+
+    Threads do not survive fork, so a rank forked from a helper that imported mlflow starts with none.
+    Asking MLflow itself (its store's queue) would build the tracking store first, which costs a database
+    connection and schema check (1-3 s) in a rank that never logged anything.
+    """
+    import threading
+
+    return any(t.name == _ASYNC_LOOP_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def flush(timeout: float = 120.0) -> None:
     """Send what MLflow's asynchronous logging still holds and stop its threads, before interpreter shutdown.
 
     Bounded by `timeout` seconds, so an unreachable tracking server cannot keep a finished rank alive.
     """
     mlflow = sys.modules.get("mlflow")
-    if mlflow is None:
+    if mlflow is None or not _async_logging_running():
         return
     fluent = sys.modules.get("mlflow.tracking.fluent")
     # Shutting the queue down (not just flushing it) also ends its threads, so the rank can exit.
