@@ -14,7 +14,7 @@ mlflow only if the user's code imports it.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
+import importlib.util
 import os
 import sys
 import warnings
@@ -49,6 +49,16 @@ def _patch(mlflow: ModuleType) -> None:
         fluent.set_experiment = set_experiment  # type: ignore[attr-defined]
 
 
+def _find_spec(name: str, path: Sequence[str] | None) -> Any:
+    """The spec the rest of sys.meta_path gives `name` (a warm worker's preloaded copy comes first)."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = None if find is None else find(name, path)
+        if spec is not None:
+            return spec
+    return None
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of `mlflow` so the patch runs right after it loads."""
 
@@ -56,7 +66,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         if name != "mlflow":
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = _find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -120,3 +130,44 @@ def flush(timeout: float = 120.0) -> None:
     if sender.is_alive():
         print(f"air_magic: MLflow was still sending this rank's last metrics after {timeout:g} s; "
               "the rank exits without waiting longer.", file=sys.stderr)
+
+
+def warm_up(env: dict[str, str]) -> list[str]:
+    """In the warm helper, while it is idle: make a forked rank's first `mlflow.log_metric` cheap.
+
+    Imports mlflow and the tracking store of `env`'s MLFLOW_TRACKING_URI (for sqlite, SQLAlchemy,
+    alembic and MLflow's table models: most of a rank's first log call), and for a sqlite store
+    builds the store object itself, whose construction reads every schema migration to check the
+    database (about 0.2 s a process). MLflow caches stores per URI, so ranks forked afterwards find
+    it built. Called between calls in a process that forks: it starts no thread, and the store's
+    connections are closed again (each rank opens its own). Returns the packages it preloaded.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    uri = env.get("MLFLOW_TRACKING_URI") or ""
+    scheme = uri.partition(":")[0]
+    if scheme in ("http", "https"):
+        # What a rank's first request imports; no HTTP session is made here (it would be shared by every fork).
+        import netrc  # noqa: F401 - requests reads ~/.netrc on each request
+
+        import mlflow.store.tracking.rest_store  # noqa: F401
+        import mlflow.tracking.request_header.registry  # noqa: F401
+
+        if importlib.util.find_spec("IPython") is not None:
+            import IPython  # noqa: F401 - MLflow's Databricks check imports it on a rank's first request (~1 s)
+    elif scheme == "sqlite" and uri not in _warmed:
+        import sqlalchemy.orm
+
+        store = utils._get_store(uri)
+        sqlalchemy.orm.configure_mappers()
+        engine = getattr(store, "engine", None)
+        if engine is not None:
+            engine.dispose()  # no connection may cross the fork
+        _warmed.add(uri)
+    del mlflow
+    return ["mlflow"]
+
+
+#: Tracking URIs whose store warm_up built in this process.
+_warmed: set[str] = set()
