@@ -151,8 +151,8 @@ def warm_up(env: dict[str, str]) -> list[str]:
         # What a rank's first request imports; no HTTP session is made here (it would be shared by every fork).
         import netrc  # noqa: F401 - requests reads ~/.netrc on each request
 
-        import mlflow.store.tracking.rest_store  # noqa: F401
-        import mlflow.tracking.request_header.registry  # noqa: F401
+        import mlflow.store.tracking.rest_store
+        import mlflow.tracking.request_header.registry
 
         if importlib.util.find_spec("IPython") is not None:
             import IPython  # noqa: F401 - MLflow's Databricks check imports it on a rank's first request (~1 s)

@@ -175,16 +175,17 @@ class Preloaded:
         """Run the pending warm-ups, each catching its own failure (the workers then import for themselves)."""
         import atexit
 
+        register = atexit.register
+        registered: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+        def record(func: Any, *args: Any, **kwargs: Any) -> Any:
+            registered.append((func, args, kwargs))
+            return register(func, *args, **kwargs)
+
         while self.pending:
             name, env = self.pending.popitem()
             before = set(sys.modules)
-            registered: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-            register = atexit.register
-
-            def record(func: Any, *args: Any, **kwargs: Any) -> Any:
-                registered.append((func, args, kwargs))
-                return register(func, *args, **kwargs)
-
+            registered.clear()
             try:
                 warm_up = importlib.import_module(name).warm_up
                 before = set(sys.modules)
@@ -198,7 +199,7 @@ class Preloaded:
                 packages = []
             for func, _, _ in registered:
                 atexit.unregister(func)  # they belong to a worker that imports the package, not to us
-            self.exit_funcs += registered
+            self.exit_funcs += list(registered)
             added = [sys.modules[n] for n in sys.modules.keys() - before]
             tops = {n.partition(".")[0] for n in sys.modules.keys() - before}
             self.hidden_tops |= {t for t in tops if t not in before and t not in sys.stdlib_module_names}

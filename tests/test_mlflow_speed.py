@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-
 from helpers import ROOT, Kernel
 
 mlflow = pytest.importorskip("mlflow")
@@ -190,6 +189,7 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("mlflow-server")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AIR_MAGIC_RUNS_DIR", str(path))  # where the server's log goes
+        mp.chdir(path)  # and its artifacts (./mlartifacts)
         ui = mlflow_ui.local_ui(f"sqlite:///{path}/server.db", None)
         try:
             mlflow_ui.wait_ready(ui, timeout=240)
