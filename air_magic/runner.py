@@ -147,6 +147,17 @@ class _Run:
         for listener in self.listeners:
             getattr(listener, hook)(*args)
 
+    def enter_phase(self, phase: str) -> None:
+        if self.ctx.phase != phase:
+            self.ctx.phases.append((phase, self.ctx.elapsed))
+            self.notify("on_phase", phase)
+
+    def start_listeners(self) -> None:
+        for listener in self.listeners:
+            if listener.start_phase:
+                self.enter_phase(listener.start_phase)
+            listener.on_start(self.ctx)
+
     def set_state(self, rank: int, state: RankState) -> None:
         self.result.ranks[rank].state = state
         self.notify("on_rank_state", rank, state)
@@ -180,9 +191,13 @@ class _Run:
     def on_event(self, event: dict[str, Any]) -> bool:
         """Apply one supervisor event; True when the job is over."""
         kind = event["event"]
+        if self.ctx.phase == "starting the helper":
+            self.enter_phase("ranks starting")  # the helper answered
         if kind == "started":
             self.result.ranks[event["rank"]].pid = event["pid"]
             self.set_state(event["rank"], RankState.RUNNING)
+            if all(r.pid is not None for r in self.result.ranks):
+                self.enter_phase("running")
         elif kind == "exited":
             rank, code = event["rank"], event["returncode"]
             self.result.ranks[rank].returncode = code
@@ -235,8 +250,10 @@ class _Run:
                 continue
 
     def execute(self) -> JobResult:
-        self.notify("on_start", self.ctx)
-        client = launcher.supervisor(runs_root())
+        fresh = launcher._client is None or not launcher._client.alive
+        client = launcher.supervisor(runs_root())  # a new one starts (imports torch) while listeners start
+        self.start_listeners()
+        self.enter_phase("starting the helper" if fresh else "ranks starting")
         warm = launcher.warm_default() if self.spec.warm is None else self.spec.warm
         request = {
             "mode": "fork" if warm else "spawn",
@@ -254,6 +271,7 @@ class _Run:
                 if self.wait() == "stale":  # the warm supervisor no longer matches: use a fresh one
                     client.forget(self.job_id)
                     client = launcher.supervisor(runs_root(), replace=client)
+                    self.enter_phase("starting the helper")
                     self.handle = client.launch(self.job_id, request)
                     self.wait()
             except KeyboardInterrupt:

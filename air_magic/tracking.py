@@ -69,6 +69,8 @@ def default_experiment_name() -> str:
 class MlflowTracker(Listener):
     """Makes and ends the MLflow run of one call; see the module docstring."""
 
+    start_phase = "creating the MLflow run"
+
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.run_id: str | None = None
