@@ -7,8 +7,11 @@ not match environment run ID" at its first `log_metric`. With it, the call is
 kept on the run's experiment and a warning (in the rank's log) says where the
 metrics go and how to choose another experiment.
 
-This module never imports mlflow: `install()` adds an import hook that patches
-mlflow only if the user's code imports it.
+Importing this module does not import mlflow: `install()` adds an import hook
+that patches mlflow only if the user's code imports it. Also here: `flush()`
+(at a rank's exit, only when MLflow has metrics in flight) and `warm_up()`
+(run by a warm helper between calls, so a rank's `import mlflow` and first
+`log_metric` cost milliseconds).
 """
 
 from __future__ import annotations

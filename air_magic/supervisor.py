@@ -10,6 +10,10 @@ on stdin and writes events on stdout, one JSON object a line.
   every worker is a fresh interpreter (posix_spawn). The supervisor stays
   single-threaded so forking is safe: even the rendezvous store runs in a
   process of its own (store.py).
+- Warm-ups: a call may name modules (AIR_MAGIC_WARM_UP) whose `warm_up(env)`
+  the supervisor runs while idle after it, e.g. importing mlflow; what they
+  import stays out of a forked worker's sys.modules until its code imports
+  it (see `Preloaded`).
 - Staleness: a warm supervisor answers `stale` instead of forking when the
   interpreter differs, a preloaded module's file changed on disk, the caller's
   sys.path would import another copy of a preloaded package, or an
