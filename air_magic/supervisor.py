@@ -243,7 +243,7 @@ class _Unhide(importlib.abc.MetaPathFinder):
         if module is None:
             return None
         return importlib.util.spec_from_loader(
-            name, _Restore(self, module), origin=getattr(module.__spec__, "origin", None),
+            name, _Restore(self, module), origin=getattr(getattr(module, "__spec__", None), "origin", None),
             is_package=hasattr(module, "__path__"),
         )
 
@@ -267,7 +267,7 @@ class _Restore(importlib.abc.Loader):
     def __init__(self, finder: _Unhide, module: Any) -> None:
         self.finder = finder
         self.module = module
-        self.spec = module.__spec__
+        self.spec = getattr(module, "__spec__", None)
 
     def create_module(self, spec: Any) -> Any:
         self.finder.restore(spec.name.partition(".")[0])
