@@ -164,6 +164,10 @@ def warm_up(env: dict[str, str]) -> list[str]:
 
         store = utils._get_store(uri)
         sqlalchemy.orm.configure_mappers()
+        if env.get("MLFLOW_RUN_ID"):
+            # A read of the call's (ended) run compiles the queries of a rank's attachment to its run into
+            # SQLAlchemy's statement cache, which lives on the engine and is inherited by every fork.
+            store.get_run(env["MLFLOW_RUN_ID"])
         engine = getattr(store, "engine", None)
         if engine is not None:
             engine.dispose()  # no connection may cross the fork
