@@ -91,6 +91,25 @@ def install() -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
+def leave_run_to_notebook() -> None:
+    """At a rank's exit: leave ending the call's run to the notebook, which sets its final status anyway.
+
+    Otherwise MLflow's own exit hook ends it from every rank: one more write to the store per rank
+    (ranks contend for it on sqlite), and MLflow's "View run" lines in each rank's log. Only when the
+    call's run is the only active run and no system-metrics monitor needs ending with it.
+    """
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    if fluent is None:
+        return
+    try:
+        stack = fluent._active_run_stack.get()
+        if [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")] and \
+                not fluent.run_id_to_system_metrics_monitor:
+            stack.clear()
+    except Exception:  # noqa: BLE001 - MLflow internals moved: keep MLflow's own behaviour
+        return
+
+
 #: Name of the thread MLflow's asynchronous logging runs while its queue is active (mlflow 2.x-3.x).
 _ASYNC_LOOP_THREAD = "MLflowAsyncLoggingLoop"
 

@@ -112,9 +112,10 @@ def finish(code: int) -> None:
     """
     try:
         if os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID"):
-            from .mlflow_worker import flush
+            from .mlflow_worker import flush, leave_run_to_notebook
 
             flush()  # MLflow's queued metrics, before anything else ends
+            leave_run_to_notebook()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
