@@ -24,6 +24,9 @@ class RunContext:
     log_paths: list[Path]
     links: dict[str, str] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
+    #: (phase, seconds since the call started) in the order the call's start went through them:
+    #: "creating the MLflow run", "starting the helper", "ranks starting", "running".
+    phases: list[tuple[str, float]] = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -38,12 +41,23 @@ class RunContext:
     def elapsed(self) -> float:
         return time.monotonic() - self.started_at
 
+    @property
+    def phase(self) -> str | None:
+        """The phase the call's start is in now (None before the first)."""
+        return self.phases[-1][0] if self.phases else None
+
 
 class Listener:
     """No-op base: override the hooks you need."""
 
     def on_start(self, ctx: RunContext) -> None:
         """The run directory exists; workers are about to start."""
+
+    #: What this listener's on_start does, as a phase of the call (None: too quick to mention).
+    start_phase: str | None = None
+
+    def on_phase(self, phase: str) -> None:
+        """The call's start entered `phase` (also appended to `ctx.phases`); may come before on_start."""
 
     def worker_env(self) -> dict[str, str]:
         """Environment variables every worker should get (called after on_start)."""

@@ -12,14 +12,17 @@ metrics go and how to choose another experiment.
 directory (mode 0600), which the notebook's display reads for its charts
 without asking the tracking server (`_tee_metrics`).
 
-This module never imports mlflow: `install()` adds an import hook that patches
-mlflow only if the user's code imports it.
+Importing this module does not import mlflow: `install()` adds an import hook
+that patches mlflow only if the user's code imports it. Also here: `flush()`
+(at a rank's exit, only when MLflow has metrics in flight) and `warm_up()`
+(run by a warm helper between calls, so a rank's `import mlflow` and first
+`log_metric` cost milliseconds).
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
+import importlib.util
 import os
 import sys
 import warnings
@@ -111,6 +114,16 @@ def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
     mlflow.log_metrics = log_metrics  # type: ignore[attr-defined]
 
 
+def _find_spec(name: str, path: Sequence[str] | None) -> Any:
+    """The spec the rest of sys.meta_path gives `name` (a warm worker's preloaded copy comes first)."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = None if find is None else find(name, path)
+        if spec is not None:
+            return spec
+    return None
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of `mlflow` so the patch runs right after it loads."""
 
@@ -118,7 +131,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         if name != "mlflow":
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = _find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -146,7 +159,8 @@ def reset() -> None:
     if mlflow is None:
         return
     try:
-        mlflow.flush_async_logging()
+        if _async_logging_running():
+            mlflow.flush_async_logging()
     except Exception as exc:  # noqa: BLE001 - reported in the rank's log; the result stands
         print(f"air_magic: MLflow could not send this call's last metrics: {exc!r}", file=sys.stderr)
     fluent = sys.modules.get("mlflow.tracking.fluent")
@@ -155,14 +169,54 @@ def reset() -> None:
         stack.get().clear()  # the run stays as the notebook ends it; this process just lets go of it
 
 
+def leave_run_to_notebook() -> None:
+    """At a rank's exit: leave ending the call's run to the notebook, which sets its final status anyway.
+
+    Otherwise MLflow's own exit hook ends it from every rank: one more write to the store per rank
+    (ranks contend for it on sqlite), and MLflow's "View run" lines in each rank's log. Only when the
+    call's run is the only active run and no system-metrics monitor needs ending with it.
+    """
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    if fluent is None:
+        return
+    try:
+        stack = fluent._active_run_stack.get()
+        if [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")] and \
+                not fluent.run_id_to_system_metrics_monitor:
+            stack.clear()
+    except Exception:  # noqa: BLE001 - MLflow internals moved: keep MLflow's own behaviour
+        return
+
+
+#: Name of the thread MLflow's asynchronous logging runs while its queue is active (mlflow 2.x-3.x).
+_ASYNC_LOOP_THREAD = "MLflowAsyncLoggingLoop"
+
+
+def _async_logging_running() -> bool:
+    """Whether this process has MLflow metrics queued or in flight: its asynchronous logging thread is alive.
+
+    Threads do not survive fork, so a rank forked from a helper that imported mlflow starts with none.
+    Asking MLflow itself (its store's queue) would build the tracking store first, which costs a database
+    connection and schema check (1-3 s) in a rank that never logged anything.
+    """
+    import threading
+
+    return any(t.name == _ASYNC_LOOP_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def flush(timeout: float = 120.0) -> None:
-    """Send what MLflow's asynchronous logging still holds and stop its threads, before interpreter shutdown.
+    """At a rank's exit: send what MLflow's asynchronous logging still holds and stop its threads, then
+    leave ending the run to the notebook (`leave_run_to_notebook`).
 
     Bounded by `timeout` seconds, so an unreachable tracking server cannot keep a finished rank alive.
     """
     mlflow = sys.modules.get("mlflow")
-    if mlflow is None:
-        return
+    if mlflow is not None and _async_logging_running():
+        _send_queued(mlflow, timeout)
+    leave_run_to_notebook()
+
+
+def _send_queued(mlflow: ModuleType, timeout: float) -> None:
     fluent = sys.modules.get("mlflow.tracking.fluent")
     # Shutting the queue down (not just flushing it) also ends its threads, so the rank can exit.
     shut_down = getattr(fluent, "_shut_down_async_logging", None) or mlflow.flush_async_logging
@@ -181,3 +235,48 @@ def flush(timeout: float = 120.0) -> None:
     if sender.is_alive():
         print(f"air_magic: MLflow was still sending this rank's last metrics after {timeout:g} s; "
               "the rank exits without waiting longer.", file=sys.stderr)
+
+
+def warm_up(env: dict[str, str]) -> list[str]:
+    """In the warm helper, while it is idle: make a forked rank's first `mlflow.log_metric` cheap.
+
+    Imports mlflow and the tracking store of `env`'s MLFLOW_TRACKING_URI (for sqlite, SQLAlchemy,
+    alembic and MLflow's table models: most of a rank's first log call), and for a sqlite store
+    builds the store object itself, whose construction reads every schema migration to check the
+    database (about 0.2 s a process). MLflow caches stores per URI, so ranks forked afterwards find
+    it built. Called between calls in a process that forks: it starts no thread, and the store's
+    connections are closed again (each rank opens its own). Returns the packages it preloaded.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    uri = env.get("MLFLOW_TRACKING_URI") or ""
+    scheme = uri.partition(":")[0]
+    if scheme in ("http", "https"):
+        # What a rank's first request imports; no HTTP session is made here (it would be shared by every fork).
+        import netrc  # noqa: F401 - requests reads ~/.netrc on each request
+
+        import mlflow.store.tracking.rest_store
+        import mlflow.tracking.request_header.registry
+
+        if importlib.util.find_spec("IPython") is not None:
+            import IPython  # noqa: F401 - MLflow's Databricks check imports it on a rank's first request (~1 s)
+    elif scheme == "sqlite" and uri not in _warmed:
+        import sqlalchemy.orm
+
+        store = utils._get_store(uri)
+        sqlalchemy.orm.configure_mappers()
+        if env.get("MLFLOW_RUN_ID"):
+            # A read of the call's (ended) run compiles the queries of a rank's attachment to its run into
+            # SQLAlchemy's statement cache, which lives on the engine and is inherited by every fork.
+            store.get_run(env["MLFLOW_RUN_ID"])
+        engine = getattr(store, "engine", None)
+        if engine is not None:
+            engine.dispose()  # no connection may cross the fork
+        _warmed.add(uri)
+    del mlflow
+    return ["mlflow"]
+
+
+#: Tracking URIs whose store warm_up built in this process.
+_warmed: set[str] = set()

@@ -72,6 +72,7 @@ class _Run:
         self.exited_at: dict[int, float] = {}  # rank -> wall time its exit was seen
         self.launch_error: str | None = None
         self.handle: JobHandle | None = None
+        self.launcher_phase: str | None = None
 
     # -- listeners ---------------------------------------------------------
     def notify(self, hook: str, *args: Any) -> None:
@@ -90,6 +91,17 @@ class _Run:
                 stacklevel=2,
             )
             return None
+
+    def enter_phase(self, phase: str) -> None:
+        if self.ctx.phase != phase:
+            self.ctx.phases.append((phase, self.ctx.elapsed))
+            self.notify("on_phase", phase)
+
+    def start_listeners(self) -> None:
+        for listener in self.listeners:
+            if listener.start_phase:
+                self.enter_phase(listener.start_phase)
+            self.guarded(listener, "on_start", self.ctx)
 
     def set_state(self, rank: int, state: RankState) -> None:
         self.result.ranks[rank].state = state
@@ -131,16 +143,20 @@ class _Run:
     def stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
-            assert self.handle is not None
-            self.handle.stop(reason, STOP_GRACE)
+            if self.handle is not None:
+                self.handle.stop(reason, STOP_GRACE)
 
     def on_event(self, event: p.Event) -> bool:
         """Apply one launcher event; True when every process of the job is gone."""
+        if self.ctx.phase == self.launcher_phase:
+            self.enter_phase("ranks starting")  # the launcher answered
         if isinstance(event, p.RankOutput):
             self.notify("on_output", event.rank, event.text)
         elif isinstance(event, p.RankStarted):
             self.result.ranks[event.rank].pid = event.pid
             self.set_state(event.rank, RankState.RUNNING)
+            if all(r.pid is not None for r in self.result.ranks):
+                self.enter_phase("running")
         elif isinstance(event, p.RankExited):
             rank, code = event.rank, event.returncode
             self.result.ranks[rank].returncode = code
@@ -190,13 +206,18 @@ class _Run:
                 continue
 
     def execute(self) -> JobResult:
-        self.notify("on_start", self.ctx)
+        self.launcher_phase = self.launcher.prepare()  # e.g. a helper starts (imports torch) while listeners start
         try:
-            self.handle = self.launcher.start(self.request(), self.run_dir)
-            try:
-                self.wait()
-            except KeyboardInterrupt:
-                self.stop("interrupted")
+            # Ctrl-C while listeners start or the launcher starts still ends the call properly: the
+            # display shows it stopped, and the MLflow run ends KILLED.
+            self.start_listeners()
+            request = self.request()
+            self.enter_phase(self.launcher_phase or "ranks starting")
+            self.handle = self.launcher.start(request, self.run_dir)
+            self.wait()
+        except KeyboardInterrupt:
+            self.stop("interrupted")
+            if self.handle is not None:
                 self.wait_stopped()
         except AirMagicError as exc:  # nothing could start (a full disk, a launcher that is gone)
             self.launch_error = str(exc)

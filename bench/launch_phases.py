@@ -1,10 +1,16 @@
-"""Where the time of a warm launch goes: timestamps of each phase of a trivial job, per rank.
+"""Where the time of a launch goes: timestamps of each phase of a trivial job, per rank.
 
     python bench/launch_phases.py [--ranks 2] [--repeat 3]
 Prints, for each call, seconds from the call to: the function starting on each rank, CUDA ready,
 process group ready, all-reduce done, group destroyed (the function returns), every rank's process
 gone (as the launcher saw it), and the results back in the caller. The last two lines of each block
 are what air_magic adds after the function returned: the process exit, then its own hand-back.
+
+    python bench/launch_phases.py --first-call [--ranks 2]
+Runs the first call of a fresh process (which starts the helper), with MLflow off, on, and on with
+the ranks logging one metric, each in its own process and fresh directory (MLflow's default local
+store), and prints the phases the runner reports (RunContext.phases: "creating the MLflow run",
+"starting the helper", "ranks starting", "running") next to the ranks' own marks.
 """
 
 from __future__ import annotations
@@ -45,12 +51,82 @@ def job(destroy: bool) -> dict:
     return marks
 
 
+def job_logging(destroy: bool, log: bool) -> dict:
+    """`job`, then (with `log`) `import mlflow` and one `mlflow.log_metric`, timed."""
+    import time
+
+    marks = job(destroy)
+    if log:
+        import mlflow
+
+        marks["mlflow imported"] = time.time()
+        mlflow.log_metric("x", 1.0)
+        marks["metric logged"] = time.time()
+    return marks
+
+
+FIRST_CALL = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/bench")
+from launch_phases import job_logging
+from air_magic import distributed, runner
+from air_magic.events import Listener
+ranks, mlflow_on, log = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+
+class Recorder(Listener):
+    def on_start(self, ctx):
+        self.ctx = ctx
+
+f = distributed(ranks, mlflow=mlflow_on)(job_logging)
+spec = f.settings.spec(f.func, (True, log), {}, "job_logging")
+rec = Recorder()
+t0 = time.time()
+result = runner.run(spec, listeners=runner.default_listeners(spec) + [rec])
+back = time.time() - t0
+shift = time.time() - rec.ctx.elapsed - t0  # the runner's clock starts after serializing the call
+marks = {k: max(r[k] for r in result.values) - t0 for k in result.values[0]}
+phases = [(name, at + shift) for name, at in rec.ctx.phases]
+print(json.dumps({"phases": phases, "ranks": marks, "results back": back}))
+"""
+
+
+def first_call(ranks: int) -> None:
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    for label, on, log in (("MLflow off", "0", "0"), ("MLflow on, ranks do not log", "1", "0"),
+                           ("MLflow on, ranks log one metric", "1", "1")):
+        work = Path(tempfile.mkdtemp(prefix="air-magic-first-call-"))
+        (work / "runs").mkdir(mode=0o700)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env.update(AIR_MAGIC_RUNS_DIR=str(work / "runs"), AIR_MAGIC_DISPLAY="text")
+        done = subprocess.run([sys.executable, "-c", FIRST_CALL, str(root), str(ranks), on, log],
+                              check=False, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            sys.exit(done.stderr[-3000:])
+        data = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"first call, {label}: seconds from the call")
+        for name, at in data["phases"]:
+            print(f"  {'phase: ' + name:>36}: {at:.3f}")
+        for name, at in data["ranks"].items():
+            print(f"  {'ranks: ' + name:>36}: {at:.3f}")
+        print(f"  {'results back':>36}: {data['results back']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--accelerator-type", default=None, help="CPU for gloo workers on a GPU machine; default: detected")
+    ap.add_argument("--first-call", action="store_true", help="the first call of a fresh process, MLflow off and on")
     args = ap.parse_args()
+    if args.first_call:
+        first_call(args.ranks)
+        return
     for destroy in (True, False):
         f = distributed(args.ranks, accelerator_type=args.accelerator_type, mlflow=False, warm=True)(job)
         f.distributed(destroy)  # warm-up call

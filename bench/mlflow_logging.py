@@ -3,7 +3,8 @@
 Runs one call of `--ranks` CPU workers, each logging `loss` at every one of
 `--steps` steps to MLflow's default local store (a fresh working directory
 with no tracking URI: `sqlite:///mlflow.db`), timing each `log_metric` call
-inside the worker. Then counts the metrics in the store, checks every rank's
+inside the worker, then (--client-steps) the same kind of step through MLflow's own
+`MlflowClient.log_metric` (synchronous) to the same run. Then counts the metrics in the store, checks every rank's
 log for "database is locked", and prints one JSON line (also written to
 bench/results/mlflow_logging-<ranks>x<steps>.json). For comparison it also times the same
 loop in one plain process, with MLflow's default synchronous logging and with
@@ -50,7 +51,7 @@ print(json.dumps({"wall_us": wall / steps * 1e6, "cpu_us": cpu / steps * 1e6}))
 """
 
 
-def step_loop(steps: int, step_seconds: float) -> dict[str, float]:
+def step_loop(steps: int, step_seconds: float, client_steps: int = 0) -> dict[str, float]:
     """One rank: `steps` steps of `step_seconds` busy work, each followed by mlflow.log_metric('loss').
 
     Times each call by the wall clock and by the calling thread's CPU time (what the training
@@ -77,7 +78,21 @@ def step_loop(steps: int, step_seconds: float) -> dict[str, float]:
             wall += dt
             cpu += dc
     n = max(1, steps - 1)
-    return {"rank": rank, "wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6, "first_ms": first * 1e3}
+    out = {"rank": rank, "wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6, "first_ms": first * 1e3}
+    if client_steps:  # the same steps through MLflow's own client, to the same run: one synchronous write each
+        client = mlflow.MlflowClient()
+        run_id = mlflow.active_run().info.run_id
+        wall = cpu = 0.0
+        for i in range(client_steps):
+            end = time.perf_counter() + step_seconds
+            while time.perf_counter() < end:
+                pass
+            t, c = time.perf_counter(), time.thread_time()
+            client.log_metric(run_id, "loss_client", 1.0 / (i + 1) + rank, step=i)
+            wall += time.perf_counter() - t
+            cpu += time.thread_time() - c
+        out.update(client_wall_us=wall / client_steps * 1e6, client_cpu_us=cpu / client_steps * 1e6)
+    return out
 
 
 def main() -> None:
@@ -85,6 +100,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--step-ms", type=float, default=2.0, help="busy work per step (ms)")
+    parser.add_argument("--client-steps", type=int, default=200,
+                        help="then this many steps through MlflowClient.log_metric, in the same ranks and run")
     args = parser.parse_args()
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -101,7 +118,7 @@ def main() -> None:
     job = distributed(num_accelerators=args.ranks, accelerator_type="CPU", timeout=3600)(step_loop)
     t = time.perf_counter()
     with open(os.devnull, "w") as quiet, _redirect(quiet):
-        result = job.run(args.steps, args.step_ms / 1000)
+        result = job.run(args.steps, args.step_ms / 1000, args.client_steps)
     wall = time.perf_counter() - t
     shutdown()
 
@@ -140,6 +157,10 @@ def main() -> None:
         "wall_us_per_log_metric": round(sum(r["wall_us"] for r in per_rank) / len(per_rank), 1),
         "cpu_us_per_log_metric": round(sum(r["cpu_us"] for r in per_rank) / len(per_rank), 1),
         "first_call_ms_max": round(max(r["first_ms"] for r in per_rank), 1),
+        "client_steps": args.client_steps,
+        "client_stored_metrics": len(client.get_metric_history(run.info.run_id, "loss_client")),
+        "mlflow_client_wall_us_per_log_metric": round(sum(r.get("client_wall_us", 0) for r in per_rank) / len(per_rank), 1),
+        "mlflow_client_cpu_us_per_log_metric": round(sum(r.get("client_cpu_us", 0) for r in per_rank) / len(per_rank), 1),
         "tight_loop_one_process_wall_us": round(tight["wall_us"], 1),
         "tight_loop_one_process_cpu_us": round(tight["cpu_us"], 1),
         "default_sync_one_process_wall_us": round(sync["wall_us"], 1),

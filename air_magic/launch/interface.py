@@ -36,6 +36,10 @@ class JobHandle(ABC):
 class Launcher(ABC):
     """Starts jobs."""
 
+    def prepare(self) -> str | None:
+        """Get ready for a call while the listeners start (say, start a helper); the phase that takes, if any."""
+        return None
+
     @abstractmethod
     def start(self, request: JobRequest, run_dir: RunDir) -> JobHandle:
         """Start every rank of `request`; `run_dir` is where its record (every rank's log) is kept here."""

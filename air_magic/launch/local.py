@@ -252,6 +252,12 @@ class LocalLauncher(Launcher):
                 self._client = SupervisorClient(helper_log("supervisor", os.getpid()), warm_default())
             return self._client
 
+    def prepare(self) -> str | None:
+        """Start the supervisor now if there is none: it imports torch while the MLflow run is made."""
+        fresh = self.supervisor_pid is None
+        self.client()
+        return "starting the helper" if fresh else None
+
     @property
     def supervisor_pid(self) -> int | None:
         """The running supervisor's pid, if there is one."""

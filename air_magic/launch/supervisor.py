@@ -11,6 +11,10 @@ as defined in protocol.py.
   every worker is a fresh interpreter (posix_spawn). The supervisor stays
   single-threaded so forking is safe: even the rendezvous store runs in a
   process of its own (rendezvous.py).
+- Warm-ups: a call may name modules (AIR_MAGIC_WARM_UP) whose `warm_up(env)`
+  the supervisor runs while idle after it, e.g. importing mlflow; what they
+  import stays out of a forked worker's sys.modules until its code imports
+  it (see `Preloaded`).
 - Staleness: a warm supervisor answers `stale` instead of forking when the
   interpreter differs, a preloaded module's file changed on disk, the caller's
   sys.path would import another copy of a preloaded package, or an
@@ -32,6 +36,8 @@ Policy (when to stop a job) belongs to the runner; this process carries it out.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
@@ -119,12 +125,24 @@ def _emit(event: p.Event) -> None:
 
 
 class Preloaded:
-    """What a warm supervisor imported, and how to tell that it no longer matches the caller."""
+    """What a warm supervisor imported, and how to tell that it no longer matches the caller.
+
+    Two kinds of preload. What AIR_MAGIC_PRELOAD (else PRELOAD) names is imported at start and
+    is simply there in every forked worker. A call may also name modules whose `warm_up(env)` the
+    supervisor runs while it is idle after that call (AIR_MAGIC_WARM_UP in the call's environment,
+    comma-separated; the MLflow tracking of a call names air_magic.mlflow_worker): what a warm-up
+    imports is kept out of a forked worker's sys.modules (and its atexit functions unregistered)
+    until the worker's code imports it, so a worker carries only what its code imports, yet that
+    import takes microseconds.
+    """
 
     def __init__(self, warm: bool) -> None:
-        self.modules: dict[str, str] = {}
-        self.files: dict[str, int] = {}
+        self.modules: dict[str, str] = {}  # top-level package -> its directory, for the sys.path check
+        self.files: dict[str, tuple[int, int]] = {}  # watched path -> (inode, mtime), see _watch
         self.env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+        self.pending: dict[str, dict[str, str]] = {}  # warm-up module -> environment of the call that asked
+        self.hidden_tops: set[str] = set()  # top-level names that warm-ups brought in
+        self.exit_funcs: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
         if not warm:
             return
         wanted = os.environ.get("AIR_MAGIC_PRELOAD")
@@ -133,14 +151,34 @@ class Preloaded:
                 continue
             module = __import__(name)
             self.modules[name.split(".")[0]] = os.path.dirname(getattr(module, "__file__", "") or "")
+        self._watch(list(sys.modules.values()))
+
+    def _watch(self, modules: list[Any]) -> None:
+        """Remember how the files behind `modules` look now, cheaply enough to check on every launch.
+
+        A module in a site-packages directory is watched through its top-level entry there (the
+        package directory, or the module file): installing, upgrading or removing a distribution
+        adds and removes entries in it, which changes its inode or mtime. Every other file (the
+        user's own packages, editable installs) is watched itself, so an edit in place is seen.
+        A few hundred stats instead of one per module: mlflow alone loads over a thousand.
+        """
         stdlib = sysconfig.get_paths()["stdlib"]
-        for module in list(sys.modules.values()):
+        for module in modules:
             path = getattr(module, "__file__", None)
-            if path and not path.startswith(stdlib):
+            if not path or path.startswith(stdlib):
+                continue
+            for marker in ("/site-packages/", "/dist-packages/"):
+                cut = path.rfind(marker)
+                if cut >= 0:
+                    root = cut + len(marker)
+                    path = path[:root] + path[root:].split("/", 1)[0]
+                    break
+            if path not in self.files:
                 try:
-                    self.files[path] = os.stat(path).st_mtime_ns
+                    info = os.stat(path)
                 except OSError:
-                    pass
+                    continue
+                self.files[path] = (info.st_ino, info.st_mtime_ns)
 
     def stale_reason(self, msg: p.LaunchJob) -> str | None:
         if msg.executable != sys.executable:
@@ -153,13 +191,122 @@ class Preloaded:
             spec = importlib.machinery.PathFinder.find_spec(top, msg.sys_path)
             if spec is not None and spec.origin and os.path.dirname(spec.origin) != where:
                 return f"sys.path now finds {top} at {spec.origin}"
-        for path, mtime in self.files.items():
+        for path, seen in self.files.items():
             try:
-                if os.stat(path).st_mtime_ns != mtime:
-                    return f"{path} changed on disk"
+                info = os.stat(path)
             except OSError:
                 return f"{path} is gone"
+            if (info.st_ino, info.st_mtime_ns) != seen:
+                return f"{path} changed on disk"
         return None
+
+    # -- warm-ups: imports a call asked for, done while idle ------------------
+    def ask(self, env: dict[str, str]) -> None:
+        """Note the warm-ups a launched call asks for (run later, by `warm_up_now`, while idle)."""
+        for name in env.get("AIR_MAGIC_WARM_UP", "").split(","):
+            if name.strip():
+                self.pending[name.strip()] = env
+
+    def warm_up_now(self) -> None:
+        """Run the pending warm-ups, each catching its own failure (the workers then import for themselves)."""
+        import atexit
+
+        register = atexit.register
+        registered: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+        def record(func: Any, *args: Any, **kwargs: Any) -> Any:
+            registered.append((func, args, kwargs))
+            return register(func, *args, **kwargs)
+
+        while self.pending:
+            name, env = self.pending.popitem()
+            before = set(sys.modules)
+            registered.clear()
+            try:
+                warm_up = importlib.import_module(name).warm_up
+                before = set(sys.modules)
+                atexit.register = record  # type: ignore[assignment]
+                try:
+                    packages = warm_up(env)
+                finally:
+                    atexit.register = register
+            except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation; say why it did not happen
+                print(f"air_magic supervisor: warm-up {name} failed: {exc!r}", file=sys.stderr, flush=True)
+                packages = []
+            for func, _, _ in registered:
+                atexit.unregister(func)  # they belong to a worker that imports the package, not to us
+            self.exit_funcs += list(registered)
+            added = [sys.modules[n] for n in sys.modules.keys() - before]
+            tops = {n.partition(".")[0] for n in sys.modules.keys() - before}
+            self.hidden_tops |= {t for t in tops if t not in before and t not in sys.stdlib_module_names}
+            for package in packages or ():
+                module = sys.modules.get(package)
+                if module is not None and package not in self.modules:
+                    self.modules[package] = os.path.dirname(getattr(module, "__file__", "") or "")
+            self._watch(added)
+
+    def hide_in_child(self) -> None:
+        """In a forked worker: take what warm-ups imported out of sys.modules until the worker imports it."""
+        if not self.hidden_tops:
+            return
+        groups: dict[str, dict[str, Any]] = {}
+        for name in list(sys.modules):
+            top = name.partition(".")[0]
+            if top in self.hidden_tops:
+                groups.setdefault(top, {})[name] = sys.modules.pop(name)
+        if groups:
+            sys.meta_path.insert(0, _Unhide(groups, self.exit_funcs))
+
+
+class _Unhide(importlib.abc.MetaPathFinder):
+    """In a forked worker, gives back a hidden package (with its submodules) when it is imported.
+
+    The module objects are the supervisor's, already executed: the import costs a dict update.
+    `importlib.util.find_spec` alone finds the package without bringing it back.
+    """
+
+    def __init__(self, groups: dict[str, dict[str, Any]], exit_funcs: list[tuple[Any, tuple[Any, ...], dict[str, Any]]]) -> None:
+        self.groups = groups
+        self.exit_funcs = exit_funcs
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        group = self.groups.get(name.partition(".")[0])
+        module = None if group is None else group.get(name)
+        if module is None:
+            return None
+        return importlib.util.spec_from_loader(
+            name, _Restore(self, module), origin=getattr(getattr(module, "__spec__", None), "origin", None),
+            is_package=hasattr(module, "__path__"),
+        )
+
+    def restore(self, top: str) -> None:
+        group = self.groups.pop(top, None)
+        if group is None:
+            return
+        sys.modules.update(group)
+        for func, args, kwargs in self.exit_funcs:
+            if (getattr(func, "__module__", None) or "").partition(".")[0] == top:
+                import atexit
+
+                atexit.register(func, *args, **kwargs)
+        if not self.groups and self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _Restore(importlib.abc.Loader):
+    """Loader of one hidden module: hands back the supervisor's module object, executes nothing."""
+
+    def __init__(self, finder: _Unhide, module: Any) -> None:
+        self.finder = finder
+        self.module = module
+        self.spec = getattr(module, "__spec__", None)
+
+    def create_module(self, spec: Any) -> Any:
+        self.finder.restore(spec.name.partition(".")[0])
+        return self.module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self.spec  # the import system set ours; keep the package's own
 
 
 class Supervisor:
@@ -204,6 +351,7 @@ class Supervisor:
             if reason is not None:
                 _emit(p.Stale(msg.job, reason))
                 return
+            self.preloaded.ask(msg.env)
         job = Job(msg.job, msg.world_size)
         self.jobs[job.id] = job
         hot = bool(msg.keep_alive) and fork
@@ -368,6 +516,7 @@ class Supervisor:
                 except OSError:
                     pass  # already closed with the pools' ends
             _reset_inherited_state(env)
+            self.preloaded.hide_in_child()
             run_forked(Path(run_dir), rank)  # ends the process
             return 70
 
@@ -561,6 +710,8 @@ class Supervisor:
                 self.close()
             self.reap()
             self.tick()
+            if self.preloaded.pending and not (self.jobs or self.closing or self.retiring or select.select([0], [], [], 0)[0]):
+                self.preloaded.warm_up_now()  # idle: nothing to watch, no request waiting
 
     def close(self) -> None:
         """The kernel is gone or asked us to go: stop every job, then leave."""

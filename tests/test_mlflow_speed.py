@@ -1,0 +1,234 @@
+"""MLflow at launch speed: what a warm helper preloads, ranks that log get for free and ranks that do not never see."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+from helpers import ROOT, Kernel
+
+mlflow = pytest.importorskip("mlflow")
+
+# MLflow 3.17's sqlite store uses a SQLAlchemy loader option that SQLAlchemy 2.1 deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+
+#: A rank function that imports mlflow and logs one metric per rank, and reports which module files
+#: ran meanwhile (Python's "exec" audit event fires for each module body executed on import).
+LOGS_AND_COUNTS_IMPORTS = '''
+def logs_once(key):
+    import os, sys
+    executed = []
+    sys.addaudithook(lambda event, args: executed.append(getattr(args[0], "co_filename", "")) if event == "exec" else None)
+    import mlflow
+    mlflow.log_metric(key, float(os.environ["RANK"]))
+    return [f for f in executed if f.endswith(".py")]
+'''
+
+
+def supervisor_pids(kernel: Kernel) -> set[int]:
+    return {p.pid for p in psutil.Process(kernel.pid).children() if "air_magic.launch.supervisor" in " ".join(p.cmdline())}
+
+
+def run_id_of(stdout: str) -> str:
+    for line in stdout.splitlines():
+        if "MLflow run: " in line:
+            return line.rsplit("/", 1)[-1].strip()
+    raise AssertionError(f"no MLflow link printed:\n{stdout}")
+
+
+def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
+    """At a rank's exit, a process that has mlflow loaded but never logged does not open the tracking store."""
+    db = tmp_path / "never.db"
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import mlflow
+        os.environ.update(MLFLOW_TRACKING_URI="sqlite:///{db}", MLFLOW_RUN_ID="0" * 32, MLFLOW_ENABLE_ASYNC_LOGGING="true")
+        from air_magic import mlflow_worker
+        mlflow_worker.flush()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=300)
+    assert not db.exists(), "flush() built the tracking store (and created its database) with nothing to send"
+
+
+def test_site_packages_are_watched_by_their_top_level_entry(tmp_path, monkeypatch):
+    """An installed package is seen as changed when an upgrade replaces its files; the user's own files when edited."""
+    from air_magic.launch.protocol import LaunchJob
+    from air_magic.launch.supervisor import Preloaded
+
+    site = tmp_path / "lib" / "site-packages"
+    (site / "fakepkg").mkdir(parents=True)
+    (site / "fakepkg" / "__init__.py").write_text("from . import sub\n")
+    (site / "fakepkg" / "sub.py").write_text("X = 1\n")
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "mine.py").write_text("Y = 1\n")
+    monkeypatch.syspath_prepend(str(own))
+    monkeypatch.syspath_prepend(str(site))
+    import fakepkg  # type: ignore[import-not-found]
+    import mine  # type: ignore[import-not-found]
+
+    try:
+        watched = Preloaded(warm=False)
+        watched._watch([fakepkg, fakepkg.sub, mine])
+        assert set(watched.files) == {str(own / "mine.py"), str(site / "fakepkg")}, "one entry per installed package"
+        msg = LaunchJob(job="j", world_size=1, fork=True, executable=sys.executable, sys_path=sys.path,
+                        run_dir="", env=dict(os.environ), package_parent="")
+        assert watched.stale_reason(msg) is None
+        (site / "fakepkg" / "__init__.py").unlink()  # what pip does on upgrade: old files out, new files in
+        (site / "fakepkg" / "__init__.py").write_text("from . import sub\nNEW = 1\n")
+        assert "fakepkg changed on disk" in (watched.stale_reason(msg) or "")
+        watched = Preloaded(warm=False)
+        watched._watch([mine])
+        time.sleep(0.01)
+        (own / "mine.py").write_text("Y = 2\n")
+        assert "mine.py changed on disk" in (watched.stale_reason(msg) or "")
+    finally:
+        for name in ("fakepkg", "fakepkg.sub", "mine"):
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def preload_nb(workdir):
+    """A kernel whose warm helper preloads mlflow at start (AIR_MAGIC_PRELOAD), tracking to a sqlite store."""
+    k = Kernel(workdir, env={
+        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "AIR_MAGIC_PRELOAD": "torch,mlflow",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/preload.db",
+    })
+    k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
+    yield k
+    sup = psutil.Process(k.pid).children()
+    k.shutdown()
+    assert not psutil.wait_procs(sup, timeout=15)[1], "the supervisor outlived its kernel"
+
+
+def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb):
+    """With mlflow preloaded and tracking on, calls that do not log and calls that do are all served by the one helper."""
+    preload_nb.execute(
+        "@distributed(num_accelerators=2, accelerator_type='CPU', warm=True)\n"
+        "def parent():\n    import os\n    return os.getppid()\n"
+        "logs = distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once)\n"
+        "first = parent.distributed()"
+    ).check()
+    helper = supervisor_pids(preload_nb)
+    assert len(helper) == 1
+    for _ in range(2):
+        assert preload_nb.execute("parent.distributed() == first").check().result == "True"
+        out = preload_nb.execute("logs.distributed('x')").check()
+        assert out.result == "[[], []]", "mlflow came from the helper: no module file ran in the ranks"
+    assert supervisor_pids(preload_nb) == helper, "the helper was never replaced"
+    assert preload_nb.execute("parent.distributed() == first").check().result == "True"
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    """The shared kernel (tracking to a sqlite store), with the logging function defined."""
+    kernel.execute("from air_magic import distributed\nimport mlflow" + LOGS_AND_COUNTS_IMPORTS).check()
+    return kernel
+
+
+def test_later_calls_import_mlflow_from_the_warm_helper_and_log_to_their_run(nb, workdir):
+    """After a call with MLflow on, later calls' ranks import mlflow without running any module file, and log to their run."""
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    nb.execute("logs = distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once)").check()
+    first = nb.execute("logs.distributed('loss')", timeout=300).check()
+    helper = supervisor_pids(nb)
+    for _ in range(2):
+        out = nb.execute("logs.distributed('loss')", timeout=300).check()
+        assert out.result == "[[], []]", f"module files ran in the ranks: {out.result}"
+        metrics = client.get_metric_history(run_id_of(out.stdout), "loss")
+        assert sorted(m.value for m in metrics) == [0.0, 1.0]
+        assert client.get_run(run_id_of(out.stdout)).info.status == "FINISHED"
+    assert sorted(m.value for m in client.get_metric_history(run_id_of(first.stdout), "loss")) == [0.0, 1.0]
+    assert supervisor_pids(nb) == helper
+
+
+def test_ranks_that_do_not_import_mlflow_do_not_see_it(nb):
+    """Ranks of a warm helper that preloaded mlflow do not have it (or its dependencies) loaded unless their code imports it."""
+    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')").check()
+    out = nb.execute(
+        """
+@distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
+def untouched():
+    import importlib.util, sys
+    loaded = [m for m in ("mlflow", "sqlalchemy", "alembic") if m in sys.modules]
+    found = importlib.util.find_spec("mlflow") is not None
+    still = "mlflow" in sys.modules
+    import mlflow.tracking
+    return loaded, found, still, mlflow.tracking.__name__, mlflow.__spec__.name
+untouched.distributed()
+"""
+    ).check()
+    assert eval(out.result) == [([], True, False, "mlflow.tracking", "mlflow")] * 2
+
+
+def test_set_experiment_in_a_rank_still_warns_with_mlflow_preloaded(nb):
+    """The rank-side set_experiment guard still applies when mlflow comes from the warm helper."""
+    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')").check()
+    out = nb.execute(
+        """
+@distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
+def stubborn():
+    import mlflow
+    mlflow.set_experiment("somewhere-else")
+    mlflow.log_metric("y", 2.0)
+stubborn.distributed()
+"""
+    ).check()
+    assert "mlflow.set_experiment('somewhere-else') ignored on rank 1" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 over its own sqlite store, stopped at the end."""
+    from air_magic import mlflow_ui
+
+    path = tmp_path_factory.mktemp("mlflow-server")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIR_MAGIC_RUNS_DIR", str(path))  # where the server's log goes
+        mp.chdir(path)  # and its artifacts (./mlartifacts)
+        ui = mlflow_ui.local_ui(f"sqlite:///{path}/server.db", None)
+        try:
+            mlflow_ui.wait_ready(ui, timeout=240)
+            yield ui.direct_url.rstrip("/")
+        finally:
+            mlflow_ui.shutdown()
+
+
+def test_ranks_log_through_a_tracking_server_at_warm_speed(server, workdir):
+    """With a tracking server, later calls' ranks import mlflow from the helper and every metric reaches the server's run."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": server})
+    try:
+        k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
+        k.execute("""
+@distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
+def steps(n):
+    import os, mlflow
+    for i in range(n):
+        mlflow.log_metric("loss", 1.0 / (i + 1), step=i)
+    return os.environ["RANK"]
+""").check()
+        client = mlflow.MlflowClient(server)
+        for _ in range(3):
+            out = k.execute("steps.distributed(50)", timeout=300).check()
+            assert out.result == "['0', '1']"
+            assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
+        out = k.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')").check()
+        assert out.result == "[[], []]"
+        assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
+    finally:
+        sup = psutil.Process(k.pid).children()
+        k.shutdown()
+        psutil.wait_procs(sup, timeout=15)
+
+
+def test_worker_module_keeps_mlflow_out_of_its_imports():
+    """The worker-side hook module imports mlflow only inside warm_up and flush, never at import."""
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import air_magic.mlflow_worker, air_magic.launch.worker; print('mlflow' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
