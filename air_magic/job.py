@@ -48,10 +48,16 @@ class JobSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Which front door built it: "function" (@distributed) or "cell" (%%distributed).
     origin: str = "function"
+    #: Machines the ranks are spread over; `world_size` counts every rank of every node.
+    num_nodes: int = 1
 
     @property
     def uses_gpu(self) -> bool:
         return self.accelerator_type.upper().startswith("GPU")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.num_nodes
 
 
 @dataclass

@@ -43,6 +43,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _nodes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of machines such as 2, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 node, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float | None:
     if text.strip().lower() == "none":
         return None
@@ -141,6 +151,7 @@ class DistributedMagics(Magics):
             accelerator_type=_given(args.accelerator_type, self.default_accelerator_type),
             timeout=_given(args.timeout, self.default_timeout),
             mlflow=self.mlflow and not args.no_mlflow,
+            num_nodes=args.nodes,
         )
 
     @magic_arguments()
@@ -168,6 +179,14 @@ class DistributedMagics(Magics):
         metavar="S",
         help="Seconds before every worker is stopped; 'none' for no limit. Default: 10800 (3 h), "
         "or c.DistributedMagics.default_timeout.",
+    )
+    @argument(
+        "--nodes",
+        type=_nodes,
+        default=1,
+        metavar="N",
+        help="Machines of the Ray cluster joined with air_magic.ray_init() to run on, --gpus ranks on each. "
+        "Default: 1, this node, without Ray.",
     )
     @argument("--no-mlflow", action="store_true", help="Do not record this cell as an MLflow run.")
     @argument(

@@ -39,6 +39,10 @@ class JobRequest:
     hooks: tuple[str, ...] = ()
     #: Start ranks from the warm helper (fork) rather than as fresh interpreters.
     warm: bool = True
+    #: Machines the ranks are spread over, `world_size // num_nodes` on each (more than 1: the Ray launcher).
+    num_nodes: int = 1
+    #: Each rank gets a GPU of its own (where the launcher places ranks itself).
+    use_gpu: bool = False
 
 
 # -- supervisor requests (local launcher only) ---------------------------------------

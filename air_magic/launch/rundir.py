@@ -84,6 +84,13 @@ class RunDir:
             raise run.write_failed(exc) from exc
         return run
 
+    @classmethod
+    def scratch(cls, name: str) -> RunDir:
+        """A private working directory in this machine's temporary directory, for a rank placed here by
+        another machine's launcher (the Ray launcher); the record itself is kept on the notebook's machine."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
+        return cls(Path(tempfile.mkdtemp(prefix=f"air_magic-{safe}-")))
+
     def write_failed(self, exc: OSError) -> AirMagicError:
         return AirMagicError(
             f"could not write the run directory under {self.path.parent}: {exc.strerror or exc}. "
