@@ -17,6 +17,7 @@ import time
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_enable_metrics_collection", "0")  # the tests read no Ray metrics
 # A raylet waits this long for its agents to start (they import for many seconds on a busy machine).
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import codecs
 import contextlib
-import os
 import queue
 import signal
 import threading
@@ -187,13 +186,11 @@ class RayJob(JobHandle):
 
         req, k = self.request, self.per_node
         actor_cls = self.launcher.actor_class()
-        path = os.pathsep.join(x for x in (_PKG_PARENT, os.environ.get("PYTHONPATH", "")) if x)
         for rank in range(req.world_size):
             self.actors.append(actor_cls.options(
                 num_cpus=1, num_gpus=1 if req.use_gpu else 0, max_concurrency=4, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank // k),
-                runtime_env={"env_vars": {"PYTHONPATH": path}},
-            ).remote())
+            ).remote(_PKG_PARENT))
         self.infos = self._wait([a.where.remote() for a in self.actors], START_WAIT, "starting the ranks' Ray actors")
         master = self.infos[0]["ip"]
         port = self._wait([self.actors[0].free_port.remote(master)], START_WAIT, "finding a free port on rank 0's node")[0]
@@ -340,7 +337,11 @@ class RayLauncher(Launcher):
     def actor_class(self) -> Any:
         if self._actor_class is None:
             import ray
+            from ray import cloudpickle
 
+            from . import rank
+
+            cloudpickle.register_pickle_by_value(rank)  # the nodes need not import this module (see rank.py)
             self._actor_class = ray.remote(RankActor)
         return self._actor_class
 

@@ -12,6 +12,13 @@ removes the scratch directory; the launcher then kills the actor itself.
 The function runs inside the actor process (not a subprocess) so that Ray's
 own API works in it: `ray.get_runtime_context().get_node_id()` names the
 node of the rank. It runs in a thread of that process, not its main thread.
+
+Ray ships this class to the nodes by value, and it imports the rest of
+air_magic only inside its methods, after putting the notebook's copy of
+air_magic on `sys.path` when that directory exists on the node: a cluster
+on the notebook's machine (or one sharing its filesystem) runs the
+notebook's own air_magic; other machines need air_magic installed, the
+same version, as for any library used with Ray.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..rundir import RunDir, write_private
+if TYPE_CHECKING:
+    from air_magic.launch.rundir import RunDir
 
 _CHUNK = 1 << 20
 
@@ -34,7 +42,9 @@ _CHUNK = 1 << 20
 class RankActor:
     """One rank of a job (wrapped with `ray.remote` by the launcher)."""
 
-    def __init__(self) -> None:
+    def __init__(self, package_parent: str) -> None:
+        if os.path.isdir(os.path.join(package_parent, "air_magic")) and package_parent not in sys.path:
+            sys.path.insert(0, package_parent)
         self.scratch: RunDir | None = None
         self.rank = 0
         self.code: int | None = None
@@ -63,6 +73,8 @@ class RankActor:
     # -- the rank ----------------------------------------------------------
     def start(self, rank: int, payload: bytes, job: dict[str, Any], env: dict[str, str]) -> int:
         """Run the call as rank `rank` in a thread; returns at once with this process's id."""
+        from air_magic.launch.rundir import RunDir, write_private
+
         self.rank = rank
         scratch = self.scratch = RunDir.scratch(f"{job['name']}-rank{rank}")
         write_private(scratch.payload, payload)
@@ -82,7 +94,7 @@ class RankActor:
         return os.getpid()
 
     def _run(self) -> None:
-        from .. import worker
+        from air_magic.launch import worker
 
         assert self.scratch is not None
         code = 70
@@ -142,7 +154,7 @@ class RankActor:
         """End every process the rank started (SIGTERM, `grace` s, SIGKILL) and remove the scratch directory."""
         import psutil
 
-        from ..stopper import stop_tree
+        from air_magic.launch.stopper import stop_tree
 
         gone = stop_tree(lambda: psutil.Process().children(recursive=True), grace=grace, limit=5.0)
         if self.scratch is not None:
