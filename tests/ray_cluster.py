@@ -32,8 +32,8 @@ def patient_raylets():
 
     A raylet waits about 15 s for its dashboard agent to write the agent's ports to the session
     directory and aborts after that; on this 2-core machine, shared with other work, the agent can
-    take longer just to import. With the ports chosen here (`_node_args`) and written before the
-    raylet starts, it goes on at once; the agents bind those same ports when they are up.
+    take longer just to import. With the ports chosen here and written before the raylet starts,
+    it goes on at once; the agents are given those same ports and bind them when they are up.
     """
     import ray._private.services as services
     import ray._raylet as raylet
@@ -42,16 +42,17 @@ def patient_raylets():
     signature = inspect.signature(original)
 
     def start_raylet(*args, **kwargs):
-        given = signature.bind(*args, **kwargs).arguments
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
         for name, key in (
             (raylet.METRICS_AGENT_PORT_NAME, "metrics_agent_port"),
             (raylet.METRICS_EXPORT_PORT_NAME, "metrics_export_port"),
             (raylet.DASHBOARD_AGENT_LISTEN_PORT_NAME, "dashboard_agent_listen_port"),
             (raylet.RUNTIME_ENV_AGENT_PORT_NAME, "runtime_env_agent_port"),
         ):
-            if given.get(key):
-                raylet.persist_port(given["session_dir"], given["node_id"], name, int(given[key]))
-        return original(*args, **kwargs)
+            given[key] = int(given.get(key) or _free_port())
+            raylet.persist_port(given["session_dir"], given["node_id"], name, given[key])
+        return original(*bound.args, **bound.kwargs)
 
     services.start_raylet = start_raylet
     try:
@@ -89,15 +90,7 @@ def _free_port() -> int:
 
 
 def _node_args() -> dict:
-    # Ports given up front: a raylet left to learn its agents' ports from files gives up after about 15 s,
-    # which a busy machine can exceed while the agents import.
-    return {
-        "node_ip_address": "127.0.0.1",
-        "metrics_agent_port": _free_port(),
-        "metrics_export_port": _free_port(),
-        "runtime_env_agent_port": _free_port(),
-        "dashboard_agent_listen_port": _free_port(),
-    }
+    return {"node_ip_address": "127.0.0.1"}
 
 
 def node_of(cluster, node_id: str):

@@ -66,10 +66,10 @@ def _loopback_only() -> Iterator[None]:
 def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
     """Connect this notebook to Ray, so that `distributed(..., num_nodes=N)` can run on N machines.
 
-    address: None starts Ray on this machine, everything listening on 127.0.0.1 only (the dashboard
-        too, unless `dashboard_host=` says otherwise), or joins the cluster in RAY_ADDRESS when it is
-        set; "auto" joins the cluster started on this machine with `ray start`; "ray://host:10001"
-        connects through Ray Client; "host:6379" joins as a driver.
+    address: None starts a Ray of this kernel's own on this machine, everything listening on
+        127.0.0.1 only (the dashboard too, unless `dashboard_host=` says otherwise), or joins the
+        cluster in RAY_ADDRESS when it is set; "auto" joins the cluster started on this machine with
+        `ray start`; "ray://host:10001" connects through Ray Client; "host:6379" joins as a driver.
     ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
 
     Calling it again is harmless: it returns the context of the connection already made. Returns
@@ -90,7 +90,8 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
         ray_init_kwargs.setdefault("dashboard_host", "127.0.0.1")
         ray_init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
         with _loopback_only():
-            context = ray.init(**ray_init_kwargs)
+            # "local": a new Ray of this kernel's own, even when `ray start` left one running here
+            context = ray.init(address="local", **ray_init_kwargs)
     context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
     _context = context
     return context
