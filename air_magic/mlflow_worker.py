@@ -7,6 +7,10 @@ not match environment run ID" at its first `log_metric`. With it, the call is
 kept on the run's experiment and a warning (in the rank's log) says where the
 metrics go and how to choose another experiment.
 
+With AIR_MAGIC_MLFLOW_RELAY set (a rank on another machine than a local
+store), it also registers the relay store (mlflow_relay.py) that the rank's
+tracking URI names.
+
 This module never imports mlflow: `install()` adds an import hook that patches
 mlflow only if the user's code imports it.
 """
@@ -24,6 +28,10 @@ from typing import Any
 
 
 def _patch(mlflow: ModuleType) -> None:
+    if os.environ.get("AIR_MAGIC_MLFLOW_RELAY"):
+        from .mlflow_relay import register
+
+        register()  # this rank cannot reach the store: what it logs goes back through the launcher
     original = mlflow.set_experiment
     run_id = os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID", "")
     exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "")

@@ -13,8 +13,10 @@ mlflow on our account: the environment variables are all they get.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,10 @@ class MlflowTracker(Listener):
         self.tracking_uri: str | None = None
         self.registry_uri: str | None = None
         self.url: str | None = None
+        self._ctx: RunContext | None = None
+        self._relayed: dict[int, int] = {}  # rank -> bytes of its metrics file already logged
+        self._next_relay = 0.0
+        self.relay_errors: list[str] = []
 
     # -- on start ----------------------------------------------------------
     def _experiment(self, mlflow: Any, client: Any) -> tuple[str, str]:
@@ -109,6 +115,7 @@ class MlflowTracker(Listener):
             )
 
     def _start(self, ctx: RunContext) -> None:
+        self._ctx = ctx
         import mlflow
         from mlflow import MlflowClient
         from mlflow.entities import Param
@@ -153,6 +160,12 @@ class MlflowTracker(Listener):
         """The MLflow hook (mlflow_worker.py) in every rank of a call that has a run."""
         return ["air_magic.mlflow_worker"] if self.run_id is not None else []
 
+    @property
+    def relayed(self) -> bool:
+        """The ranks run on other machines and the store is a local file here: they relay through the launcher."""
+        scheme = urlparse(self.tracking_uri or "").scheme
+        return self.spec.num_nodes > 1 and scheme in ("sqlite", "file", "")
+
     def worker_env(self) -> dict[str, str]:
         if self.run_id is None or self.tracking_uri is None:
             return {}
@@ -166,13 +179,64 @@ class MlflowTracker(Listener):
         }
         for key, value in ASYNC_LOGGING_ENV.items():
             env[key] = os.environ.get(key, value)
+        if self.relayed:
+            from .mlflow_relay import URI
+
+            env.update(MLFLOW_TRACKING_URI=URI, AIR_MAGIC_MLFLOW_RELAY="1")
+            env.pop("MLFLOW_REGISTRY_URI")
         return env
+
+    # -- while it runs (relayed ranks) ----------------------------------------
+    def poll(self) -> None:
+        if self.run_id is not None and self.relayed and time.monotonic() >= self._next_relay:
+            self._next_relay = time.monotonic() + 1.0
+            self.relay()
+
+    def relay(self) -> None:
+        """Log to the run what relayed ranks wrote to their metrics files since the last time."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        from .launch.rundir import RunDir
+
+        assert self.run_id is not None and self._ctx is not None
+        run_dir = RunDir(self._ctx.run_dir)
+        for rank in range(self.spec.world_size):
+            path = run_dir.metrics(rank)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._relayed.get(rank, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[: data.rfind(b"\n") + 1]
+            self._relayed[rank] = self._relayed.get(rank, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    record = json.loads(line)
+                    self.client.log_batch(
+                        self.run_id,
+                        metrics=[Metric(k, float(v), int(t), int(s)) for k, v, t, s in record.get("metrics", ())],
+                        params=[Param(k, str(v)) for k, v in record.get("params", ())],
+                        tags=[RunTag(k, str(v)) for k, v in record.get("tags", ())],
+                        synchronous=True,
+                    )
+                except Exception as exc:  # noqa: BLE001 - one bad line (a param logged twice) must not stop the rest
+                    self.relay_errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
 
     # -- on end ------------------------------------------------------------
     def on_end(self, result: JobResult) -> None:
         if self.run_id is None:
             return
         try:
+            if self.relayed:
+                self.relay()
+                if self.relay_errors:
+                    warnings.warn(
+                        f"air_magic: {len(self.relay_errors)} record(s) the ranks logged could not be stored in MLflow "
+                        f"run {self.run_id}; the first: {self.relay_errors[0]}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
             for rank in result.ranks:
                 if rank.log_path is not None and rank.log_path.exists():
                     self.client.log_artifact(self.run_id, str(rank.log_path), artifact_path="logs")

@@ -285,18 +285,31 @@ ray.shutdown()
     assert "DASHBOARD 127.0.0.1:" in out.stdout or "DASHBOARD http://127.0.0.1:" in out.stdout, out.stdout
 
 
-def test_magic_with_nodes_in_a_kernel(cluster, workdir):
-    """In a notebook: ray_init joins the cluster, `%%distributed --nodes 2` runs the cell on both nodes."""
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+def test_magic_with_nodes_in_a_kernel_and_metrics_relayed_to_the_local_store(cluster, workdir):
+    """In a notebook: ray_init joins the cluster, `%%distributed --nodes 2` runs the cell on both nodes, and what
+    the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store."""
+    store = f"sqlite:///{workdir}/ray-mlflow.db"
+    k = Kernel(workdir, env={
+        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": store,
+    })
     try:
         k.execute(f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
                   "%load_ext air_magic").check()
         out = k.execute(
-            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --out got\n"
-            "import os, ray\nprint('on node', os.environ['NODE_RANK'])\nray.get_runtime_context().get_node_id()\n"
+            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --out got\n"
+            "import os, ray, mlflow\n"
+            "print('on node', os.environ['NODE_RANK'])\n"
+            "mlflow.log_metric('node_rank', float(os.environ['NODE_RANK']))\n"
+            "ray.get_runtime_context().get_node_id()\n",
+            timeout=300,
         ).check()
         assert "[rank 1] on node 1" in out.stdout
-        nodes = k.execute("print(len(set(got)), len(got))").check()
-        assert nodes.stdout.strip() == "2 2"
+        check = k.execute(
+            "import mlflow\n"
+            "run = mlflow.search_runs(search_all_experiments=True, order_by=['start_time DESC'], output_format='list')[0]\n"
+            "history = mlflow.MlflowClient().get_metric_history(run.info.run_id, 'node_rank')\n"
+            "print(len(set(got)), len(got), sorted(m.value for m in history), run.info.status)\n"
+        ).check()
+        assert check.stdout.strip() == "2 2 [0.0, 1.0] FINISHED", check.stdout
     finally:
         k.shutdown()

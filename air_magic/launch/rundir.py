@@ -117,6 +117,10 @@ class RunDir:
         """The rank's exception itself, when it pickles."""
         return self.path / f"rank-{rank}.error.pkl"
 
+    def metrics(self, rank: int) -> Path:
+        """What the rank logged to MLflow, as JSON lines, when it cannot reach the store itself (mlflow_relay.py)."""
+        return self.path / f"rank-{rank}.mlflow.jsonl"
+
     @property
     def payload(self) -> Path:
         return self.path / "payload.pkl"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import codecs
 import contextlib
+import os
 import queue
 import signal
 import threading
@@ -86,6 +87,7 @@ class RayJob(JobHandle):
         self.exited: set[int] = set()
         self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(request.world_size)]
         self.offsets = [0] * request.world_size
+        self.metrics_offsets = [0] * request.world_size
         self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
         self.thread.start()
 
@@ -223,7 +225,7 @@ class RayJob(JobHandle):
 
     def _watch(self) -> None:
         ray = self.ray
-        pending = {a.poll.remote(0, POLL_WAIT): r for r, a in enumerate(self.actors)}
+        pending = {a.poll.remote(0, 0, POLL_WAIT): r for r, a in enumerate(self.actors)}
         while pending:
             if self.stop_asked.is_set():
                 return  # the teardown ends the ranks; their exits are reported after it
@@ -231,16 +233,18 @@ class RayJob(JobHandle):
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
-                    data, outcome = ray.get(ref)
+                    data, metrics, outcome = ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:
-                    pending[self.actors[rank].poll.remote(self.offsets[rank], POLL_WAIT)] = rank
-                    continue
+                    outcome = None
                 except ray.exceptions.RayActorError as exc:
                     self._lost(rank, exc)
                     continue
-                self._output(rank, data)
+                else:
+                    self._metrics(rank, metrics)
+                    self._output(rank, data)
                 if outcome is None:
-                    pending[self.actors[rank].poll.remote(self.offsets[rank], POLL_WAIT)] = rank
+                    again = self.actors[rank].poll.remote(self.offsets[rank], self.metrics_offsets[rank], POLL_WAIT)
+                    pending[again] = rank
                 else:
                     self._exited(rank, outcome)
 
@@ -253,6 +257,16 @@ class RayJob(JobHandle):
         text = self.decoders[rank].decode(data)
         if text:
             self.events.put(p.RankOutput(self.job, rank, text))
+
+    def _metrics(self, rank: int, data: bytes) -> None:
+        """Lines the rank's MLflow relay wrote (mlflow_relay.py), for the notebook's MLflow listener to log."""
+        if data:
+            self.metrics_offsets[rank] += len(data)
+            fd = os.open(self.run_dir.metrics(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
 
     def _flush_decoder(self, rank: int) -> None:
         text = self.decoders[rank].decode(b"", final=True)

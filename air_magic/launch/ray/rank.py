@@ -89,7 +89,7 @@ class RankActor:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        os.environ.update(env)
+        os.environ.update(env, AIR_MAGIC_RUN_DIR=str(scratch.path))  # on this node, the scratch is the run directory
         threading.Thread(target=self._run, name="air_magic-rank", daemon=True).start()
         return os.getpid()
 
@@ -115,22 +115,19 @@ class RankActor:
             self.code = code
             self.done.set()
 
-    def poll(self, offset: int, wait: float) -> tuple[bytes, dict[str, Any] | None]:
-        """Output from byte `offset` on (waiting up to `wait` s for some), and the outcome once the rank is done."""
+    def poll(self, offset: int, metrics_offset: int, wait: float) -> tuple[bytes, bytes, dict[str, Any] | None]:
+        """Output and relayed MLflow lines from the given byte offsets on (waiting up to `wait` s for output),
+        and the outcome once the rank is done and everything it wrote has been read."""
         assert self.scratch is not None
         deadline = time.monotonic() + wait
         while True:
             finished = self.done.is_set()
-            try:
-                with open(self.scratch.log(self.rank), "rb") as f:
-                    f.seek(offset)
-                    data = f.read(_CHUNK)
-            except OSError:
-                data = b""
-            if finished and len(data) < _CHUNK:
-                return data, self.outcome()
-            if data or time.monotonic() >= deadline:
-                return data, None
+            data = _read(self.scratch.log(self.rank), offset)
+            metrics = _read(self.scratch.metrics(self.rank), metrics_offset)
+            if finished and len(data) < _CHUNK and len(metrics) < _CHUNK:
+                return data, metrics, self.outcome()
+            if data or metrics or time.monotonic() >= deadline:
+                return data, metrics, None
             self.done.wait(0.05)
 
     def outcome(self) -> dict[str, Any]:
@@ -160,3 +157,12 @@ class RankActor:
         if self.scratch is not None:
             shutil.rmtree(self.scratch.path, ignore_errors=True)
         return gone
+
+
+def _read(path: Any, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(_CHUNK)
+    except OSError:
+        return b""
