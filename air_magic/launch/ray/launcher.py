@@ -40,8 +40,8 @@ from .rank import RankActor
 _PKG_PARENT = str(Path(__file__).resolve().parents[3])
 #: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
 PLACEMENT_WAIT = 45.0
-#: How long the actors of a placed job may take to start, in seconds.
-START_WAIT = 120.0
+#: How long the actors of a placed job may take to start, in seconds (a busy node takes long to start Ray workers).
+START_WAIT = 300.0
 #: Seconds an actor's poll waits for new output before it answers with none.
 POLL_WAIT = 0.5
 #: Variables of the notebook that describe its own machine, not the ranks' machines.
