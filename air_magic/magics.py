@@ -206,7 +206,8 @@ class DistributedMagics(Magics):
         output is streamed live. The result of the cell is the value of its
         last expression on every rank, as a list indexed by rank. Names the
         cell assigns stay on the workers; use --out or the result to bring
-        values back.
+        values back. With --nodes N the cell runs on N machines of the Ray
+        cluster joined with air_magic.ray_init(), --gpus ranks on each.
 
             %%distributed --gpus 2
             import torch.distributed as dist
