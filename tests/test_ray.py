@@ -285,9 +285,10 @@ ray.shutdown()
     assert "DASHBOARD 127.0.0.1:" in out.stdout or "DASHBOARD http://127.0.0.1:" in out.stdout, out.stdout
 
 
-def test_magic_with_nodes_in_a_kernel_and_metrics_relayed_to_the_local_store(cluster, workdir):
+def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdir):
     """In a notebook: ray_init joins the cluster, `%%distributed --nodes 2` runs the cell on both nodes, and what
-    the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store."""
+    the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store; Ctrl-C
+    while ranks hang on both nodes is a KeyboardInterrupt that leaves nothing held."""
     store = f"sqlite:///{workdir}/ray-mlflow.db"
     k = Kernel(workdir, env={
         "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": store,
@@ -311,5 +312,18 @@ def test_magic_with_nodes_in_a_kernel_and_metrics_relayed_to_the_local_store(clu
             "print(len(set(got)), len(got), sorted(m.value for m in history), run.info.status)\n"
         ).check()
         assert check.stdout.strip() == "2 2 [0.0, 1.0] FINISHED", check.stdout
+        # Ctrl-C while the ranks hang on both nodes: KeyboardInterrupt, and (all_free_after) nothing left held
+        msg_id = k.send("%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow\n"
+                        "import time\nprint('READY', flush=True)\ntime.sleep(600)\n")
+        seen = ""
+        deadline = time.monotonic() + 240
+        while not ("[rank 0] READY" in seen and "[rank 1] READY" in seen):
+            assert time.monotonic() < deadline, seen
+            msg = k.kc.get_iopub_msg(timeout=240)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen += msg["content"]["text"]
+        k.interrupt()
+        stopped = k.collect(msg_id, timeout=120)
+        assert stopped.ename == "KeyboardInterrupt", stopped.traceback
     finally:
         k.shutdown()
