@@ -7,8 +7,14 @@ run id and tracking URI through the environment, so a plain
 `mlflow.log_metric(...)` in the function lands on that run; on end it stores
 each rank's log as an artifact and ends the run FINISHED, FAILED or KILLED.
 
+When the ranks run on other machines (`num_nodes > 1`) and the store is a
+local file here, they cannot open it: their tracking URI becomes the relay
+(mlflow_relay.py), and this listener logs what they relayed to the run,
+about once a second while they run and once more at the end.
+
 This module is imported in the notebook process only. Workers never import
-mlflow on our account: the environment variables are all they get.
+mlflow on our account: the environment variables are all they get (and, when
+relayed, the relay store once their own code imports mlflow).
 """
 
 from __future__ import annotations
@@ -151,6 +157,8 @@ class MlflowTracker(Listener):
             "accelerator_type": spec.accelerator_type,
             "timeout": "none" if spec.timeout is None else f"{spec.timeout:g}",
         }
+        if spec.num_nodes > 1:
+            params["num_nodes"] = spec.num_nodes
         client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
         self.url = mlflow_ui.run_url(self.tracking_uri, self.experiment_id, self.run_id)
         if self.url:
