@@ -1,4 +1,4 @@
-"""air_magic: run a notebook's training function on every GPU of the node, from one line."""
+"""air_magic: run a notebook's training function on every GPU of the node (or of several, through Ray), from one line."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from .errors import (
     WorkerDiedError,
 )
 from .job import JobResult, JobStatus, RankResult, RankState
+from .launch.ray.cluster import ray_init
 from .payload import PayloadSizeWarning
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "__version__",
     "distributed",
     "load_ipython_extension",
+    "ray_init",
     "unload_ipython_extension",
 ]
 

@@ -65,28 +65,49 @@ class Settings:
     warm: bool | None = None
     env: dict[str, str] = field(default_factory=dict)
     keep_alive: float | None = None
+    #: Machines of a Ray cluster to run on, `num_accelerators` ranks on each; 1 = this node, without Ray.
+    num_nodes: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         object.__setattr__(self, "keep_alive", check_keep_alive(self.keep_alive))
         if self.num_accelerators is not None:
             accelerators._check_count(self.num_accelerators, "num_accelerators")
+        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
+            raise ConfigurationError(
+                f"num_nodes must be a whole number of machines, 1 or more, got {self.num_nodes!r}; "
+                "num_nodes=1 (the default) runs on this node."
+            )
         if not isinstance(self.mlflow, bool):
             raise ConfigurationError(f"mlflow must be True or False, got {self.mlflow!r}.")
 
     def resolve(self) -> tuple[int, str]:
-        """World size and accelerator type on this node (raises ConfigurationError if they don't fit)."""
+        """Ranks per node and accelerator type (raises ConfigurationError if they don't fit).
+
+        One node: checked against this node. Several: only the form is checked here (no Ray is needed
+        to decorate); the cluster is asked when the call starts (`spec`).
+        """
+        if self.num_nodes > 1:
+            from .launch.ray.cluster import check_shape
+
+            return check_shape(self.num_accelerators, self.accelerator_type)
         return accelerators.resolve(self.num_accelerators, self.accelerator_type)
 
     def spec(
         self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
         origin: str = "function",
     ) -> JobSpec:
-        world_size, acc_type = self.resolve()
+        if self.num_nodes > 1:
+            from .launch.ray.cluster import resolve
+
+            per_node, acc_type = resolve(self.num_accelerators, self.accelerator_type, self.num_nodes)
+        else:
+            per_node, acc_type = self.resolve()
         return JobSpec(
-            target=target, args=args, kwargs=kwargs, name=name, world_size=world_size,
+            target=target, args=args, kwargs=kwargs, name=name, world_size=per_node * self.num_nodes,
             accelerator_type=acc_type, timeout=self.timeout, mlflow=self.mlflow,
             warm=self.warm, extra_env=dict(self.env), origin=origin, keep_alive=self.keep_alive,
+            num_nodes=self.num_nodes,
         )
 
 
@@ -167,10 +188,11 @@ def distributed(
     warm: bool | None = None,
     env: dict[str, str] | None = None,
     keep_alive: float | None = None,
+    num_nodes: int = 1,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
-    """Prepare a function to run on one worker process per accelerator of this node.
+    """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
 
-    num_accelerators: workers to start; None = every GPU (or 2 CPU workers without GPUs).
+    num_accelerators: workers to start (per node); None = every GPU (or 2 CPU workers without GPUs).
     accelerator_type: 'GPU_<n>x<MODEL>' such as 'GPU_8xH100', or 'CPU'; None = detected.
     timeout: seconds before every worker is stopped (default 3 h); None = no limit.
     mlflow: record the call as an MLflow run that workers log to.
@@ -178,13 +200,18 @@ def distributed(
     env: extra environment variables for the workers.
     keep_alive: hot ranks: seconds the ranks stay alive after a call for the next call of the same world
         (CUDA context, process group and imports kept); None = they end with each call.
+    num_nodes: machines of the Ray cluster joined with `ray_init()`, `num_accelerators` ranks on each;
+        1 (the default) runs on this node without Ray.
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
     given = legacy_names(
         {"num_accelerators": num_accelerators, "accelerator_type": accelerator_type}, gpus, gpu_type
     )
-    settings = Settings(timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), keep_alive=keep_alive, **given)
+    settings = Settings(
+        timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), keep_alive=keep_alive, num_nodes=num_nodes,
+        **given,
+    )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration
 
     def wrap(func: Callable[P, R]) -> DistributedFunction[P, R]:

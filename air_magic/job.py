@@ -50,10 +50,16 @@ class JobSpec:
     origin: str = "function"
     #: Hot ranks: seconds the ranks stay alive after the call for the next one of the same world.
     keep_alive: float | None = None
+    #: Machines the ranks are spread over; `world_size` counts every rank of every node.
+    num_nodes: int = 1
 
     @property
     def uses_gpu(self) -> bool:
         return self.accelerator_type.upper().startswith("GPU")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.num_nodes
 
 
 @dataclass

@@ -43,6 +43,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _nodes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of machines such as 2, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 node, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float | None:
     if text.strip().lower() == "none":
         return None
@@ -162,6 +172,7 @@ class DistributedMagics(Magics):
             timeout=_given(args.timeout, self.default_timeout),
             mlflow=self.mlflow and not args.no_mlflow,
             keep_alive=_given(args.keep_alive, self.default_keep_alive),
+            num_nodes=args.nodes,
         )
 
     @magic_arguments()
@@ -190,6 +201,14 @@ class DistributedMagics(Magics):
         help="Seconds before every worker is stopped; 'none' for no limit. Default: 10800 (3 h), "
         "or c.DistributedMagics.default_timeout.",
     )
+    @argument(
+        "--nodes",
+        type=_nodes,
+        default=1,
+        metavar="N",
+        help="Machines of the Ray cluster joined with air_magic.ray_init() to run on, --gpus ranks on each. "
+        "Default: 1, this node, without Ray.",
+    )
     @argument("--no-mlflow", action="store_true", help="Do not record this cell as an MLflow run.")
     @argument(
         "--keep-alive",
@@ -217,7 +236,8 @@ class DistributedMagics(Magics):
         output is streamed live. The result of the cell is the value of its
         last expression on every rank, as a list indexed by rank. Names the
         cell assigns stay on the workers; use --out or the result to bring
-        values back.
+        values back. With --nodes N the cell runs on N machines of the Ray
+        cluster joined with air_magic.ray_init(), --gpus ranks on each.
 
             %%distributed --gpus 2
             import torch.distributed as dist

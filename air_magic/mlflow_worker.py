@@ -17,6 +17,10 @@ that patches mlflow only if the user's code imports it. Also here: `flush()`
 (at a rank's exit, only when MLflow has metrics in flight) and `warm_up()`
 (run by a warm helper between calls, so a rank's `import mlflow` and first
 `log_metric` cost milliseconds).
+
+With AIR_MAGIC_MLFLOW_RELAY set (a rank on another machine than a local
+store), it also registers the relay store (mlflow_relay.py) that the rank's
+tracking URI names.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from typing import Any
 
 
 def _patch(mlflow: ModuleType) -> None:
+    if os.environ.get("AIR_MAGIC_MLFLOW_RELAY"):
+        from .mlflow_relay import register
+
+        register()  # this rank cannot reach the store: what it logs goes back through the launcher
     original = mlflow.set_experiment
     run_id = os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID", "")
     exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "")

@@ -118,7 +118,7 @@ class _Run:
         env["PYTHONUNBUFFERED"] = "1"
         env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir.path)
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.world_size))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.ranks_per_node))
         from .launch.local import warm_default
 
         return p.JobRequest(
@@ -127,6 +127,7 @@ class _Run:
             # hot ranks are forks of the warm helper, whatever `warm` says
             warm=bool(self.spec.keep_alive) or (warm_default() if self.spec.warm is None else self.spec.warm),
             keep_alive=self.spec.keep_alive, world_key=self.world_key(),
+            num_nodes=self.spec.num_nodes, use_gpu=self.spec.uses_gpu,
         )
 
     def world_key(self) -> str:
@@ -345,8 +346,18 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
 
 
 def run(spec: JobSpec, listeners: list[Listener] | None = None, launcher: Launcher | None = None) -> JobResult:
-    """Run `spec` on its ranks and return every rank's outcome; a failed call's exception is in `.error`."""
-    from .launch.local import local_launcher
+    """Run `spec` on its ranks and return every rank's outcome; a failed call's exception is in `.error`.
 
+    Without a `launcher`: this node's local launcher, or the Ray launcher when the spec spans several nodes.
+    """
+    if launcher is None:
+        if spec.num_nodes > 1:
+            from .launch.ray import ray_launcher
+
+            launcher = ray_launcher()
+        else:
+            from .launch.local import local_launcher
+
+            launcher = local_launcher()
     chosen = default_listeners(spec) if listeners is None else listeners
-    return _Run(spec, chosen, launcher or local_launcher()).execute()
+    return _Run(spec, chosen, launcher).execute()

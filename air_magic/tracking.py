@@ -17,6 +17,11 @@ With MLflow's local default store (`sqlite:///mlflow.db`) and an experiment
 that air_magic creates, artifacts (each rank's log) go to `mlartifacts/`
 next to the database, not to MLflow's `./mlruns` default.
 
+When the ranks run on other machines (`num_nodes > 1`) and the store is a
+local file here, they cannot open it: their tracking URI becomes the relay
+(mlflow_relay.py), and this listener logs what they relayed to the run,
+about once a second while they run and once more at the end.
+
 This module is imported in the notebook process only. Workers never import
 mlflow on our account: the environment variables are all they get. (A warm
 helper imports mlflow between calls when asked by `AIR_MAGIC_WARM_UP`, so a
@@ -26,10 +31,12 @@ see it in `sys.modules`.)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -123,6 +130,10 @@ class MlflowTracker(Listener):
         self.tracking_uri: str | None = None
         self.registry_uri: str | None = None
         self.url: str | None = None
+        self._ctx: RunContext | None = None
+        self._relayed: dict[int, int] = {}  # rank -> bytes of its metrics file already logged
+        self._next_relay = 0.0
+        self.relay_errors: list[str] = []
 
     # -- on start ----------------------------------------------------------
     def _experiment(self, mlflow: Any, client: Any) -> tuple[str, str]:
@@ -196,6 +207,7 @@ class MlflowTracker(Listener):
             )
 
     def _start(self, ctx: RunContext) -> None:
+        self._ctx = ctx
         import mlflow
         from mlflow import MlflowClient
         from mlflow.entities import Param
@@ -231,6 +243,8 @@ class MlflowTracker(Listener):
             "accelerator_type": spec.accelerator_type,
             "timeout": "none" if spec.timeout is None else f"{spec.timeout:g}",
         }
+        if spec.num_nodes > 1:
+            params["num_nodes"] = spec.num_nodes
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
         self.run_id = run_id
         self.url = mlflow_ui.run_url(self.tracking_uri, experiment_id, run_id)
@@ -241,6 +255,12 @@ class MlflowTracker(Listener):
         """The MLflow hook (mlflow_worker.py) in every rank of a call that has a run."""
         self._started()
         return ["air_magic.mlflow_worker"] if self.run_id is not None else []
+
+    @property
+    def relayed(self) -> bool:
+        """The ranks run on other machines and the store is a local file here: they relay through the launcher."""
+        scheme = urlparse(self.tracking_uri or "").scheme
+        return self.spec.num_nodes > 1 and scheme in ("sqlite", "file", "")
 
     def worker_env(self) -> dict[str, str]:
         self._started()
@@ -258,7 +278,49 @@ class MlflowTracker(Listener):
         }
         for key, value in ASYNC_LOGGING_ENV.items():
             env[key] = os.environ.get(key, value)
+        if self.relayed:
+            from .mlflow_relay import URI
+
+            env.update(MLFLOW_TRACKING_URI=URI, AIR_MAGIC_MLFLOW_RELAY="1")
+            env.pop("MLFLOW_REGISTRY_URI")
         return env
+
+    # -- while it runs (relayed ranks) ----------------------------------------
+    def poll(self) -> None:
+        if self.run_id is not None and self.relayed and time.monotonic() >= self._next_relay:
+            self._next_relay = time.monotonic() + 1.0
+            self.relay()
+
+    def relay(self) -> None:
+        """Log to the run what relayed ranks wrote to their metrics files since the last time."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        from .launch.rundir import RunDir
+
+        assert self.run_id is not None and self._ctx is not None
+        run_dir = RunDir(self._ctx.run_dir)
+        for rank in range(self.spec.world_size):
+            path = run_dir.metrics(rank)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._relayed.get(rank, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[: data.rfind(b"\n") + 1]
+            self._relayed[rank] = self._relayed.get(rank, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    record = json.loads(line)
+                    self.client.log_batch(
+                        self.run_id,
+                        metrics=[Metric(k, float(v), int(t), int(s)) for k, v, t, s in record.get("metrics", ())],
+                        params=[Param(k, str(v)) for k, v in record.get("params", ())],
+                        tags=[RunTag(k, str(v)) for k, v in record.get("tags", ())],
+                        synchronous=True,
+                    )
+                except Exception as exc:  # noqa: BLE001 - one bad line (a param logged twice) must not stop the rest
+                    self.relay_errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
 
     # -- on end ------------------------------------------------------------
     def on_end(self, result: JobResult) -> None:
@@ -272,6 +334,15 @@ class MlflowTracker(Listener):
         run_id = self.run_id
         assert run_id is not None
         try:
+            if self.relayed:
+                self.relay()
+                if self.relay_errors:
+                    warnings.warn(
+                        f"air_magic: {len(self.relay_errors)} record(s) the ranks logged could not be stored in MLflow "
+                        f"run {self.run_id}; the first: {self.relay_errors[0]}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
             for rank in result.ranks:
                 if rank.log_path is not None and rank.log_path.exists():
                     self.client.log_artifact(run_id, str(rank.log_path), artifact_path="logs")

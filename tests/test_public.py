@@ -13,7 +13,7 @@ PUBLIC = {
     "AcceleratorType", "AirMagicError", "ConfigurationError", "DistributedTimeoutError", "GPUType",
     "JobCancelledError", "JobResult", "JobStatus", "PayloadSizeWarning", "RankFailedError", "RankResult",
     "RankState", "RunDirectoryFullError", "SerializationError", "WorkerDiedError", "__version__", "distributed",
-    "load_ipython_extension", "unload_ipython_extension",
+    "load_ipython_extension", "ray_init", "unload_ipython_extension",
 }
 
 

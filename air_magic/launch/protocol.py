@@ -43,6 +43,10 @@ class JobRequest:
     keep_alive: float | None = None
     #: What makes two calls the same world (ranks, accelerator type, environment, sys.path): a digest.
     world_key: str = ""
+    #: Machines the ranks are spread over, `world_size // num_nodes` on each (more than 1: the Ray launcher).
+    num_nodes: int = 1
+    #: Each rank gets a GPU of its own (where the launcher places ranks itself).
+    use_gpu: bool = False
 
 
 # -- supervisor requests (local launcher only) ---------------------------------------

@@ -84,6 +84,13 @@ class RunDir:
             raise run.write_failed(exc) from exc
         return run
 
+    @classmethod
+    def scratch(cls, name: str) -> RunDir:
+        """A private working directory in this machine's temporary directory, for a rank placed here by
+        another machine's launcher (the Ray launcher); the record itself is kept on the notebook's machine."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
+        return cls(Path(tempfile.mkdtemp(prefix=f"air_magic-{safe}-")))
+
     def write_failed(self, exc: OSError) -> AirMagicError:
         return AirMagicError(
             f"could not write the run directory under {self.path.parent}: {exc.strerror or exc}. "
@@ -109,6 +116,10 @@ class RunDir:
     def error_pickle(self, rank: int) -> Path:
         """The rank's exception itself, when it pickles."""
         return self.path / f"rank-{rank}.error.pkl"
+
+    def metrics(self, rank: int) -> Path:
+        """What the rank logged to MLflow, as JSON lines, when it cannot reach the store itself (mlflow_relay.py)."""
+        return self.path / f"rank-{rank}.mlflow.jsonl"
 
     @property
     def payload(self) -> Path:

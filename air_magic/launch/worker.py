@@ -106,6 +106,14 @@ def run(path: Path, rank: int) -> int:
     return 0
 
 
+def flush_hooks() -> None:
+    """Let each hook module send what it still holds (e.g. MLflow's queued metrics) before the rank ends."""
+    for hook in _hooks:
+        flush = getattr(hook, "flush", None)
+        if flush is not None:
+            flush()
+
+
 def finish(code: int) -> None:
     """End the rank the way a normal exit would, minus interpreter teardown.
 
@@ -115,10 +123,7 @@ def finish(code: int) -> None:
     threads or for CUDA's orderly teardown would only delay the caller.
     """
     try:
-        for hook in _hooks:
-            flush = getattr(hook, "flush", None)
-            if flush is not None:
-                flush()  # e.g. MLflow's queued metrics, before anything else ends
+        flush_hooks()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -1,0 +1,189 @@
+"""Reaching a Ray cluster from the notebook: `ray_init`, the connection check, and what the cluster can hold.
+
+`ray_init()` with no address starts Ray on this machine with every process
+(GCS, raylet, dashboard and its agents, workers) on 127.0.0.1: on Linux Ray
+otherwise binds the machine's network address, and whoever reaches a Ray
+port can run code on it. With an address (or RAY_ADDRESS) it joins that
+cluster as it is. This module imports Ray only when called, so a one-node
+call never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlparse
+
+from ...accelerators import DEFAULT_CPU_WORKERS, _check_count
+from ...errors import ConfigurationError
+
+#: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (measured: FINDINGS.md).
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_GPU_TYPE = re.compile(r"^GPU(?:_(\d+)x([A-Za-z0-9]+))?$", re.IGNORECASE)
+_context: Any = None
+
+INSTALL_HINT = "pip install 'air_magic[ray]'"
+
+
+def import_ray() -> ModuleType:
+    """The `ray` module, or a ConfigurationError that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"Ray is not installed in this environment, and more than one node needs it: run `{INSTALL_HINT}` "
+            "(the same version on every machine of the cluster), then call air_magic.ray_init()."
+        ) from exc
+    return ray
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While Ray starts here: every process it starts takes 127.0.0.1 as this node's address."""
+    old = os.environ.get(_LOOPBACK_ENV)
+    os.environ[_LOOPBACK_ENV] = "0"  # read by the processes Ray starts, at their import
+    constants = sys.modules.get("ray._private.ray_constants")
+    was = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    if constants is not None:
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 - this process read the variable when it imported ray
+    try:
+        yield
+    finally:
+        if constants is not None and was is not None:
+            setattr(constants, "ENABLE_RAY_CLUSTER", was)  # noqa: B010
+        if old is None:
+            os.environ.pop(_LOOPBACK_ENV, None)
+        else:
+            os.environ[_LOOPBACK_ENV] = old
+
+
+def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
+    """Connect this notebook to Ray, so that `distributed(..., num_nodes=N)` can run on N machines.
+
+    address: None starts a Ray of this kernel's own on this machine, everything listening on
+        127.0.0.1 only (the dashboard too, unless `dashboard_host=` says otherwise), or joins the
+        cluster in RAY_ADDRESS when it is set; "auto" joins the cluster started on this machine with
+        `ray start`; "ray://host:10001" connects through Ray Client; "host:6379" joins as a driver.
+    ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
+
+    Calling it again is harmless: it returns the context of the connection already made. Returns
+    Ray's context; its `dashboard_link` attribute opens the dashboard (through the Jupyter server
+    when this kernel runs under one with jupyter-server-proxy and the dashboard is on this machine).
+    """
+    global _context
+    ray = import_ray()
+    if ray.is_initialized():
+        if _context is None:  # connected by the user's own ray.init
+            _context = ray.init(ignore_reinit_error=True)
+            _context.dashboard_link = dashboard_link(getattr(_context, "dashboard_url", None))
+        return _context
+    joining = address is not None or bool(os.environ.get("RAY_ADDRESS"))
+    if joining:
+        context = ray.init(address=address, **ray_init_kwargs)
+    else:
+        ray_init_kwargs.setdefault("dashboard_host", "127.0.0.1")
+        ray_init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
+        with _loopback_only():
+            # "local": a new Ray of this kernel's own, even when `ray start` left one running here
+            context = ray.init(address="local", **ray_init_kwargs)
+    context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
+    _context = context
+    return context
+
+
+def dashboard_link(url: str | None) -> str | None:
+    """The dashboard's link: through the Jupyter server's proxy when it runs on this machine, else direct."""
+    if not url:
+        return None
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if parsed.hostname in ("127.0.0.1", "localhost", "::1") and parsed.port:
+        from ...mlflow_ui import jupyter_base_url
+
+        base = jupyter_base_url()
+        if base is not None:
+            return f"{base}proxy/{parsed.port}/"
+    return parsed.geturl()
+
+
+def require_connected() -> ModuleType:
+    """The `ray` module of a connected notebook, or a ConfigurationError that says to call ray_init."""
+    ray = sys.modules.get("ray")
+    if ray is None and importlib.util.find_spec("ray") is None:
+        import_ray()  # raises, with the install hint
+    if ray is None or not ray.is_initialized():
+        raise ConfigurationError(
+            "num_nodes > 1 runs on a Ray cluster, and this notebook is not connected to one: call "
+            "`from air_magic import ray_init; ray_init()` first (Ray on this machine), or "
+            "ray_init('auto') / ray_init('ray://<head>:10001') to join a running cluster."
+        )
+    return ray
+
+
+def check_shape(num: int | None, accelerator_type: str | None) -> tuple[int, str]:
+    """Ranks per node and type as far as they can be checked without the cluster (at decoration)."""
+    if num is not None:
+        _check_count(num, "num_accelerators")
+    if accelerator_type is None:
+        return num or 1, "detected on the cluster"
+    if not isinstance(accelerator_type, str):
+        raise ConfigurationError(
+            f"accelerator_type must be a string such as 'GPU_2xH100' or 'CPU', got {accelerator_type!r}."
+        )
+    if accelerator_type.strip().upper() == "CPU":
+        return num or DEFAULT_CPU_WORKERS, "CPU"
+    m = _GPU_TYPE.match(accelerator_type.strip())
+    if not m:
+        raise ConfigurationError(
+            f"accelerator_type {accelerator_type!r} is not understood; write it as 'GPU_<n>x<MODEL>' or 'CPU'."
+        )
+    if m.group(1) is not None and num is not None and int(m.group(1)) != num:
+        raise ConfigurationError(
+            f"num_accelerators={num} contradicts accelerator_type {accelerator_type!r}; give one or make them agree."
+        )
+    return int(m.group(1) or num or 1), accelerator_type.strip()
+
+
+def alive_nodes(ray: ModuleType) -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _gpu_model(node: dict[str, Any]) -> str | None:
+    for key in node.get("Resources", {}):
+        if key.startswith("accelerator_type:"):
+            return str(key.split(":", 1)[1])
+    return None
+
+
+def resolve(num: int | None, accelerator_type: str | None, num_nodes: int) -> tuple[int, str]:
+    """Ranks per node and the type string, asking the connected cluster (at the call)."""
+    per_node, wanted = check_shape(num, accelerator_type)
+    ray = require_connected()
+    if wanted == "CPU":
+        return per_node, "CPU"
+    nodes = alive_nodes(ray)
+    gpu_nodes = [n for n in nodes if n.get("Resources", {}).get("GPU", 0) > 0]
+    if accelerator_type is None and (os.environ.get("AIR_MAGIC_FORCE_CPU") or not gpu_nodes):
+        return num or DEFAULT_CPU_WORKERS, "CPU"
+    if not gpu_nodes:
+        raise ConfigurationError(
+            f"accelerator_type {accelerator_type!r} asks for GPUs, but no node of the Ray cluster has one; "
+            "pass accelerator_type='CPU' to run CPU workers with gloo."
+        )
+    m = _GPU_TYPE.match(wanted) if accelerator_type is not None else None
+    model = m.group(2) if m else None
+    models = {_gpu_model(n) for n in gpu_nodes} - {None}
+    if model and model.upper() not in {str(x).upper() for x in models}:
+        raise ConfigurationError(
+            f"accelerator_type {accelerator_type!r} does not match the GPUs of the Ray cluster "
+            f"({', '.join(sorted(map(str, models))) or 'model unknown'})."
+        )
+    if num is None and not (m and m.group(1)):
+        per_node = int(max(n["Resources"]["GPU"] for n in gpu_nodes))  # every GPU of a node
+    name = model or (min(map(str, models)) if len(models) == 1 else None)
+    return per_node, f"GPU_{per_node}x{name}" if name else "GPU"

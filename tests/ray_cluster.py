@@ -1,0 +1,117 @@
+"""A simulated Ray cluster on this machine for the tests: a head without CPUs and two 2-CPU nodes, all on 127.0.0.1.
+
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` must be in the environment before Ray is
+imported, in this process and in every process Ray starts: with it, every Ray
+process listens on 127.0.0.1 only (on Linux Ray otherwise takes the machine's
+network address). The head holds no CPUs, so a job's ranks land on the two
+worker nodes, and `num_nodes=2` means those two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import socket
+import time
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_enable_metrics_collection", "0")  # the tests read no Ray metrics
+# A raylet waits this long for its agents to start (they import for many seconds on a busy machine).
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+
+#: CPUs of each worker node.
+NODE_CPUS = 2
+
+
+@contextlib.contextmanager
+def patient_raylets():
+    """Let a raylet start on a busy machine: its agents' ports are chosen up front and written where it looks.
+
+    A raylet waits about 15 s for its dashboard agent to write the agent's ports to the session
+    directory and aborts after that; on this 2-core machine, shared with other work, the agent can
+    take longer just to import. With the ports chosen here and written before the raylet starts,
+    it goes on at once; the agents are given those same ports and bind them when they are up.
+    """
+    import ray._private.services as services
+    import ray._raylet as raylet
+
+    original = services.start_raylet
+    signature = inspect.signature(original)
+
+    def start_raylet(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
+        for name, key in (
+            (raylet.METRICS_AGENT_PORT_NAME, "metrics_agent_port"),
+            (raylet.METRICS_EXPORT_PORT_NAME, "metrics_export_port"),
+            (raylet.DASHBOARD_AGENT_LISTEN_PORT_NAME, "dashboard_agent_listen_port"),
+            (raylet.RUNTIME_ENV_AGENT_PORT_NAME, "runtime_env_agent_port"),
+        ):
+            given[key] = int(given.get(key) or _free_port())
+            raylet.persist_port(given["session_dir"], given["node_id"], name, given[key])
+        return original(*bound.args, **bound.kwargs)
+
+    services.start_raylet = start_raylet
+    try:
+        yield
+    finally:
+        services.start_raylet = original
+
+
+def start_cluster(nodes: int = 2):
+    """Start the cluster and wait until every node has joined."""
+    from ray.cluster_utils import Cluster
+
+    with patient_raylets():
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, **_node_args()},
+        )
+    for _ in range(nodes):
+        add_node(cluster)
+    return cluster
+
+
+def add_node(cluster, wait: bool = True):
+    with patient_raylets():
+        node = cluster.add_node(num_cpus=NODE_CPUS, wait=wait, **_node_args())
+    if wait:
+        cluster.wait_for_nodes(timeout=90)
+    return node
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _node_args() -> dict:
+    return {"node_ip_address": "127.0.0.1"}
+
+
+def node_of(cluster, node_id: str):
+    """The cluster_utils node object whose Ray node id is `node_id`."""
+    for node in cluster.worker_nodes:
+        if node.node_id == node_id:
+            return node
+    raise LookupError(node_id)
+
+
+def wait_all_free(timeout: float = 20.0) -> dict:
+    """Wait until the cluster reports every CPU and GPU free; return what it reports (fails with the difference)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        total = ray.cluster_resources()
+        free = ray.available_resources()
+        busy = {k: (free.get(k, 0), total[k]) for k in ("CPU", "GPU") if k in total and free.get(k, 0) != total[k]}
+        if not busy:
+            return free
+        if time.monotonic() > deadline:
+            raise AssertionError(f"resources still held {timeout:g} s after the call (free, total): {busy}")
+        time.sleep(0.2)

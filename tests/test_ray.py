@@ -1,0 +1,329 @@
+"""Beyond one node: the same call on a simulated Ray cluster (a head and two 2-CPU nodes, all on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import cloudpickle
+import pytest
+import ray_cluster
+from faults_common import Recorder, alive
+from helpers import ROOT, Kernel
+
+from air_magic import (
+    ConfigurationError,
+    JobCancelledError,
+    WorkerDiedError,
+    distributed,
+    ray_init,
+    runner,
+)
+from air_magic.errors import AirMagicError, RemoteTraceback
+from air_magic.job import JobResult, JobStatus, RankState
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One simulated cluster for the module, this test process joined to it as the notebook would be."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    c = ray_cluster.start_cluster()
+    ray_init(c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def all_free_after(request):
+    """Every test that used the cluster leaves all its CPUs free (the actors and the placement group gone)."""
+    yield
+    if "cluster" in request.fixturenames:
+        ray_cluster.wait_all_free()
+        from ray._private.state import actors
+
+        left = [a for a in actors().values() if a["State"] != "DEAD"]
+        assert not left, f"actors left alive: {left}"
+
+
+class WhenAll(Recorder):
+    """Records like Recorder; once every rank has printed `word`, runs `action` (from the runner's thread)."""
+
+    def __init__(self, word: str, action) -> None:
+        super().__init__()
+        self.word, self.action, self.fired_at = word, action, None
+
+    def poll(self) -> None:
+        ranks = self.ctx.spec.world_size
+        if self.fired_at is None and all(self.word in self.output(r) for r in range(ranks)):
+            self.fired_at = time.monotonic()
+            self.action(self)
+
+
+def run(func, *, listener=None, nodes: int = 2, per_node: int = 1, **settings) -> JobResult:
+    spec = distributed(per_node, accelerator_type="CPU", num_nodes=nodes, mlflow=False, **settings)(func)
+    return runner.run(spec.settings.spec(func, (), {}, func.__name__), [listener or Recorder()])
+
+
+# -- the functions the ranks run ---------------------------------------------------
+def all_reduce():
+    import os
+
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} says hello", flush=True)
+    names = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {
+        "sum": t.item(),
+        "node": ray.get_runtime_context().get_node_id(),
+        "env": {k: os.environ[k] for k in names},
+    }
+
+
+def raises_on_rank_1():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one refuses")
+    import time
+
+    time.sleep(600)
+
+
+def hangs_with_a_child():
+    import os
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sleep", "600"])
+    print(f"PIDS {os.getpid()} {child.pid}", flush=True)
+    print("READY", flush=True)
+    time.sleep(600)
+
+
+def hangs():
+    import time
+
+    print("READY", flush=True)
+    time.sleep(600)
+
+
+# -- tests ---------------------------------------------------------------------------
+def test_four_ranks_all_reduce_over_two_nodes(cluster):
+    """2 nodes x 2 ranks: gloo all-reduce works unchanged, ranks are ordered by node then local rank, and each
+    rank's output is live in the listener and kept in the run directory here."""
+    rec = Recorder()
+    result = run(all_reduce, listener=rec, per_node=2).raise_for_status()
+    values = result.values
+    assert [v["sum"] for v in values] == [10.0] * 4
+    nodes = [v["node"] for v in values]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+    workers = {n.node_id for n in cluster.worker_nodes}
+    assert set(nodes) == workers
+    for rank, v in enumerate(values):
+        env = v["env"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["LOCAL_RANK"] == str(rank % 2) and env["NODE_RANK"] == str(rank // 2)
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == values[0]["env"]["MASTER_PORT"]
+        line = f"rank {rank} of 4 says hello"
+        assert line in rec.output(rank)
+        assert line in (result.run_dir / f"rank-{rank}.log").read_text()
+        assert rec.states[rank][-1] == RankState.DONE
+
+
+def test_a_rank_that_raises_gives_its_exception_and_stops_the_others(cluster):
+    """The original exception type, the rank in its note and the remote traceback; the hanging peer is stopped."""
+    result = run(raises_on_rank_1)
+    assert result.status == JobStatus.FAILED
+    assert isinstance(result.error, ValueError) and "rank one refuses" in str(result.error)
+    assert "raised on rank 1 of 2" in result.error.__notes__[0]
+    assert isinstance(result.error.__cause__, RemoteTraceback)
+    assert "raises_on_rank_1" in result.error.__cause__.text
+    assert [r.state for r in result.ranks] == [RankState.STOPPED, RankState.FAILED]
+
+
+def test_cancel_while_ranks_hang_stops_them_and_what_they_started(cluster):
+    """Cancel ends every rank and its child processes, kills the actors and frees the placement group."""
+    rec = WhenAll("READY", lambda listener: listener.ctx.cancel())
+    result = run(hangs_with_a_child, listener=rec)
+    assert result.status == JobStatus.KILLED and isinstance(result.error, JobCancelledError)
+    pids = [int(p) for r in range(2) for p in re.findall(r"PIDS ([0-9 ]+)", rec.output(r))[0].split()]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 10
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids) == []
+
+
+def test_timeout_stops_the_ranks(cluster):
+    """The timeout reaches ranks on other nodes too: a DistributedTimeoutError, every actor gone."""
+    result = run(hangs, timeout=10)
+    assert result.status == JobStatus.KILLED and isinstance(result.error, TimeoutError)
+    assert "timeout of 10 s" in str(result.error)
+
+
+def test_a_request_the_cluster_cannot_hold_fails_at_once_saying_what_is_free(cluster):
+    """3 nodes asked of a cluster with 2 that have CPUs: an error naming what was asked and what is free."""
+    started = time.monotonic()
+    result = run(hangs, nodes=3)
+    assert time.monotonic() - started < 60
+    assert isinstance(result.error, AirMagicError)
+    message = str(result.error)
+    assert "asked for 3 node(s) with 1 CPU each" in message and "Free now:" in message, message
+
+
+def test_a_node_removed_mid_run_is_a_clear_error_within_30_s(cluster):
+    """Rank 1's node leaves the cluster while the ranks run: WorkerDiedError naming the rank and its node."""
+    removed = {}
+
+    def remove_rank_1_node(listener):
+        node_id = listener.node_of_rank_1
+        removed["at"] = time.monotonic()
+        cluster.remove_node(ray_cluster.node_of(cluster, node_id), allow_graceful=False)
+
+    rec = WhenAll("NODE", remove_rank_1_node)
+    original = rec.on_output
+
+    def on_output(rank, text):
+        original(rank, text)
+        m = re.search(r"NODE (\w+)", text)
+        if rank == 1 and m:
+            rec.node_of_rank_1 = m.group(1)
+
+    rec.on_output = on_output
+    try:
+        result = run(prints_node_and_hangs, listener=rec)
+        ended = time.monotonic()
+        assert isinstance(result.error, WorkerDiedError), repr(result.error)
+        assert "rank 1 was lost" in str(result.error) and "left the Ray cluster" in str(result.error)
+        assert ended - removed["at"] < 30
+    finally:
+        ray_cluster.add_node(cluster)  # the next tests have two worker nodes again
+
+
+def prints_node_and_hangs():
+    import time
+
+    import ray
+
+    print("NODE", ray.get_runtime_context().get_node_id(), flush=True)
+    time.sleep(600)
+
+
+def test_more_than_one_node_without_ray_says_to_call_ray_init(tmp_path):
+    """In a notebook that has not joined a cluster, num_nodes=2 is a ConfigurationError that names ray_init;
+    num_nodes=1 never imports Ray."""
+    code = (
+        "import sys\n"
+        "from air_magic import distributed, ConfigurationError\n"
+        "f = distributed(1, accelerator_type='CPU', num_nodes=2, mlflow=False)(print)\n"
+        "try:\n"
+        "    f.distributed()\n"
+        "except ConfigurationError as e:\n"
+        "    print('ERROR', e)\n"
+        "g = distributed(1, accelerator_type='CPU', mlflow=False)(print)\n"
+        "print('RAY IMPORTED', 'ray' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AIR_MAGIC_RUNS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "ERROR" in out.stdout and "ray_init" in out.stdout, out.stdout + out.stderr
+    assert "RAY IMPORTED False" in out.stdout
+
+
+def test_ray_init_starts_ray_on_loopback_only_and_twice_is_harmless(tmp_path):
+    """ray_init() with no address: every Ray process listens on 127.0.0.1 only, the dashboard too; the second
+    call returns the same context."""
+    code = f"""
+import sys, psutil
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+import ray_cluster  # noqa: F401 - only for patient_raylets below; its loopback setting is undone here
+import os
+os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+from air_magic import ray_init
+with ray_cluster.patient_raylets():
+    ctx = ray_init(num_cpus=1)
+assert ray_init() is ctx
+import ray
+session = ray._private.worker._global_node.get_session_dir_path()
+ours = [p for p in psutil.process_iter() if p.pid != os.getpid()]
+found = []
+for p in ours:
+    try:
+        if session not in " ".join(p.cmdline()) and p.ppid() != os.getpid():
+            continue
+        found += [(p.pid, p.name(), c.laddr.ip) for c in p.net_connections("inet") if c.status == "LISTEN"]
+    except psutil.Error:
+        pass
+import ipaddress
+def loopback(ip):
+    a = ipaddress.ip_address(ip)
+    return (getattr(a, "ipv4_mapped", None) or a).is_loopback
+print("DASHBOARD", ctx.dashboard_url)
+print("LISTENERS", len(found))
+print("OTHER", [f for f in found if not loopback(f[2])])
+ray.shutdown()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env.update(PYTHONPATH=str(ROOT), AIR_MAGIC_RUNS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert "LISTENERS" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "OTHER []" in out.stdout, out.stdout
+    assert int(re.search(r"LISTENERS (\d+)", out.stdout).group(1)) >= 3  # the GCS, the raylet, the dashboard at least
+    assert "DASHBOARD 127.0.0.1:" in out.stdout or "DASHBOARD http://127.0.0.1:" in out.stdout, out.stdout
+
+
+def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdir):
+    """In a notebook: ray_init joins the cluster, `%%distributed --nodes 2` runs the cell on both nodes, and what
+    the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store; Ctrl-C
+    while ranks hang on both nodes is a KeyboardInterrupt that leaves nothing held."""
+    store = f"sqlite:///{workdir}/ray-mlflow.db"
+    k = Kernel(workdir, env={
+        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": store,
+    })
+    try:
+        k.execute(f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
+                  "%load_ext air_magic").check()
+        out = k.execute(
+            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --out got\n"
+            "import os, ray, mlflow\n"
+            "print('on node', os.environ['NODE_RANK'])\n"
+            "mlflow.log_metric('node_rank', float(os.environ['NODE_RANK']))\n"
+            "ray.get_runtime_context().get_node_id()\n",
+            timeout=300,
+        ).check()
+        assert "[rank 1] on node 1" in out.stdout
+        check = k.execute(
+            "import mlflow\n"
+            "run = mlflow.search_runs(search_all_experiments=True, order_by=['start_time DESC'], output_format='list')[0]\n"
+            "history = mlflow.MlflowClient().get_metric_history(run.info.run_id, 'node_rank')\n"
+            "print(len(set(got)), len(got), sorted(m.value for m in history), run.info.status)\n"
+        ).check()
+        assert check.stdout.strip() == "2 2 [0.0, 1.0] FINISHED", check.stdout
+        # Ctrl-C while the ranks hang on both nodes: KeyboardInterrupt, and (all_free_after) nothing left held
+        msg_id = k.send("%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow\n"
+                        "import time\nprint('READY', flush=True)\ntime.sleep(600)\n")
+        seen = ""
+        deadline = time.monotonic() + 240
+        while not ("[rank 0] READY" in seen and "[rank 1] READY" in seen):
+            assert time.monotonic() < deadline, seen
+            msg = k.kc.get_iopub_msg(timeout=240)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen += msg["content"]["text"]
+        k.interrupt()
+        stopped = k.collect(msg_id, timeout=120)
+        assert stopped.ename == "KeyboardInterrupt", stopped.traceback
+    finally:
+        k.shutdown()
