@@ -113,13 +113,13 @@ def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb
         "@distributed(num_accelerators=2, accelerator_type='CPU', warm=True)\n"
         "def parent():\n    import os\n    return os.getppid()\n"
         "logs = distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once)\n"
-        "first = parent.distributed()"
+        "first = parent.distributed()", timeout=300
     ).check()
     helper = supervisor_pids(preload_nb)
     assert len(helper) == 1
     for _ in range(2):
-        assert preload_nb.execute("parent.distributed() == first").check().result == "True"
-        out = preload_nb.execute("logs.distributed('x')").check()
+        assert preload_nb.execute("parent.distributed() == first", timeout=300).check().result == "True"
+        out = preload_nb.execute("logs.distributed('x')", timeout=300).check()
         assert out.result == "[[], []]", "mlflow came from the helper: no module file ran in the ranks"
     assert supervisor_pids(preload_nb) == helper, "the helper was never replaced"
     assert preload_nb.execute("parent.distributed() == first").check().result == "True"
@@ -150,7 +150,7 @@ def test_later_calls_import_mlflow_from_the_warm_helper_and_log_to_their_run(nb,
 
 def test_ranks_that_do_not_import_mlflow_do_not_see_it(nb):
     """Ranks of a warm helper that preloaded mlflow do not have it (or its dependencies) loaded unless their code imports it."""
-    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')").check()
+    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')", timeout=300).check()
     out = nb.execute(
         """
 @distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
@@ -162,14 +162,14 @@ def untouched():
     import mlflow.tracking
     return loaded, found, still, mlflow.tracking.__name__, mlflow.__spec__.name
 untouched.distributed()
-"""
+""", timeout=300
     ).check()
     assert eval(out.result) == [([], True, False, "mlflow.tracking", "mlflow")] * 2
 
 
 def test_set_experiment_in_a_rank_still_warns_with_mlflow_preloaded(nb):
     """The rank-side set_experiment guard still applies when mlflow comes from the warm helper."""
-    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')").check()
+    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')", timeout=300).check()
     out = nb.execute(
         """
 @distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
@@ -178,7 +178,7 @@ def stubborn():
     mlflow.set_experiment("somewhere-else")
     mlflow.log_metric("y", 2.0)
 stubborn.distributed()
-"""
+""", timeout=300
     ).check()
     assert "mlflow.set_experiment('somewhere-else') ignored on rank 1" in out.stdout
 
@@ -218,7 +218,7 @@ def steps(n):
             out = k.execute("steps.distributed(50)", timeout=300).check()
             assert out.result == "['0', '1']"
             assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
-        out = k.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')").check()
+        out = k.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')", timeout=300).check()
         assert out.result == "[[], []]"
         assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
     finally:
