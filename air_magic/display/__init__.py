@@ -9,7 +9,6 @@ so notebooks executed headless by nbclient or papermill keep it too.
 
 from __future__ import annotations
 
-import html
 import importlib.util
 import os
 import sys
@@ -42,46 +41,6 @@ def display_mode() -> str:
     return mode
 
 
-def waiting_for(spec: JobSpec, run_made: bool = False) -> str:
-    """What a call that has not started its ranks yet waits for, as the panel's phase says it."""
-    from ..launch.local import local_launcher
-
-    waits = []
-    if spec.mlflow and not run_made:
-        waits.append("creating the MLflow run")
-    if local_launcher().supervisor_pid is None:
-        waits.append("starting air_magic's helper process")
-    waits.append(f"starting {spec.world_size} rank(s)")
-    return "starting: " + ", ".join(waits)
-
-
-class StartingLine:
-    """A plain line shown the moment a call begins, before ipywidgets is imported; the panel takes its place.
-
-    If the call never gets as far as the panel (its arguments cannot be serialized, say), the line is
-    emptied when the cell ends, so no "starting" is left behind.
-    """
-
-    def __init__(self, spec: JobSpec) -> None:
-        from IPython.display import display
-
-        text = f"{spec.name} · {spec.world_size} rank(s) · {spec.accelerator_type} · {waiting_for(spec)}"
-        self.taken = False
-        self.handle = display(
-            {"text/html": f'<div class="air-magic-starting" style="white-space:nowrap">{html.escape(text)}</div>',
-             "text/plain": f"air_magic: {text}"},
-            raw=True, display_id=True,
-        )
-        shell = sys.modules["IPython"].get_ipython()
-        if shell is not None:
-            shell.events.register("post_run_cell", self._after_cell)
-
-    def _after_cell(self, result: object = None) -> None:
-        sys.modules["IPython"].get_ipython().events.unregister("post_run_cell", self._after_cell)
-        if not self.taken:
-            self.handle.update({"text/plain": ""}, raw=True)
-
-
 def make_display(spec: JobSpec) -> Listener:
     """The panel inside a Jupyter kernel that can show widgets, the plain-text display otherwise."""
     mode = display_mode()
@@ -89,6 +48,8 @@ def make_display(spec: JobSpec) -> Listener:
         from . import busy
 
         busy.hold()  # the kernel reads busy until the call ends (see busy.py)
+        from .starting import StartingLine
+
         starting = StartingLine(spec)  # on screen at once: importing ipywidgets takes a while the first time
         from .widgets import Panel
 

@@ -29,10 +29,11 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
-from . import busy, waiting_for
+from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
 from .record import ended_as, record_bundle, short_link_text
+from .starting import waiting_for
 from .tail import TailBuffer
 
 #: Seconds between two refreshes of a rank's tab (the browser sees at most this rate).
