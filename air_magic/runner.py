@@ -119,6 +119,9 @@ class _Run:
         env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir.path)
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.ranks_per_node))
+        if not self.spec.uses_gpu and "CUDA_VISIBLE_DEVICES" not in self.spec.extra_env:
+            # CPU workers on a GPU node see no GPU: `"nccl" if torch.cuda.is_available() else "gloo"` picks gloo
+            env["CUDA_VISIBLE_DEVICES"] = ""
         from .launch.local import warm_default
 
         return p.JobRequest(

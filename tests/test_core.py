@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from faults_common import here_runs, run_here  # noqa: F401 - here_runs is a fixture
 from helpers import Kernel, leftover_processes
 
 SETUP = """
@@ -249,3 +250,16 @@ def test_killed_kernel_leaves_no_worker(workdir):
     finally:
         k.kc.stop_channels()
         k.km.cleanup_resources()
+
+
+def _visible_devices():
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.usefixtures("here_runs")
+def test_cpu_workers_see_no_gpu_unless_told_to():
+    """Ranks of a CPU call get CUDA_VISIBLE_DEVICES empty (so code picking nccl by torch.cuda.is_available() picks gloo)."""
+    assert run_here(_visible_devices).values == ["", ""]
+    assert run_here(_visible_devices, env={"CUDA_VISIBLE_DEVICES": "0"}).values == ["0", "0"]
