@@ -93,6 +93,14 @@ def kernel_env(workdir: Path, **extra: str) -> dict[str, str]:
     }
 
 
+def run_id_of(stdout: str) -> str:
+    """The MLflow run id in a call's plain-text output (`MLflow run: <link>`, the link may end in a query)."""
+    for line in stdout.splitlines():
+        if "MLflow run: " in line:
+            return line.split("MLflow run: ", 1)[1].split()[0].split("?", 1)[0].rsplit("/", 1)[-1]
+    raise AssertionError(f"no MLflow link printed:\n{stdout}")
+
+
 def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a kernel or Jupyter server a test starts: ours, plus `extra`, with this checkout first on PYTHONPATH."""
     env = dict(os.environ)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from faults_common import Recorder, here_runs  # noqa: F401 - here_runs is a fixture
-from helpers import ROOT
+from helpers import ROOT, run_id_of
 
 from air_magic import runner
 from air_magic.errors import ListenerWarning
@@ -154,7 +154,7 @@ def test_cell_runs_are_logged_as_cells_and_functions_as_functions(kernel, workdi
         "from air_magic import distributed\n@distributed(2)\ndef ranks():\n    return 1\nranks.distributed()"
     ).check()
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    ids = [out.stdout.split("MLflow run: ")[1].split()[0].split("?")[0].rsplit("/", 1)[-1] for out in (cell, func)]
+    ids = [run_id_of(out.stdout) for out in (cell, func)]
     params = [client.get_run(i).data.params for i in ids]
     assert "cell" in params[0] and "function" not in params[0]
     assert params[1].get("function") == "ranks" and "cell" not in params[1]

@@ -9,7 +9,7 @@ import pytest
 from faults_common import Recorder, alive, here_runs, run_here  # noqa: F401 - here_runs is a fixture
 
 from air_magic.launch.local import local_launcher
-from helpers import leftover_processes
+from helpers import leftover_processes, run_id_of
 
 pytestmark = pytest.mark.usefixtures("here_runs")
 
@@ -145,7 +145,7 @@ def test_cells_with_keep_alive_log_each_call_to_its_own_run_and_interrupt_or_rel
     assert outs[0].result == outs[1].result, "the second cell ran in the first cell's processes"
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     for n, out in zip((10, 20), outs):
-        run_id = out.stdout.split("MLflow run: ")[1].split()[0].split("?")[0].rsplit("/", 1)[-1]
+        run_id = run_id_of(out.stdout)
         values = sorted(m.value for m in client.get_metric_history(run_id, "step_rank"))
         assert values == [n, n + 1], f"run of the call with {n}: {values}"
     hot = eval(outs[1].result)

@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from helpers import ROOT, Kernel
+from helpers import ROOT, Kernel, run_id_of
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -34,11 +34,6 @@ def supervisor_pids(kernel: Kernel) -> set[int]:
     return {p.pid for p in psutil.Process(kernel.pid).children() if "air_magic.launch.supervisor" in " ".join(p.cmdline())}
 
 
-def run_id_of(stdout: str) -> str:
-    for line in stdout.splitlines():
-        if "MLflow run: " in line:
-            return line.rsplit("/", 1)[-1].strip()
-    raise AssertionError(f"no MLflow link printed:\n{stdout}")
 
 
 def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, SESSION, Kernel, leftover_processes
+from helpers import ROOT, SESSION, Kernel, leftover_processes, run_id_of
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -89,10 +89,6 @@ def client(store):
     return mlflow.MlflowClient(f"sqlite:///{store}/mlflow.db")
 
 
-def run_id_of(stdout: str) -> str:
-    match = LINK.search(stdout)
-    assert match, f"no MLflow link printed:\n{stdout}"
-    return match.group(1).split("?", 1)[0].rsplit("/", 1)[-1]
 
 
 def test_call_makes_a_finished_run_with_settings_metrics_and_logs(nb, store, client):
