@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-from helpers import ROOT
 
-DEMOS = ROOT / "demo_notebooks"
-PROBE = "PROBE-JSON:"
-
-
-def _load_run_py() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("demo_run_data", DEMOS / "run.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["demo_run_data"] = module
-    spec.loader.exec_module(module)
-    return module
+from test_demos import DEMOS, PROBE, demo_run  # one loader of demo_notebooks/run.py
 
 
 @pytest.mark.timeout(1500)
 def test_data_resume_notebook_resumes_model_optimizer_and_data_on_another_number_of_ranks(tmp_path: Path):
     """Trained on 2 ranks and interrupted at step 11, it resumes from step 8 on 1 rank and trains on every file exactly once per epoch."""
-    run_py = _load_run_py()
+    run_py = demo_run
     (tmp_path / "runs").mkdir()
     probe = (
         '{"checkpoints": sorted(p.name for p in CHECKPOINTS.iterdir()), "results": results, '
