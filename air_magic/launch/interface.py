@@ -9,10 +9,23 @@ machines plugs in the same way and feeds the same listeners.
 
 from __future__ import annotations
 
+import queue
 from abc import ABC, abstractmethod
 
 from .protocol import Event, JobRequest
 from .rundir import RunDir
+
+
+def drain(events: queue.Queue[Event], timeout: float) -> list[Event]:
+    """Everything in `events`, waiting up to `timeout` s for the first: how a JobHandle answers next_events."""
+    out: list[Event] = []
+    try:
+        out.append(events.get(timeout=timeout))
+        while True:
+            out.append(events.get_nowait())
+    except queue.Empty:
+        pass
+    return out
 
 
 class JobHandle(ABC):

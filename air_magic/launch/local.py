@@ -25,7 +25,7 @@ from pathlib import Path
 from ..errors import AirMagicError, describe_returncode
 from . import protocol as p
 from .errorfile import read_error_file
-from .interface import JobHandle, Launcher
+from .interface import JobHandle, Launcher, drain
 from .rundir import RunDir, helper_log, runs_root, write_private
 
 _PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
@@ -68,13 +68,7 @@ class LocalJob(JobHandle):
 
     # -- events ------------------------------------------------------------
     def next_events(self, timeout: float) -> list[p.Event]:
-        wire: list[p.Event] = []
-        try:
-            wire.append(self.wire.get(timeout=timeout))
-            while True:
-                wire.append(self.wire.get_nowait())
-        except queue.Empty:
-            pass
+        wire = drain(self.wire, timeout)
         out: list[p.Event] = []
         for event in wire:
             if isinstance(event, p.Stale):

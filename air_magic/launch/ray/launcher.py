@@ -32,7 +32,7 @@ from typing import Any
 from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..errorfile import read_error_file
-from ..interface import JobHandle, Launcher
+from ..interface import JobHandle, Launcher, drain
 from ..rundir import RunDir, write_private
 from .cluster import alive_nodes, require_connected
 from .rank import RankActor
@@ -93,14 +93,7 @@ class RayJob(JobHandle):
 
     # -- the JobHandle side (the runner's thread) ---------------------------
     def next_events(self, timeout: float) -> list[p.Event]:
-        out: list[p.Event] = []
-        try:
-            out.append(self.events.get(timeout=timeout))
-            while True:
-                out.append(self.events.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self.events, timeout)
 
     def stop(self, reason: str, grace: float) -> None:
         self.grace = grace
