@@ -22,7 +22,7 @@ def no_leftover_processes(request):
     before = {p.pid for p in psutil.process_iter()}
     yield
     keep = getattr(request.node, "keep_supervisors", set())
-    left = [p for p in leftover_processes(before) if p.pid not in keep and not _live_supervisor(p)]
+    left = leftover_processes(before, allowed=lambda p: p.pid in keep or _live_supervisor(p))
     for proc in left:
         try:
             proc.kill()

@@ -8,6 +8,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,8 +214,13 @@ def is_supervisor(proc: psutil.Process) -> bool:
         return False
 
 
-def leftover_processes(before: set[int], wait: float = 10.0, kind: str | None = None) -> list[psutil.Process]:
-    """air_magic processes that were not there before, after waiting up to `wait` s for them to go."""
+def leftover_processes(
+    before: set[int], wait: float = 10.0, kind: str | None = None, allowed: Callable[[psutil.Process], bool] | None = None
+) -> list[psutil.Process]:
+    """air_magic processes that were not there before, after waiting up to `wait` s for them to go.
+
+    Processes for which `allowed` says True (a live kernel's supervisor) are not waited for.
+    """
     deadline = time.monotonic() + wait
     while True:
         left = []
@@ -222,7 +228,7 @@ def leftover_processes(before: set[int], wait: float = 10.0, kind: str | None = 
             if proc.pid in before or proc.pid == os.getpid():
                 continue
             try:
-                if proc.status() != psutil.STATUS_ZOMBIE and ours(proc, kind):
+                if proc.status() != psutil.STATUS_ZOMBIE and ours(proc, kind) and not (allowed and allowed(proc)):
                     left.append(proc)
             except psutil.Error:
                 pass
