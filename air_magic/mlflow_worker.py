@@ -166,11 +166,10 @@ def reset() -> None:
     mlflow = sys.modules.get("mlflow")
     if mlflow is None:
         return
-    try:
-        if _async_logging_running():
-            mlflow.flush_async_logging()
-    except Exception as exc:  # noqa: BLE001 - reported in the rank's log; the result stands
-        print(f"air_magic: MLflow could not send this call's last metrics: {exc!r}", file=sys.stderr)
+    if _async_logging_running():
+        # Shut down, not flush: a flush restarts MLflow's logging thread, which then outlives the call and,
+        # once the next call's environment lacks the buffering setting, holds that call's end for 1 s.
+        _send_queued(mlflow, 120.0)
     fluent = sys.modules.get("mlflow.tracking.fluent")
     stack = getattr(fluent, "_active_run_stack", None)
     if stack is not None:
