@@ -4,7 +4,27 @@
 #   bash bench/gpu_run.sh OUTDIR [tests|bench|demos]...
 set -u
 out=${1:?output directory}; shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Wheels come in .whl/ and, where one transfer cannot hold them all, in more folders .whl*/ over several
+# runs on the same machine; a wheel too big for one transfer comes in pieces NAME.whl.part-*, joined once all
+# are there. Each folder is installed once per machine.
+mkdir -p /tmp/site /tmp/wheels
+for dir in .whl .whl?*; do
+  [ -d "$dir" ] || continue
+  cp "$dir"/*.part-* /tmp/wheels/ 2>/dev/null
+  if [ ! -e "/tmp/site/.installed-$dir" ] && ls "$dir"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/*.whl || exit 1
+    touch "/tmp/site/.installed-$dir"
+  fi
+done
+for first in /tmp/wheels/*.whl.part-aa; do
+  [ -e "$first" ] || continue
+  whl=${first%.part-aa}
+  [ -e "$whl.installed" ] && continue
+  cat "$whl".part-* > "$whl"
+  if python3 -m zipfile -t "$whl" >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl" && touch "$whl.installed"
+  fi
+done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$out/nvidia-smi-before.csv"
 n=$(nvidia-smi -L | wc -l)
@@ -13,6 +33,13 @@ for what in "$@"; do
     tests)
       { timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py tests/test_warm.py
         timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_magic.py; } 2>&1 | grep -v 'WARNING | Kernel is running' | tee "$out/pytest.log" ;;
+    suite)  # the test suite as CI runs it (lint and types aside), modules in $MODULES (default: all)
+      timeout "${SUITE_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider --durations=15 ${MODULES:-tests} 2>&1 \
+        | grep -v 'WARNING | Kernel is running' | tee -a "$out/suite.log" | tail -40 ;;
+    ray-gpu) timeout 300 python3 bench/ray_gpu.py --out "$out/ray_gpu.json" 2>&1 | tail -40 | tee "$out/ray_gpu.log" ;;
+    mlflow)
+      { timeout 300 python3 bench/mlflow_launch.py --repeat 5 --ranks $(printf "%s\n" 1 "$n" | sort -un) --out "$out/mlflow_launch.json" 2>&1 | tail -12
+        timeout 200 python3 bench/launch_phases.py --first-call --ranks "$n" 2>&1 | grep -v '^\[rank\|^air_magic'; } | tee "$out/mlflow.log" ;;
     phases) for r in 2 "$n"; do timeout 120 python3 bench/launch_phases.py --ranks "$r" 2>&1 | grep -v '^\[rank\|^air_magic'; done | tee "$out/phases.log" ;;
     scaling)
       for v in ${SCALING:-0 0,1}; do
