@@ -7,25 +7,35 @@ out=${1:?output directory}; shift
 # Wheels come in .whl/ and, where one transfer cannot hold them all, in more folders .whl*/ over several
 # runs on the same machine; a wheel too big for one transfer comes in pieces NAME.whl.part-*, joined once all
 # are there. Each folder is installed once per machine.
-mkdir -p /tmp/site /tmp/wheels
+# Each folder goes to a target of its own: pip --target replaces a package folder that is already there,
+# which would cut a namespace package (opentelemetry) shared by wheels of two folders.
+mkdir -p /tmp/wheels
+paths=""
 for dir in .whl .whl?*; do
   [ -d "$dir" ] || continue
   cp "$dir"/*.part-* /tmp/wheels/ 2>/dev/null
-  if [ ! -e "/tmp/site/.installed-$dir" ] && ls "$dir"/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$dir"/*.whl || exit 1
-    touch "/tmp/site/.installed-$dir"
+  target=/tmp/site/${dir#.}
+  if [ ! -e "$target/.installed" ] && ls "$dir"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$dir"/*.whl || exit 1
+    touch "$target/.installed"
   fi
+  paths=$paths:$target
 done
 for first in /tmp/wheels/*.whl.part-aa; do
   [ -e "$first" ] || continue
   whl=${first%.part-aa}
-  [ -e "$whl.installed" ] && continue
-  cat "$whl".part-* > "$whl"
-  if python3 -m zipfile -t "$whl" >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl" && touch "$whl.installed"
+  target=/tmp/site/$(basename "$whl" .whl)
+  if [ ! -e "$target/.installed" ]; then
+    cat "$whl".part-* > "$whl"
+    python3 -m zipfile -t "$whl" >/dev/null 2>&1 &&
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$whl" && touch "$target/.installed"
   fi
+  [ -e "$target/.installed" ] && paths=$paths:$target
 done
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=${paths#:}:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/whl/bin:$PATH
+# Data files of wheels installed with --target (nbconvert's templates) are found through JUPYTER_PATH.
+JUPYTER_PATH=$(ls -d /tmp/site/*/share/jupyter 2>/dev/null | paste -sd:)
+export JUPYTER_PATH
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$out/nvidia-smi-before.csv"
 n=$(nvidia-smi -L | wc -l)
 for what in "$@"; do

@@ -30,8 +30,8 @@ import ray_cluster
 
 def train(steps: int = 20) -> dict:
     import os
+    import sys
 
-    import ray
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -53,7 +53,8 @@ def train(steps: int = 20) -> dict:
         opt.step()
         losses.append(round(loss.item(), 6))
     dist.destroy_process_group()
-    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    ray = sys.modules.get("ray")  # imported in a Ray actor; the local launcher's ranks have no Ray
+    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
     return {"losses": losses, "node": node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": torch.cuda.get_device_name(), "rank": int(os.environ["RANK"])}
 

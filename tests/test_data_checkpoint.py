@@ -186,7 +186,8 @@ def test_metadata_is_published_last_and_an_interrupted_overwrite_never_loads(s3:
     with pytest.raises(CheckpointException, match=rf"could not upload {re.escape(url)}/__0_0\.distcp after 2 attempts: ConnectionError"):
         dcp.save({"w": torch.ones(1000), "step": 4}, storage_writer=_recording_writer(url, {"__0_0.distcp"}))
     assert not s3.fs().exists(f"{url}/.metadata")
-    with pytest.raises(CheckpointException, match=r"\.metadata"):
+    # torch 2.13 names the missing .metadata; earlier versions only say "metadata is None".
+    with pytest.raises(CheckpointException, match=r"\.metadata|metadata is None"):
         dcp.load(back, storage_reader=CheckpointReader(url, retries=0))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, CellResult, Kernel, process_env
+from helpers import CellResult, Kernel, process_env
 from widget_state import WidgetMirror, click, run_cell
 
 from air_magic.display.tail import TailBuffer
@@ -383,7 +383,7 @@ print("display:", type(display).__name__)
 print(runner.run(spec, [Link(), display]).values)
 """
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), AIR_MAGIC_RUNS_DIR=str(tmp_path / "runs"))
+    env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs")})
     env.pop("AIR_MAGIC_DISPLAY", None)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr
@@ -396,7 +396,7 @@ print(runner.run(spec, [Link(), display]).values)
 
 def test_terminal_ipython_gets_the_plain_text_display(tmp_path):
     """A terminal IPython session (no kernel) picks the plain-text display, not the panel."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = process_env()  # this checkout first on the path the installed packages come from
     env.pop("AIR_MAGIC_DISPLAY", None)
     code = (
         "from air_magic.display import make_display; from air_magic.decorator import distributed; "

@@ -147,7 +147,11 @@ one.distributed()
             time.sleep(1)
     assert [m["key"] for m in data["run"]["data"]["metrics"]] == ["acc"]
     with urllib.request.urlopen(base, timeout=10) as r:
-        assert b"<html" in r.read().lower()
+        page = r.read().lower()
+    if (Path(mlflow.__file__).parent / "server" / "js" / "build" / "index.html").exists():
+        assert b"<html" in page
+    else:  # mlflow-skinny ships no UI pages: the link still reaches MLflow's server, which says so
+        assert b"landing page (index.html) not found" in page
     listening = {
         c.laddr.ip
         for p in mlflow_ui_processes()
