@@ -204,8 +204,8 @@ def test_ranks_log_through_a_tracking_server_at_warm_speed(server, workdir):
 @distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
 def steps(n):
     import os, mlflow
-    for i in range(n):
-        mlflow.log_metric("loss", 1.0 / (i + 1), step=i)
+    for i in range(n):  # each rank its own values: MLflow stores a point (key, step, value, ms) logged twice once
+        mlflow.log_metric("loss", 1.0 / (i + 1) + int(os.environ["RANK"]), step=i)
     return os.environ["RANK"]
 """).check()
         client = mlflow.MlflowClient(server)

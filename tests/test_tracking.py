@@ -173,8 +173,8 @@ mlflow.set_experiment("chosen-here")
 with mlflow.start_run(run_name="outer") as outer:
     @distributed(num_accelerators=2)
     def inner():
-        import mlflow
-        mlflow.log_metric("x", 1.0)
+        import os, mlflow
+        mlflow.log_metric("x", float(os.environ["RANK"]))  # distinct per rank: MLflow keeps identical points once
     inner.distributed()
 print("OUTER", outer.info.run_id)
 """
@@ -193,9 +193,9 @@ def test_worker_set_experiment_gets_a_clear_warning_and_still_logs(nb, client):
 mlflow.set_experiment("chosen-here")
 @distributed(num_accelerators=2)
 def stubborn():
-    import mlflow
+    import os, mlflow
     mlflow.set_experiment("somewhere-else")
-    mlflow.log_metric("y", 2.0)
+    mlflow.log_metric("y", 2.0 + int(os.environ["RANK"]))  # distinct per rank, as above
 stubborn.distributed()
 """
     ).check()
