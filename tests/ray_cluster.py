@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import random
 import socket
 import time
 
@@ -83,10 +84,38 @@ def add_node(cluster, wait: bool = True):
     return node
 
 
+#: Ports handed out by `_free_port` in this process: never the same one twice.
+_taken: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and outside the range the kernel takes local ports of connections from.
+
+    An agent binds its port many seconds after the raylet is given it; a port picked by binding
+    port 0 lies in the ephemeral range, where any outgoing connection meanwhile may take it (a run
+    lost a node that way: "Address already in use", and the raylet fate-shares with its agent).
+    Between Ray's own worker ports (10002-19999) and that range, nothing takes a port without
+    asking for it.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = 20000, min(ephemeral_low, 32768)
+    pick = random.Random()
+    for _ in range(2000):
+        port = pick.randrange(low, high)
+        if port in _taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _taken.add(port)
+        return port
+    raise RuntimeError(f"no free port between {low} and {high} on 127.0.0.1")
 
 
 def _node_args() -> dict:

@@ -327,3 +327,12 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
         assert stopped.ename == "KeyboardInterrupt", stopped.traceback
     finally:
         k.shutdown()
+
+
+def test_ports_chosen_for_ray_agents_lie_below_the_ephemeral_range_and_never_repeat():
+    """The simulated cluster's agent ports cannot be taken by an outgoing connection before the agent binds them."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = [ray_cluster._free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= port < ephemeral_low for port in ports), sorted(ports)[-3:]
