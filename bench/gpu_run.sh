@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, on a node with NVIDIA GPUs and no network:
 # installs the wheels carried in .whl/ (see README), then runs the GPU tests and the benchmarks.
-#   bash bench/gpu_run.sh OUTDIR [tests|bench|demos]...
+#   bash bench/gpu_run.sh OUTDIR [tests|suite|mlflow|ray-gpu|phases|scaling|bench|demos]...   (suite: MODULES=..., SUITE_TIMEOUT=...)
 set -u
 out=${1:?output directory}; shift
 # Wheels come in .whl/ and, where one transfer cannot hold them all, in more folders .whl*/ over several
 # runs on the same machine; a wheel too big for one transfer comes in pieces NAME.whl.part-*, joined once all
-# are there. Each folder is installed once per machine.
-# Each folder goes to a target of its own: pip --target replaces a package folder that is already there,
-# which would cut a namespace package (opentelemetry) shared by wheels of two folders.
+# are there. Each folder is installed once per machine, into a target of its own: pip --target replaces a
+# package folder already there, which would cut a namespace package (opentelemetry) shared by two folders.
 mkdir -p /tmp/wheels
 paths=""
 for dir in .whl .whl?*; do
