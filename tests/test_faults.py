@@ -696,6 +696,66 @@ def _returns_too_much() -> bytes:
     return b"r" * (3 << 20) if os.environ["RANK"] == "1" else b""
 
 
+def _fills_the_disk_then_raises(where: str) -> None:
+    import os
+
+    fd = os.open(os.path.join(where, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"f" * 65536)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    raise ValueError("the real error, raised with the disk full")
+
+
+def test_a_rank_that_fails_on_a_full_disk_still_reports_its_own_exception(tiny_disk, monkeypatch):
+    """Room for the error record is set aside when the run starts, so a full disk cannot swallow the exception."""
+    monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tiny_disk))
+    with pytest.raises(RunDirectoryFullError, match="is full") as info:
+        run_here(_fills_the_disk_then_raises, str(tiny_disk), num_accelerators=1, timeout=120)
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError) and str(cause) == "the real error, raised with the disk full"
+    assert "raised on rank 0" in "\n".join(cause.__notes__)
+    (run_dir,) = [p for p in tiny_disk.iterdir() if p.is_dir()]
+    assert json.loads(RunDir(run_dir).error(0).read_text())["type"] == "builtins.ValueError"
+
+
+def test_an_error_record_too_long_for_its_reserve_keeps_the_end_of_its_traceback(tmp_path):
+    """A huge message and traceback still fit the space set aside: the record stays readable and keeps where it failed."""
+    from air_magic.launch.errorfile import read_error_file, write_error_file
+
+    run = RunDir(tmp_path)
+    run.reserve_error_record(0)
+    size = run.error_reserve(0).stat().st_size
+
+    def deep(n: int) -> None:
+        if n == 0:
+            raise RuntimeError("\u00e9" * 20_000 + " the end of the message")
+        deep(n - 1)
+
+    try:
+        deep(600)
+    except RuntimeError as exc:
+        write_error_file(run.error(0), run.error_pickle(0), exc, reserve=run.error_reserve(0))
+    assert not run.error_reserve(0).exists() and run.error(0).stat().st_size <= size
+    record = json.loads(run.error(0).read_text())
+    text = record["traceback"]
+    assert text.startswith("Traceback (most recent call last):") and "characters cut to fit the error record" in text
+    assert text.rstrip().endswith("the end of the message") and record["type"] == "builtins.RuntimeError"
+    assert len(record["message"]) == 4096
+    rebuilt = read_error_file(run.error(0), run.error_pickle(0), 0)
+    assert isinstance(rebuilt, RuntimeError)
+
+
+def test_a_run_that_succeeds_gives_back_the_room_set_aside_for_errors(here_runs):
+    """The space reserved for error records is released when ranks return: a finished run holds no reservation."""
+    result = run_here(_returns_too_much)  # a small result on every rank but 1; enough room here for rank 1's
+    assert [len(r.value) for r in result.ranks] == [0, 3 << 20]
+    assert sorted(p.name for p in result.run_dir.glob("*.reserved")) == []
+
+
 def test_a_full_disk_under_the_run_directory_is_a_clear_error_and_stops_every_worker(tiny_disk, monkeypatch):
     """When the run directory's disk fills up, the call stops every rank and names the disk, the free space and the fix."""
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tiny_disk))
@@ -704,7 +764,9 @@ def test_a_full_disk_under_the_run_directory_is_a_clear_error_and_stops_every_wo
     with pytest.raises(OSError, match="could not be written") as big:
         run_here(_returns_too_much, timeout=120)
     (run_dir,) = [p for p in tiny_disk.iterdir() if p.is_dir()]
-    assert list(run_dir.glob("*.tmp")) == [] and "rank 1" in str(big.value)
+    # rank 0's tiny result may meet the full disk too: rank 1 is then named among the ranks that failed
+    told = str(big.value) + "\n".join(getattr(big.value, "__notes__", []))
+    assert list(run_dir.glob("*.tmp")) == [] and "rank 1" in told
     rec = Recorder()
     with pytest.raises(RunDirectoryFullError, match="is full") as info:
         run_here(_fills_the_disk, listener=rec, timeout=120)

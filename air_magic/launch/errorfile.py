@@ -42,10 +42,45 @@ def _safe_str(exc: BaseException) -> str:
         return f"<str() of the exception failed: {inner!r}>"
 
 
+def _fit(record: dict, limit: int) -> bytes:
+    """The record as JSON of at most `limit` bytes: a traceback too long keeps its start and, mostly, its end."""
+    data = json.dumps(record).encode()
+    if len(data) <= limit:
+        return data
+    record = {**record, "message": record["message"][:4096]}
+    text = record["traceback"]
+    room = max(0, limit - len(json.dumps({**record, "traceback": ""}).encode()) - 256)
+    keep = room // 12  # json may escape one character into up to 12 bytes; halve until it fits
+    while True:
+        head, tail = keep // 4, keep - keep // 4
+        cut = f"{text[:head]}\n[... {len(text) - keep:,} characters cut to fit the error record ...]\n"
+        cut += text[len(text) - tail :] if tail else ""
+        data = json.dumps({**record, "traceback": cut}).encode()
+        if len(data) <= limit or keep == 0:
+            return data
+        keep //= 2
+
+
+def _write_into_reserve(reserve: Path, path: Path, data: bytes) -> None:
+    """Write `data` over the space set aside at `reserve` (no new blocks needed), then name it `path`."""
+    with open(reserve, "r+b") as f:
+        f.write(data)
+        f.truncate()
+    os.replace(reserve, path)
+
+
 def write_error_file(
-    path: Path, pickle_path: Path, exc: BaseException, code_files: dict[str, str] | None = None
+    path: Path,
+    pickle_path: Path,
+    exc: BaseException,
+    code_files: dict[str, str] | None = None,
+    reserve: Path | None = None,
 ) -> None:
-    """Record `exc` for the caller: a JSON summary at `path`, and the exception at `pickle_path` if it pickles."""
+    """Record `exc` for the caller: a JSON summary at `path`, and the exception at `pickle_path` if it pickles.
+
+    With `reserve` (the space RunDir set aside for this record), the summary is
+    written into it, so it lands even when the disk is full.
+    """
     try:
         text = format_remote(exc, code_files)
     except Exception:  # noqa: BLE001 - fall back to the plain formatter
@@ -56,14 +91,29 @@ def write_error_file(
         "traceback": text,
         "pid": os.getpid(),
     }
-    write_private(path, json.dumps(record).encode(), exclusive=False)
+    if reserve is not None and reserve.exists():
+        _write_into_reserve(reserve, path, _fit(record, reserve.stat().st_size))
+    else:
+        _write_or_remove(path, json.dumps(record).encode())
     # an exception that pickles but cannot be rebuilt is useless, hence the round trip
     try:
         blob = portable.dumps(exc)
         cloudpickle.loads(blob)
     except Exception:  # noqa: BLE001 - any failure means: send the summary only
         return
-    write_private(pickle_path, blob, exclusive=False)
+    try:
+        _write_or_remove(pickle_path, blob)
+    except OSError:
+        pass  # the summary is written; the caller shows the exception by name
+
+
+def _write_or_remove(path: Path, data: bytes) -> None:
+    """Write `data` to `path`; if that fails, leave no half-written file behind."""
+    try:
+        write_private(path, data, exclusive=False)
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def read_error_file(path: Path, pickle_path: Path, rank: int) -> BaseException | None:
@@ -90,5 +140,3 @@ def read_error_file(path: Path, pickle_path: Path, rank: int) -> BaseException |
         )
     exc.__cause__ = RemoteTraceback(record["traceback"])
     return exc
-
-

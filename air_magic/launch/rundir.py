@@ -5,6 +5,10 @@ directory (mode 0700) holds, per rank, its log (`rank-N.log`, the loss-free
 record of everything it wrote), its pickled result and its error record, plus
 the call's payload and job description. Files are created 0600 and never
 follow a name another user could have planted.
+
+Room for each rank's error record is set aside when the directory is made
+(`rank-N.error.reserved`): a rank that fails because the disk filled up can
+still say why, and a disk already full stops the call before anything starts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AirMagicError, ConfigurationError
+
+#: Bytes set aside per rank for its error record: room for a long traceback.
+ERROR_RESERVE = 64 << 10
 
 
 def runs_root() -> Path:
@@ -71,7 +78,7 @@ class RunDir:
 
     @classmethod
     def create(cls, name: str, world_size: int) -> RunDir:
-        """A new private directory under the runs root, with an empty log per rank."""
+        """A new private directory under the runs root, with an empty log and room for an error record per rank."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
         root = runs_root()
@@ -79,6 +86,7 @@ class RunDir:
         try:
             for rank in range(world_size):
                 write_private(run.log(rank), b"")
+                run.reserve_error_record(rank)
         except OSError as exc:  # nothing has started: leave no half-made run behind
             run.remove()
             raise run.write_failed(exc) from exc
@@ -112,6 +120,14 @@ class RunDir:
     def error(self, rank: int) -> Path:
         """The rank's error record (JSON: type, message, traceback)."""
         return self.path / f"rank-{rank}.error.json"
+
+    def error_reserve(self, rank: int) -> Path:
+        """Space set aside for the rank's error record; the record is written into it, then renamed."""
+        return self.path / f"rank-{rank}.error.reserved"
+
+    def reserve_error_record(self, rank: int) -> None:
+        """Set aside room for the rank's error record (zeros written, so the disk's blocks are really taken)."""
+        write_private(self.error_reserve(rank), bytes(ERROR_RESERVE))
 
     def error_pickle(self, rank: int) -> Path:
         """The rank's exception itself, when it pickles."""

@@ -79,7 +79,9 @@ def run(path: Path, rank: int) -> int:
     faulthandler.enable()
 
     def fail(exc: BaseException, code: dict[str, str] | None = None) -> int:
-        write_error_file(run_dir.error(rank), run_dir.error_pickle(rank), exc, code_files=code)
+        write_error_file(
+            run_dir.error(rank), run_dir.error_pickle(rank), exc, code_files=code, reserve=run_dir.error_reserve(rank)
+        )
         return 1
 
     try:
@@ -103,6 +105,7 @@ def run(path: Path, rank: int) -> int:
                 "return plain data (numbers, lists, dicts, tensors) or None."
             )
         )
+    run_dir.error_reserve(rank).unlink(missing_ok=True)  # no error to record: give the space back
     return 0
 
 

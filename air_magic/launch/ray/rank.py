@@ -83,6 +83,7 @@ class RankActor:
         spec = {**job, "sys_path": [*job["sys_path"], *here], "cwd": cwd}
         write_private(scratch.job, json.dumps(spec).encode())
         write_private(scratch.log(rank), b"")
+        scratch.reserve_error_record(rank)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         fd = os.open(scratch.log(rank), os.O_WRONLY | os.O_APPEND)
