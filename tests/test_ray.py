@@ -12,7 +12,7 @@ import cloudpickle
 import pytest
 import ray_cluster
 from faults_common import Recorder, alive
-from helpers import ROOT, Kernel
+from helpers import ROOT, Kernel, process_env
 
 from air_magic import (
     ConfigurationError,
@@ -237,7 +237,7 @@ def test_more_than_one_node_without_ray_says_to_call_ray_init(tmp_path):
         "g = distributed(1, accelerator_type='CPU', mlflow=False)(print)\n"
         "print('RAY IMPORTED', 'ray' in sys.modules)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), AIR_MAGIC_RUNS_DIR=str(tmp_path))
+    env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path)})  # adds to PYTHONPATH: packages may come from there
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "ERROR" in out.stdout and "ray_init" in out.stdout, out.stdout + out.stderr
     assert "RAY IMPORTED False" in out.stdout
@@ -276,8 +276,8 @@ print("LISTENERS", len(found))
 print("OTHER", [f for f in found if not loopback(f[2])])
 ray.shutdown()
 """
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    env.update(PYTHONPATH=str(ROOT), AIR_MAGIC_RUNS_DIR=str(tmp_path))
+    env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path)})
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert "LISTENERS" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "OTHER []" in out.stdout, out.stdout
