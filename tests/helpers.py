@@ -1,4 +1,4 @@
-"""Test helpers: a real Jupyter kernel to run cells in, and a finder for leftover processes."""
+"""Test helpers: a real Jupyter kernel to run cells in (live, or a whole notebook headless), and a finder for leftover processes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from jupyter_client.manager import KernelManager
@@ -182,6 +183,28 @@ class Kernel:
         for proc in alive:
             proc.kill()
         assert not (check and alive), f"kernel shutdown left {alive}"
+
+
+def execute_headless(
+    cells: list[str], cwd: Path, extra_env: dict[str, str] | None = None, *, allow_errors: bool = False,
+    unset: tuple[str, ...] = (),
+) -> Any:
+    """Run `cells` as a notebook, top to bottom, in a fresh kernel started in `cwd` (nbclient, as `jupyter nbconvert
+    --execute` would); `unset` names variables the kernel must not inherit. Returns the executed notebook."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    env = process_env(extra_env)
+    for name in unset:
+        env.pop(name, None)
+    NotebookClient(
+        nb, kernel_name="python3", timeout=240, allow_errors=allow_errors, resources={"metadata": {"path": str(cwd)}},
+        extra_arguments=["--HistoryManager.enabled=False"],
+    ).execute(env=env)
+    return nb
 
 
 def ours(proc: psutil.Process, kind: str | None = None) -> bool:

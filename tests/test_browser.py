@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from helpers import ROOT, process_env
+from helpers import ROOT, execute_headless
 from lab import CHROMIUM, Notebook, browser_page, lab, write_notebook  # noqa: F401 - lab: the module's JupyterLab
 
 pytestmark = [
@@ -245,13 +245,8 @@ def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_c
 def test_a_saved_notebook_shows_its_record_without_a_kernel(lab, tmp_path):
     """A notebook executed headless and reopened in JupyterLab with no kernel shows every call's record."""
     import nbformat
-    from nbclient import NotebookClient
 
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS[:2]]
-    env = process_env({"AIR_MAGIC_RUNS_DIR": str(lab.root / "runs"), "AIR_MAGIC_DISPLAY": "panel"})
-    NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}},
-                   extra_arguments=["--HistoryManager.enabled=False"]).execute(env=env)
+    nb = execute_headless(CELLS[:2], tmp_path, {"AIR_MAGIC_RUNS_DIR": str(lab.root / "runs"), "AIR_MAGIC_DISPLAY": "panel"})
     nb.metadata.pop("kernelspec", None)  # nothing to start: the page is all there is
     nb.metadata.pop("language_info", None)
     nbformat.write(nb, lab.root / "saved.ipynb")

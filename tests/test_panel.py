@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import CellResult, Kernel, process_env
+from helpers import CellResult, Kernel, execute_headless, process_env
 from widget_state import WidgetMirror, click, run_cell
 
 from air_magic.display.tail import TailBuffer
@@ -307,20 +307,13 @@ untracked.distributed()""",
 def test_a_notebook_executed_headless_keeps_a_static_record_that_nbconvert_shows(tmp_path):
     """Run headless with the panel, saved and converted: every call's status, link, ranks' last lines and charts stay, with no widget state and no MLflow noise."""
     import nbformat
-    from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 
     (tmp_path / "runs").mkdir()
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in HEADLESS_CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "panel"})
-    env.pop("MLFLOW_TRACKING_URI", None)  # MLflow's own default: ./mlflow.db beside the notebook
-    client = NotebookClient(
-        nb, kernel_name="python3", timeout=240, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}},
-        extra_arguments=["--HistoryManager.enabled=False"],
+    nb = execute_headless(
+        HEADLESS_CELLS, tmp_path, {"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "panel"},
+        allow_errors=True, unset=("MLFLOW_TRACKING_URI",),  # MLflow's own default: ./mlflow.db beside the notebook
     )
-    client.execute(env=env)
     nbformat.write(nb, tmp_path / "record.ipynb")
 
     saved = nbformat.read(tmp_path / "record.ipynb", as_version=4)

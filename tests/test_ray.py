@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from faults_common import Recorder, alive
 from helpers import ROOT, Kernel, process_env
 
 from air_magic import (
-    ConfigurationError,
     JobCancelledError,
     WorkerDiedError,
     distributed,
