@@ -237,6 +237,7 @@ class _Run:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
                 rank.state = RankState.STOPPED
         error = self.outcome_error()
+        self.run_dir.release_reserves()  # after outcome_error: a full disk is judged as the ranks left it
         if error is None:
             self.result.status = JobStatus.FINISHED
         elif self.stop_reason in ("interrupted", "cancelled", "timeout"):

@@ -774,6 +774,7 @@ def test_a_full_disk_under_the_run_directory_is_a_clear_error_and_stops_every_wo
     assert rec.result is not None and rec.result.status is JobStatus.FAILED
     assert_nothing_left(before)
     assert_nothing_lost(rec.result.run_dir, {r: [f"rank {r} before the disk fills"] for r in (0, 1)})
+    assert list(rec.result.run_dir.glob("*.reserved")) == [], "stopped ranks' reserves are given back"
     # with the disk still full, the next call fails before starting anything, and says why
     with pytest.raises(Exception, match="No space left|is full"):
         run_here(_fills_the_disk, timeout=120)

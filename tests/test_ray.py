@@ -140,6 +140,7 @@ def test_four_ranks_all_reduce_over_two_nodes(cluster):
         assert line in rec.output(rank)
         assert line in (result.run_dir / f"rank-{rank}.log").read_text()
         assert rec.states[rank][-1] == RankState.DONE
+    assert list(result.run_dir.glob("*.reserved")) == [], "the room set aside for error records is given back"
 
 
 def test_a_rank_that_raises_gives_its_exception_and_stops_the_others(cluster):

@@ -97,7 +97,6 @@ class LocalJob(JobHandle):
 
     def outcome(self, rank: int) -> p.RankOutcome:
         """The result or the error a rank left in the run directory."""
-        self.run_dir.error_reserve(rank).unlink(missing_ok=True)  # a rank stopped early leaves its reserve
         error = read_error_file(self.run_dir.error(rank), self.run_dir.error_pickle(rank), rank)
         if error is not None:
             try:

@@ -129,6 +129,11 @@ class RunDir:
         """Set aside room for the rank's error record (zeros written, so the disk's blocks are really taken)."""
         write_private(self.error_reserve(rank), bytes(ERROR_RESERVE))
 
+    def release_reserves(self) -> None:
+        """Give back the room set aside for error records that no rank used (it returned, was stopped, or ran elsewhere)."""
+        for reserve in self.path.glob("rank-*.error.reserved"):
+            reserve.unlink(missing_ok=True)
+
     def error_pickle(self, rank: int) -> Path:
         """The rank's exception itself, when it pickles."""
         return self.path / f"rank-{rank}.error.pkl"
