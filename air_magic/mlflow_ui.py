@@ -9,10 +9,19 @@ enabled by `jupyter-config/`), with MLflow's `--static-prefix` set to match:
 the browser then reaches the UI through Jupyter itself, with Jupyter's
 authentication, so an SSH tunnel to Jupyter is enough.
 
-The UI runs under a small watchdog process (`python -m air_magic.mlflow_ui`)
-in its own session. The watchdog reads a pipe from the kernel; when the kernel
-exits (or is killed) the pipe closes and the watchdog ends the UI's whole
-process group. This module does not import mlflow.
+The UI starts when it is first asked for, not with the call. The kernel binds
+the link's port on 127.0.0.1 itself and hands the listening socket to a small
+watchdog process (`watchdog_main`, in its own session), so the link is right
+from the start and costs nothing until it is opened. At the first connection
+(a click on the link, a health check) the watchdog starts `mlflow server` on a
+private port and relays that connection and every later one to it: a first
+call, with ranks importing torch and mlflow, no longer shares the CPU with an
+MLflow UI nobody has opened yet (about 7 CPU-seconds), and the first click
+waits for the UI's start instead (a few seconds; the page then opens).
+
+The watchdog reads a pipe from the kernel; when the kernel exits (or is
+killed) the pipe closes and the watchdog ends the UI's whole process tree.
+This module does not import mlflow.
 """
 
 from __future__ import annotations
@@ -100,33 +109,36 @@ _lock = threading.Lock()
 
 
 def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
-    """The running UI for `store_uri`, started now (without waiting for it) if there is none."""
+    """The UI for `store_uri`: its port is listening from now on; the UI itself starts when first asked for."""
     with _lock:
         ui = _uis.get(store_uri)
         if ui is not None and ui.alive:
             return ui
-        port = _free_port()
-        prefix = f"{jupyter_base}proxy/absolute/{port}" if jupyter_base is not None else ""
-        from .launch.rundir import helper_log
-
-        log_path = helper_log("mlflow-ui", os.getpid(), port)
-        cmd = [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-            "--backend-store-uri", store_uri, "--workers", "1",
-        ]
-        if prefix:
-            cmd += ["--static-prefix", prefix]
-        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PYTHONUNBUFFERED="1")
-        env.pop("MLFLOW_RUN_ID", None)
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), json.dumps(cmd)],
-                stdin=subprocess.PIPE, stdout=fd, stderr=fd, env=env,
-                start_new_session=True, close_fds=True,
-            )
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(128)
+            port = int(listener.getsockname()[1])
+            prefix = f"{jupyter_base}proxy/absolute/{port}" if jupyter_base is not None else ""
+            from .launch.rundir import helper_log
+
+            log_path = helper_log("mlflow-ui", os.getpid(), port)
+            cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store_uri, "--workers", "1"]
+            if prefix:
+                cmd += ["--static-prefix", prefix]
+            env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PYTHONUNBUFFERED="1")
+            env.pop("MLFLOW_RUN_ID", None)
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), json.dumps(cmd), str(listener.fileno())],
+                    stdin=subprocess.PIPE, stdout=fd, stderr=fd, env=env,
+                    start_new_session=True, pass_fds=(listener.fileno(),),
+                )
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            listener.close()  # the watchdog holds its own copy
         ui = LocalUI(store_uri, port, prefix, proc, log_path)
         _uis[store_uri] = ui
         return ui
@@ -180,25 +192,74 @@ atexit.register(shutdown)
 
 # -- the watchdog process ---------------------------------------------------
 def watchdog_main() -> None:
-    """Run the UI command given as JSON in argv[1] until stdin closes or the parent goes, then end it all."""
+    """Serve the port whose listening socket is fd argv[2]: at its first connection start the UI command given
+    as JSON in argv[1] (on a private port), relay every connection to it; until stdin closes, the parent goes
+    or the UI exits, then end it all."""
     from .launch.stopper import become_subreaper
 
     cmd = json.loads(sys.argv[1])
+    listener = socket.socket(fileno=int(sys.argv[2]))
     parent = os.getppid()
     become_subreaper()  # orphans of the UI (uvicorn under a dead `mlflow server`) are re-parented here
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the pipe or the parent's exit ends us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child: subprocess.Popen[bytes] | None = None
+    port = 0
     try:
-        while child.poll() is None and os.getppid() == parent:
-            ready, _, _ = select.select([0], [], [], 1.0)
-            if ready and not os.read(0, 4096):
+        while os.getppid() == parent and (child is None or child.poll() is None):
+            ready, _, _ = select.select([0, listener.fileno()], [], [], 1.0)
+            if 0 in ready and not os.read(0, 4096):
                 break
+            if listener.fileno() not in ready:
+                continue
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            if child is None:
+                port = _free_port()
+                child = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdin=subprocess.DEVNULL)
+            threading.Thread(target=_relay, args=(conn, port, child), daemon=True).start()
     finally:
-        _end_all(child)
+        listener.close()
+        _end_all()
 
 
-def _end_all(child: subprocess.Popen[bytes]) -> None:
+def _relay(client: socket.socket, port: int, child: subprocess.Popen[bytes], patience: float = 180.0) -> None:
+    """Copy bytes both ways between `client` and the UI on `port`, once the UI accepts (it may still be starting)."""
+    deadline = time.monotonic() + patience
+    upstream = None
+    while upstream is None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            if child.poll() is not None or time.monotonic() > deadline:
+                client.close()
+                return
+            time.sleep(0.1)
+    upstream.settimeout(None)
+    back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+    back.start()
+    _pump(client, upstream)
+    back.join()
+    client.close()
+    upstream.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    """Copy `src` to `dst` until `src` ends; then end `dst`'s sending side so the other direction can end too."""
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    try:
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def _end_all() -> None:
     """SIGTERM every descendant, SIGKILL what is left after the grace, and reap them all."""
     import psutil
 

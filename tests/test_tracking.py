@@ -165,6 +165,36 @@ one.distributed()
     assert LINK.search(again.stdout).group(1).split("#")[0] == base, "later calls reuse the same UI"
 
 
+def test_the_local_ui_starts_when_its_link_is_first_opened_not_with_the_call(nb, tmp_path):
+    """A call prints its link at once but starts no MLflow UI; the first request to the link starts the UI and is
+    answered by it, and a later call reuses it."""
+    before = {p.pid for p in mlflow_ui_processes()}
+    code = f"""
+os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///{tmp_path}/lazy.db"
+@distributed(num_accelerators=2)
+def lazy():
+    import mlflow
+    mlflow.log_metric("seen", 1.0)
+try:
+    lazy.distributed()
+finally:
+    del os.environ["MLFLOW_TRACKING_URI"]
+"""
+    out = nb.execute(code).check()
+    base, fragment = LINK.search(out.stdout).group(1).split("#", 1)
+    assert base.startswith("http://127.0.0.1:"), base
+    assert not mlflow_ui_processes(before), "a UI was started before anybody opened the link"
+    run_id = fragment.split("?", 1)[0].rsplit("/", 1)[-1]
+    with urllib.request.urlopen(f"{base}ajax-api/2.0/mlflow/runs/get?run_id={run_id}", timeout=180) as r:
+        data = json.loads(r.read())  # the first request waits for the UI to start, then is answered by it
+    assert [m["key"] for m in data["run"]["data"]["metrics"]] == ["seen"]
+    started = mlflow_ui_processes(before)
+    assert started, "opening the link started no MLflow UI"
+    again = nb.execute(code).check()
+    assert LINK.search(again.stdout).group(1).split("#")[0] == base, "a later call reuses the same UI"
+    assert {p.pid for p in mlflow_ui_processes(before)} == {p.pid for p in started}
+
+
 def test_nested_run_and_experiment_chosen_in_the_notebook(nb, client):
     """With an active run and an experiment set in the notebook, the call is a child run in that experiment."""
     out = nb.execute(
