@@ -78,6 +78,7 @@ class Recorder(Listener):
         self.chars: dict[int, int] = {}
         self.states: dict[int, list[RankState]] = {}
         self.cancel_when = cancel_when
+        self.tails: dict[int, str] = {}
         self.cancelled_at: float | None = None
         self.result: JobResult | None = None
 
@@ -88,9 +89,13 @@ class Recorder(Listener):
         self.chars[rank] = self.chars.get(rank, 0) + len(text)
         if sum(len(t) for t in self.text.get(rank, [])) < 1 << 20:  # keep the head only: floods are counted
             self.text.setdefault(rank, []).append(text)
-        if self.cancel_when and self.cancelled_at is None and self.cancel_when in text:
-            self.cancelled_at = time.time()
-            self.ctx.cancel()
+        if self.cancel_when and self.cancelled_at is None:
+            # Output arrives in pieces cut anywhere: look for the trigger across the end of the last piece too.
+            seen = self.tails.get(rank, "") + text
+            self.tails[rank] = seen[-len(self.cancel_when):]
+            if self.cancel_when in seen:
+                self.cancelled_at = time.time()
+                self.ctx.cancel()
 
     def on_rank_state(self, rank: int, state: RankState) -> None:
         self.states.setdefault(rank, []).append(state)
