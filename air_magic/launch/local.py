@@ -266,12 +266,9 @@ class LocalLauncher(Launcher):
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
-        import json
-
         try:
             write_private(run_dir.payload, request.payload)
-            job = {"name": request.name, "sys_path": request.sys_path, "cwd": request.cwd, "hooks": list(request.hooks)}
-            write_private(run_dir.job, json.dumps(job).encode())
+            write_private(run_dir.job, p.JobFile.of(request).to_bytes())
         except OSError as exc:
             raise run_dir.write_failed(exc) from exc
         return LocalJob(self, request, run_dir)

@@ -49,6 +49,33 @@ class JobRequest:
     use_gpu: bool = False
 
 
+# -- files a rank reads --------------------------------------------------------------
+@dataclass(frozen=True)
+class JobFile:
+    """`job.json` in the run directory: what a rank needs besides the payload to run the call.
+
+    Written by a launcher (`write`), read by the rank (`read`); the one owner of that format.
+    """
+
+    name: str
+    sys_path: list[str]
+    cwd: str
+    #: Modules the rank imports before the call (see JobRequest.hooks).
+    hooks: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, request: JobRequest) -> JobFile:
+        return cls(name=request.name, sys_path=list(request.sys_path), cwd=request.cwd, hooks=list(request.hooks))
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> JobFile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(data).items() if k in known})
+
+
 # -- supervisor requests (local launcher only) ---------------------------------------
 @dataclass(frozen=True)
 class Message:
@@ -94,6 +121,14 @@ class Retire(Message):
 @dataclass(frozen=True)
 class ReleaseHot(Message):
     """End every idle hot rank now (their GPU memory is freed)."""
+
+
+@dataclass(frozen=True)
+class HotCall(Message):
+    """The supervisor to one hot rank, on its command pipe: run the next call from `run_dir` with `env`."""
+
+    run_dir: str
+    env: dict[str, str]
 
 
 # -- events ------------------------------------------------------------------------

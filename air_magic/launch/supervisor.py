@@ -40,7 +40,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
 import os
 import random
 import select
@@ -56,6 +55,9 @@ from typing import Any
 import psutil
 
 from . import protocol as p
+from ..errors import describe_returncode
+from .env import loopback_sockets, torchrun_env
+from .rendezvous import STORE_FD
 from .rundir import RunDir
 from .stopper import STOP_GRACE, Stopper, become_subreaper
 
@@ -361,18 +363,13 @@ class Supervisor:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         port = job.port = sock.getsockname()[1]
-        env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.world_size),
-            LOCAL_WORLD_SIZE=str(job.world_size), NODE_RANK="0", GROUP_RANK="0",
-            AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()),
-        )
-        if importlib.util.find_spec("torch") is not None:
+        env.update(AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
+        store = importlib.util.find_spec("torch") is not None
+        if store:
             sock.listen(max(128, 4 * job.world_size))
             job.store_pid = self.start_store(msg, env, sock, port, job.world_size, fork)
-            env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
         sock.close()
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        loopback_sockets(env)
         pool = None
         if hot:
             pool = job.pool = Pool(msg.world_key, job.world_size, float(msg.keep_alive or 0), port, job=job.id)
@@ -380,7 +377,10 @@ class Supervisor:
             self.pools.append(pool)
             pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
         for rank in range(job.world_size):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            rank_env = dict(env, **torchrun_env(
+                rank=rank, world_size=job.world_size, local_rank=rank, local_world_size=job.world_size,
+                master_port=port, agent_store=store,
+            ))
             log = str(RunDir(Path(msg.run_dir)).log(rank))
             if pool is not None:
                 (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
@@ -420,7 +420,7 @@ class Supervisor:
             env,
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_DUP2, sock.fileno(), 3),
+                (os.POSIX_SPAWN_DUP2, sock.fileno(), STORE_FD),
             ],
             setsid=True,
             setsigdef=(signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD),
@@ -439,19 +439,15 @@ class Supervisor:
         if pool is None or pool.world_size != job.world_size:
             return False
         pool.job, pool.idle_since, job.pool, job.port = job.id, None, pool, pool.port
-        env = dict(msg.env)
-        env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pool.port), WORLD_SIZE=str(job.world_size),
-            LOCAL_WORLD_SIZE=str(job.world_size), NODE_RANK="0", GROUP_RANK="0", AIR_MAGIC_JOB=job.id,
-            AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()), TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RESTART_COUNT="0",
-        )
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        env = dict(msg.env, AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
+        loopback_sockets(env)
         for rank, pid in pool.pids.items():
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            rank_env = dict(env, **torchrun_env(
+                rank=rank, world_size=job.world_size, local_rank=rank, local_world_size=job.world_size,
+                master_port=pool.port,
+            ))
             rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")
-            line = json.dumps({"run_dir": msg.run_dir, "env": rank_env}).encode() + b"\n"
+            line = p.encode(p.HotCall(msg.run_dir, rank_env))
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
             try:
@@ -634,7 +630,7 @@ class Supervisor:
             if job.store_pid == pid:
                 job.store_pid = None
                 if job.stopper is None:
-                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    how = describe_returncode(code)
                     _emit(p.LaunchFailed(job.id, (
                         f"the job's rendezvous store (pid {pid}, 127.0.0.1:{job.port}) {how}, so the ranks could "
                         "not meet; every rank was stopped. Run the call again")))

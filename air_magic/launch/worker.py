@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import importlib
-import json
 import linecache
 import os
 import sys
@@ -25,6 +24,7 @@ import cloudpickle
 from .. import portable
 from ..errors import SerializationError
 from .errorfile import write_error_file
+from .protocol import HotCall, JobFile, decode
 from .rundir import RunDir
 from .stopper import die_with_parent
 
@@ -49,10 +49,10 @@ def _install_hooks(names: list[str]) -> None:
             _hooks.append(module)
 
 
-def _apply_caller_context(spec: dict) -> None:
-    sys.path[:] = spec["sys_path"]
-    os.chdir(spec["cwd"])
-    sys.argv = [spec["name"]]
+def _apply_caller_context(spec: JobFile) -> None:
+    sys.path[:] = spec.sys_path
+    os.chdir(spec.cwd)
+    sys.argv = [spec.name]
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
@@ -74,7 +74,7 @@ def _write_result(path: Path, value: object) -> None:
 def run(path: Path, rank: int) -> int:
     """Run this rank's share of the job; return the process exit code."""
     run_dir = RunDir(path)
-    spec = json.loads(run_dir.job.read_text())
+    spec = JobFile.from_bytes(run_dir.job.read_bytes())
     _apply_caller_context(spec)
     faulthandler.enable()
 
@@ -85,7 +85,7 @@ def run(path: Path, rank: int) -> int:
         return 1
 
     try:
-        _install_hooks(spec.get("hooks", []))
+        _install_hooks(spec.hooks)
         target, args, kwargs, sources = cloudpickle.loads(run_dir.payload.read_bytes())
         for filename, lines in sources["files"].items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
@@ -233,10 +233,11 @@ def _serve_hot(code: int, rank: int, cmd: int, done: int) -> int:
         line = _read_line(cmd)
         if not line:
             return 0  # released: end-of-file on the command pipe
-        message = json.loads(line)
+        message = decode(line)
+        assert isinstance(message, HotCall), message
         os.environ.clear()
-        os.environ.update(message["env"])
-        run_dir = RunDir(Path(message["run_dir"]))
+        os.environ.update(message.env)
+        run_dir = RunDir(Path(message.run_dir))
         log = os.open(run_dir.log(rank), os.O_WRONLY | os.O_APPEND)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

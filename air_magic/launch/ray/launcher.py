@@ -31,6 +31,7 @@ from typing import Any
 
 from ...errors import WorkerDiedError
 from .. import protocol as p
+from ..env import loopback_sockets, torchrun_env
 from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
 from ..rundir import RunDir, write_private
@@ -192,21 +193,18 @@ class RayJob(JobHandle):
         base = _rank_env(req)
         loopback = all(i["ip"].startswith("127.") or i["ip"] == "::1" for i in self.infos)
         if loopback:  # nodes of one machine (a simulated cluster): keep gloo and NCCL on loopback as locally
-            base.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            base.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        base.update(
-            MASTER_ADDR=master, MASTER_PORT=str(port), WORLD_SIZE=str(req.world_size),
-            LOCAL_WORLD_SIZE=str(k), AIR_MAGIC_JOB=req.job_id, TORCHELASTIC_RESTART_COUNT="0",
-        )
+            loopback_sockets(base)
+        base.update(AIR_MAGIC_JOB=req.job_id)
         payload = self.ray.put(req.payload)  # through the object store, fetched by each node once
-        job = {"name": req.name, "sys_path": req.sys_path, "cwd": req.cwd, "hooks": list(req.hooks)}
+        job = p.JobFile.of(req)
         refs = []
         for rank, actor in enumerate(self.actors):
             node, local = divmod(rank, k)
-            env = dict(
-                base, RANK=str(rank), LOCAL_RANK=str(local), NODE_RANK=str(node), GROUP_RANK=str(node),
-                ROLE_RANK=str(rank), AIR_MAGIC_RAY_NODE_ID=self.infos[rank]["node_id"],
-            )
+            env = dict(base, AIR_MAGIC_RAY_NODE_ID=self.infos[rank]["node_id"])
+            env.update(torchrun_env(
+                rank=rank, world_size=req.world_size, local_rank=local, local_world_size=k, node_rank=node,
+                master_addr=master, master_port=port, agent_store=False,
+            ))
             if req.use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(
                     gpu for i in self.infos[node * k:(node + 1) * k] for gpu in i["gpus"][:1]

@@ -23,7 +23,6 @@ same version, as for any library used with Ray.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -34,6 +33,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from air_magic.launch.protocol import JobFile
     from air_magic.launch.rundir import RunDir
 
 _CHUNK = 1 << 20
@@ -71,17 +71,19 @@ class RankActor:
             return int(s.getsockname()[1])
 
     # -- the rank ----------------------------------------------------------
-    def start(self, rank: int, payload: bytes, job: dict[str, Any], env: dict[str, str]) -> int:
+    def start(self, rank: int, payload: bytes, job: JobFile, env: dict[str, str]) -> int:
         """Run the call as rank `rank` in a thread; returns at once with this process's id."""
+        import dataclasses
+
         from air_magic.launch.rundir import RunDir, write_private
 
         self.rank = rank
-        scratch = self.scratch = RunDir.scratch(f"{job['name']}-rank{rank}")
+        scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{rank}")
         write_private(scratch.payload, payload)
-        here = [p for p in sys.path if p not in job["sys_path"]]  # where this node finds ray and air_magic
-        cwd = job["cwd"] if os.path.isdir(job["cwd"]) else str(scratch.path)
-        spec = {**job, "sys_path": [*job["sys_path"], *here], "cwd": cwd}
-        write_private(scratch.job, json.dumps(spec).encode())
+        here = [p for p in sys.path if p not in job.sys_path]  # where this node finds ray and air_magic
+        cwd = job.cwd if os.path.isdir(job.cwd) else str(scratch.path)
+        spec = dataclasses.replace(job, sys_path=[*job.sys_path, *here], cwd=cwd)
+        write_private(scratch.job, spec.to_bytes())
         write_private(scratch.log(rank), b"")
         scratch.reserve_error_record(rank)
         for stream in (sys.stdout, sys.stderr):
