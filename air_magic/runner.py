@@ -23,6 +23,7 @@ from typing import Any
 from . import payload
 from .errors import (
     AirMagicError,
+    ConfigurationError,
     DistributedTimeoutError,
     JobCancelledError,
     ListenerWarning,
@@ -334,6 +335,15 @@ class _Run:
         return None
 
 
+def check_supported(spec: JobSpec, launcher: Launcher) -> None:
+    """Refuse, before anything starts, a setting of the call that its launcher cannot honour."""
+    if spec.keep_alive and "keep_alive" not in launcher.supports:
+        raise ConfigurationError(
+            f"keep_alive={spec.keep_alive:g} asks for hot ranks, which {type(launcher).__name__} cannot keep "
+            "between calls; leave keep_alive unset (or --keep-alive out of %%distributed) for this call."
+        )
+
+
 def default_listeners(spec: JobSpec) -> list[Listener]:
     """Tracking first (it makes the run link), then the display that shows it."""
     from .display import make_display
@@ -363,5 +373,6 @@ def run(spec: JobSpec, listeners: list[Listener] | None = None, launcher: Launch
             from .launch.local import local_launcher
 
             launcher = local_launcher()
+    check_supported(spec, launcher)
     chosen = default_listeners(spec) if listeners is None else listeners
     return _Run(spec, chosen, launcher).execute()

@@ -49,6 +49,10 @@ class JobHandle(ABC):
 class Launcher(ABC):
     """Starts jobs."""
 
+    #: Call settings this launcher honours beyond the basics; the runner refuses a call that asks for
+    #: one it lacks, before anything starts. "keep_alive": hot ranks kept between calls.
+    supports: frozenset[str] = frozenset()
+
     def prepare(self) -> str | None:
         """Get ready for a call while the listeners start (say, start a helper); the phase that takes, if any."""
         return None

@@ -232,6 +232,8 @@ def warm_default() -> bool:
 class LocalLauncher(Launcher):
     """Ranks on this machine, through the kernel's supervisor (started on first use, again if it died)."""
 
+    supports = frozenset({"keep_alive"})
+
     def __init__(self) -> None:
         self._client: SupervisorClient | None = None
         self._lock = threading.Lock()

@@ -54,8 +54,8 @@ from typing import Any
 
 import psutil
 
-from . import protocol as p
 from ..errors import describe_returncode
+from . import protocol as p
 from .env import loopback_sockets, torchrun_env
 from .rendezvous import STORE_FD
 from .rundir import RunDir
