@@ -17,8 +17,11 @@ import psutil
 from jupyter_client.manager import KernelManager
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Inherited by every kernel, supervisor and worker a test starts, so leak checks see only this run's processes.
-SESSION = os.environ.setdefault("AIR_MAGIC_TEST_SESSION", uuid.uuid4().hex)
+#: Inherited by every kernel, supervisor and worker a test starts, so leak checks see only this run's processes;
+#: under pytest-xdist each worker has its own, so one worker's calls are never another's leftovers.
+SESSION = os.environ["AIR_MAGIC_TEST_SESSION"] = (
+    os.environ.get("AIR_MAGIC_TEST_SESSION") or uuid.uuid4().hex
+) + os.environ.get("PYTEST_XDIST_WORKER", "")
 
 
 class ErrorOutput:
