@@ -1,18 +1,27 @@
-"""A Sphinx directive that documents every public name of a module, read from its `__all__` at build time.
+"""Sphinx directives that read the package at build time, so the pages follow the code.
 
     ```{public-api} air_magic
     ```
 
-expands to one autodoc entry (in an `eval-rst` block, so the directive belongs in a Markdown page) per name (class, exception or function), so a name added to or removed from
-`__all__` shows up (or fails the build) without editing the page. An alias of a class documented under its
-own name is written as one line pointing to it, so nothing is described twice.
+expands to one autodoc entry per name in `air_magic.__all__` (class, exception or function, in an
+`eval-rst` block: the directive belongs in a Markdown page), so a name added to or removed from `__all__`
+shows up (or fails the build) without editing the page. An alias of a class documented under its own
+name is written as one line pointing to it, so nothing is described twice.
+
+    ```{module-map} air_magic
+    ```
+
+expands to a table of the package's modules and the first paragraph of each one's docstring.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
 import re
+from pathlib import Path
 from typing import Any
 
 from docutils import nodes
@@ -71,6 +80,33 @@ class PublicApi(Directive):
         return node.children
 
 
+class ModuleMap(Directive):
+    """`module-map PACKAGE`: a table of the package's modules and the first line of each one's docstring.
+
+    The files are read, not imported, so modules that need optional packages (Ray) are listed too.
+    """
+
+    required_arguments = 1
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        spec = importlib.util.find_spec(self.arguments[0])
+        assert spec is not None and spec.submodule_search_locations, f"{self.arguments[0]} is not a package"
+        root = Path(next(iter(spec.submodule_search_locations)))
+        rows = ["| module | what it is for |", "|---|---|"]
+        for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).parts):
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+            first = doc.strip().split("\n\n")[0].replace("\n", " ").replace("|", "\\|")
+            name = path.relative_to(root.parent).as_posix()
+            rows.append(f"| `{name}` | {first} |")
+            self.state.document.settings.record_dependencies.add(str(path))
+        content = StringList(rows, source=f"<module-map {self.arguments[0]}>")
+        node = nodes.section()
+        node.document = self.state.document
+        nested_parse_with_titles(self.state, content, node)
+        return node.children
+
+
 #: A parameter line of this project's docstrings: `name: text` or `a, b: text`, continued on indented lines.
 _PARAM = re.compile(r"^([A-Za-z_]\w*(?:, [A-Za-z_]\w*)*): (.*)$")
 
@@ -99,5 +135,6 @@ def parameter_fields(app: Any, what: str, name: str, obj: Any, options: Any, lin
 
 def setup(app: Any) -> dict[str, Any]:
     app.add_directive("public-api", PublicApi)
+    app.add_directive("module-map", ModuleMap)
     app.connect("autodoc-process-docstring", parameter_fields)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
