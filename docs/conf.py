@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Document this checkout's air_magic, whatever else is installed; the API extension lives in _ext.
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent / "_ext")]
 
-import air_magic  # noqa: E402
+import air_magic
 
 project = "air_magic"
 author = "air_magic contributors"
