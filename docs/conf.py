@@ -23,6 +23,8 @@ extensions = [
 ]
 source_suffix = {".md": "markdown"}
 master_doc = "index"
+# The docstrings write code in single backquotes, as Markdown does: show it as code, not as a title.
+default_role = "code"
 exclude_patterns = ["_build", "_ext"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]
