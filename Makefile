@@ -1,11 +1,12 @@
 # Two commands do all the set-up (see README.md):
 #   make demo   - create .venv, install air_magic, run the quickstart notebook on this machine
-#   make test   - create .venv, install air_magic with its test tools, lint and type-check, run the test suite
+#   make test   - create .venv, install air_magic with its test tools, lint and type-check, build the docs, run the test suite
+#   make docs   - build the documentation site into docs/_build/html (warnings are errors)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench browser
+.PHONY: demo test docs bench browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -13,7 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# The CPU build of torch on machines without an NVIDIA driver; the default (CUDA) build elsewhere.
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.16'
 	touch $@
 
@@ -26,7 +27,15 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed browser
 	$(VENV)/bin/ruff check air_magic
 	$(VENV)/bin/mypy air_magic
+	$(MAKE) docs VENV=$(VENV)
 	$(PY) -m pytest
+
+# -W --keep-going: every warning (a broken link, a name autodoc cannot find) fails the build, all reported at once.
+# -E: read every page afresh (the API pages follow __all__, which Sphinx does not track).
+# An existing environment is used as it is (make docs VENV=path/to/venv); a missing one is made first.
+docs:
+	@test -e $(VENV)/.installed || $(MAKE) $(VENV)/.installed VENV=$(VENV)
+	$(PY) -m sphinx -E -b html -W --keep-going -q docs docs/_build/html
 
 bench: $(VENV)/.installed
 	$(PY) bench/launch.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, on a node with NVIDIA GPUs and no network:
-# installs the wheels carried in .whl/ (see README), then runs the GPU tests and the benchmarks.
+# installs the wheels carried in .whl/ (see docs/contributing.md), then runs the GPU tests and the benchmarks.
 #   bash bench/gpu_run.sh OUTDIR [tests|suite|mlflow|ray-gpu|phases|scaling|bench|demos]...   (suite: MODULES=..., SUITE_TIMEOUT=...)
 set -u
 out=${1:?output directory}; shift

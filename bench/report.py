@@ -1,0 +1,456 @@
+"""Write bench/README.md: each benchmark script, how to run it, and one table per topic from bench/results/.
+
+    python bench/report.py            # rewrite bench/README.md
+    python bench/report.py --check    # exit 1 if bench/README.md is not what this script writes
+
+Every figure comes from a file in bench/results/; each table names the file, the machine and the date
+as the file records them ("not recorded" where it does not). The scripts' descriptions and command
+lines come from their docstrings. tests/unit/test_bench_report.py checks that the README is current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+README = BENCH / "README.md"
+NOT_RECORDED = "not recorded"
+
+Json = dict[str, Any]
+
+
+# --- reading the results --------------------------------------------------------------------------------------------
+
+
+def load(name: str) -> Json:
+    return dict(json.loads((RESULTS / name).read_text()))
+
+
+def matching(pattern: str) -> list[str]:
+    """Result files whose names match a glob, sorted."""
+    return sorted(p.name for p in RESULTS.glob(pattern))
+
+
+def date_of(d: Json) -> str:
+    return str(d.get("date") or NOT_RECORDED)
+
+
+def tag_of(name: str) -> str:
+    """The machine tag some file names carry: launch-2xH200.json -> '2xH200'."""
+    match = re.search(r"-(\d+xH\d+)", name)
+    return match.group(1) if match else ""
+
+
+def machine_of(d: Json, name: str) -> str:
+    """The machine as the file records it; else the tag of its name, said to come from there."""
+    parts = [str(d[k]) for k in ("machine", "device", "host") if d.get(k)]
+    if not parts and d.get("cpu_count"):
+        parts.append(f"{d['cpu_count']} CPU cores")
+    if parts:
+        return ", ".join(parts)
+    tag = tag_of(name)
+    return f"{tag} (from the file name; {NOT_RECORDED} in the file)" if tag else NOT_RECORDED
+
+
+def load_of(d: Json) -> str:
+    """The load average the run recorded, if it did."""
+    for key in ("load_average_1min", "load_before"):
+        if isinstance(d.get(key), (int, float)):
+            return f"{d[key]:.1f}"
+    for key in ("load_average", "load_average_at_end"):
+        if isinstance(d.get(key), list) and d[key]:
+            return f"{d[key][0]:.1f}"
+    return NOT_RECORDED
+
+
+# --- formatting -----------------------------------------------------------------------------------------------------
+
+
+def s(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f} s"
+
+
+def ms(x: float | None) -> str:
+    return "–" if x is None else f"{x:g} ms"
+
+
+def table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+#: What a result file cannot say about itself, shown under the tables that use it.
+NOTES = {
+    "launch-4xH200.json": "measured before ranks stopped destroying a process group left open and tearing CUDA "
+    "down at exit, which saved 0.5–0.9 s per call on 2×H200; not measured again on 4 GPUs.",
+    "mlflow_launch-cpu-before.json": "the code before MLflow was imported by the helper between calls; kept to "
+    "compare with `mlflow_launch-cpu.json`, measured the same day on the same machine.",
+}
+
+
+def notes(names: Iterable[str]) -> list[str]:
+    found = [f"- `{n}`: {NOTES[n]}" for n in names if n in NOTES]
+    return [*found, ""] if found else []
+
+
+def source_line(names: Iterable[str]) -> str:
+    return "From " + ", ".join(f"`results/{n}`" for n in names) + "."
+
+
+# --- one section per topic ------------------------------------------------------------------------------------------
+
+LAUNCH_COLUMNS = [
+    ("first call", "air_magic first call (starts helper)"),
+    ("warm", "air_magic warm"),
+    ("hot (`keep_alive`)", "air_magic hot (keep_alive)"),
+    ("hot, logs to MLflow", "air_magic hot, logs to MLflow"),
+    ("fresh processes (`warm=False`)", "air_magic fresh processes (warm=False)"),
+    ("torchrun", "torchrun"),
+    ("accelerate `notebook_launcher`", "accelerate notebook_launcher"),
+]
+
+
+def launch() -> list[str]:
+    names = matching("launch.json") + matching("launch-*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        med = d.get("median", {})
+        warm = med.get("air_magic warm")
+        torchrun = med.get("torchrun")
+        ratio = f"{torchrun / warm:.0f}×" if warm and torchrun else "–"
+        rows.append(
+            [f"{machine_of(d, name)}", date_of(d), d.get("ranks", "?")]
+            + [s(med.get(key)) for _, key in LAUNCH_COLUMNS]
+            + [ratio, f"`{name}`"]
+        )
+    return [
+        "## Launch",
+        "",
+        "`bench/launch.py`: one trivial job (init the process group, all-reduce one tensor, destroy the group),",
+        "timed from the call to the results back in a real Jupyter kernel, every launcher in the same run;",
+        "medians. GPUs and NCCL where the node has them, else CPU workers and gloo.",
+        "",
+        *table(
+            ["machine", "date", "ranks", *(c for c, _ in LAUNCH_COLUMNS), "torchrun ÷ warm", "file"],
+            rows,
+        ),
+        *notes(names),
+    ]
+
+
+def ddp_step() -> list[str]:
+    names = matching("ddp_step*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        ours = statistics.median(d["air_magic_step_s"]) * 1000
+        theirs = statistics.median(d["torchrun_step_s"]) * 1000
+        device = "GPU" if d.get("gpu") else "CPU"
+        rows.append(
+            [machine_of(d, name) if device == "GPU" else f"CPU, machine {machine_of(d, name)}", date_of(d),
+             d.get("ranks", "?"), f"{ours:.2f} ms", f"{theirs:.2f} ms", f"{d['ratio']:.3f}", f"`{name}`"]
+        )
+    return [
+        "## Training step",
+        "",
+        "`bench/ddp_step.py`: the same DDP loop (`bench/ddp_job.py`) under air_magic and under torchrun,",
+        "interleaved in rounds; median step time over the rounds. A ratio near 1 means air_magic costs",
+        "training nothing.",
+        "",
+        *table(["machine", "date", "ranks", "air_magic step", "torchrun step", "ratio", "file"], rows),
+    ]
+
+
+def faults() -> list[str]:
+    name = "faults.json"
+    d = load(name)
+    rows = [
+        [
+            sc["scenario"],
+            sc["runs"],
+            ", ".join(sc["errors"]),
+            "yes" if sc.get("rank_named") else "no",
+            f"{sc['fault_to_return_s']['median']:.2f} s / {sc['fault_to_return_s']['max']:.2f} s",
+            sc["processes_leaked"],
+            sc["lines_lost"],
+        ]
+        for sc in d["scenarios"]
+    ]
+    return [
+        "## Faults",
+        "",
+        "`bench/faults.py`: the fault scenarios of `tests/test_faults.py`, several runs each; time from the",
+        "fault to the call's return, processes left behind and lines missing from the logs.",
+        "",
+        f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Stop grace: {d.get('stop_grace_s', '?')} s. "
+        + source_line([name]),
+        "",
+        *table(["scenario", "runs", "error raised", "rank named", "fault → return (median / max)",
+                "processes leaked", "lines lost"], rows),
+    ]
+
+
+def panel() -> list[str]:
+    name = "panel.json"
+    d = load(name)
+    rows = [
+        ["Shift+Enter → air_magic's first output, a kernel's first call", ms(d["panel_shown_first_call_ms"])],
+        ["the same, later calls", ", ".join(ms(x) for x in d["panel_shown_later_calls_ms"])],
+        ["Shift+Enter → a rank's first line, a kernel's first call", ms(d["first_line_first_call_ms"])],
+        ["the same, later calls", ", ".join(ms(x) for x in d["first_line_later_calls_ms"])],
+        ["a worker's `print` → the line in the panel (median / 95th percentile)",
+         f"{ms(d['latency_median_ms'])} / {ms(d['latency_p95_ms'])}"],
+        ["`log_metric` → its point in the chart (median / max)",
+         f"{ms(d['chart_lag_median_ms'])} / {ms(d['chart_lag_max_ms'])}"],
+        [f"kernel CPU while 2 ranks print {d['flood_rate_mb_s_per_rank']} MB/s each",
+         f"{d['kernel_cpu_percent_during_flood']} % of one core"],
+        ["page answers during that flood (median / max)",
+         f"{ms(d['page_answer_median_ms'])} / {ms(d['page_answer_max_ms'])}"],
+    ]
+    tee = load("metrics_tee.json")
+    tee_rows = [
+        ["`mlflow.log_metric`", f"{tee['median_plain_metric_us']} µs", f"{tee['median_tee_alone_metric_us']} µs"],
+        ["`mlflow.log_metrics` (4 values)", f"{tee['median_plain_metrics4_us']} µs",
+         f"{tee['median_tee_alone_metrics4_us']} µs"],
+    ]
+    return [
+        "## The live panel",
+        "",
+        "`bench/panel_latency.py`: JupyterLab in headless Chromium, 2 CPU ranks.",
+        "",
+        f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Load average: {load_of(d)}. " + source_line([name]),
+        "",
+        *table(["what", "figure"], rows),
+        "`bench/metrics_tee.py`: what the charts' copy of each logged value costs a training step (CPU time",
+        f"of the calling thread, medians of {tee['rounds']} × {tee['calls_per_round']} calls).",
+        "",
+        f"Machine: {machine_of(tee, 'metrics_tee.json')}. Date: {date_of(tee)}. Load average: {load_of(tee)}. "
+        + source_line(["metrics_tee.json"]),
+        "",
+        *table(["call", "MLflow's own call", "the copy for the charts"], tee_rows),
+    ]
+
+
+def mlflow_launch() -> list[str]:
+    names = matching("mlflow_launch*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        for variant, v in d["variants"].items():
+            for key, med in v.items():
+                if not key.endswith(" median"):
+                    continue
+                ranks = key.split()[0]
+                off, bare, logs = med.get("no MLflow"), med.get("bare"), med.get("logs")
+                diff = f"+{logs - off:.3f} s" if logs is not None and off is not None else "–"
+                rows.append([machine_of(d, name), date_of(d), load_of(d), variant, ranks, s(off), s(bare), s(logs),
+                             diff, f"`{name}`"])
+    return [
+        "## MLflow at launch",
+        "",
+        "`bench/mlflow_launch.py`: warm calls, MLflow's default local store, medians. \"no MLflow\" is `return 1`",
+        "with `mlflow=False`; \"bare\" the same with tracking on; \"logs\" is",
+        "`import mlflow; mlflow.log_metric(\"x\", 1.0); return 1`. `-before` files hold a run of an earlier",
+        "version of the code, kept for comparison.",
+        "",
+        *table(["machine", "date", "load", "helper", "ranks", "no MLflow", "bare", "logs", "logs − no MLflow",
+                "file"], rows),
+        *notes(names),
+    ]
+
+
+def mlflow_logging() -> list[str]:
+    names = matching("mlflow_logging-*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        rows.append([
+            machine_of(d, name), date_of(d), d.get("mlflow", "?"), f"{d['ranks']} × {d['steps']}",
+            f"{d['stored_metrics']} / {d['expected_metrics']}", d["database_locked_errors"],
+            f"{d['cpu_us_per_log_metric']} µs", f"{d['wall_us_per_log_metric']} µs",
+            f"{d['default_sync_one_process_wall_us']} µs", f"`{name}`",
+        ])
+    return [
+        "## MLflow logging in the ranks",
+        "",
+        "`bench/mlflow_logging.py`: every rank logs `loss` at each step (2 ms of busy work per step) to MLflow's",
+        "default sqlite store; CPU and wall time per `mlflow.log_metric` (asynchronous, batched) in the ranks,",
+        "and a synchronous `log_metric` in one plain process for comparison.",
+        "",
+        *table(["machine", "date", "MLflow", "ranks × steps", "stored / logged", "\"database is locked\"",
+                "CPU per call", "wall per call", "synchronous, one process", "file"], rows),
+    ]
+
+
+def data_read() -> list[str]:
+    name = "data_read.json"
+    d = load(name)
+    m = d.get("machine", {})
+    machine = f"{m.get('cpus', '?')} CPU cores, {m.get('platform', '?')}" if isinstance(m, dict) else str(m)
+    rows = [[reader, r["files_per_s"], r["MB_per_s"], f"{r['seconds']:.3f}"] for reader, r in d["results"].items()]
+    summary = d.get("summary", {})
+    return [
+        "## Data reading",
+        "",
+        "`bench/data_read.py`: every file read once per measurement, from an S3 API on 127.0.0.1 (moto's",
+        "server, in the benchmark's process, sharing the machine's cores: it measures the cache, not a real",
+        "object store) and from local disk; medians.",
+        "",
+        f"Machine: {machine}. Date: {date_of(d)}. Load average: {load_of(d)}. "
+        f"{d['files']} files of {d['file_size_bytes'] // 1024} KiB, {d['workers']} DataLoader workers, "
+        f"batch {d['batch_size']}. " + source_line([name]),
+        "",
+        *table(["reader", "files/s", "MB/s", "seconds (median)"], rows),
+        *[f"- {k.replace('_', ' ')}: {v}" for k, v in summary.items()],
+        "",
+    ]
+
+
+def ray() -> list[str]:
+    name = "ray_launch.json"
+    d = load(name)
+    rows = [["start the simulated 3-node cluster", s(d["cluster_start_s"])],
+            ["`ray_init(address)`: join it", s(d["ray_init_join_s"])]]
+    for what, times in d["seconds"].items():
+        rows.append([f"{what}: first call", s(d["first_s"][what])])
+        rows.append([f"{what}: later calls", ", ".join(s(t) for t in times[1:])])
+    lines = [
+        "## Ray",
+        "",
+        "`bench/ray_launch.py`: a trivial all-reduce through the local launcher and through the Ray launcher",
+        "(`num_nodes=2`) on the tests' simulated cluster (a head and two 2-CPU nodes on 127.0.0.1), alternating.",
+        "",
+        f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Load average: {load_of(d)}. " + source_line([name]),
+        "",
+        *table(["what", "seconds"], rows),
+    ]
+    for gname in matching("ray_gpu*.json"):
+        g = load(gname)
+        lines += [
+            "`bench/ray_gpu.py`: the same seeded DDP training through the local launcher and through Ray on a",
+            "GPU node.",
+            "",
+            f"Machine: {machine_of(g, gname)}. Date: {date_of(g)}. " + source_line([gname]),
+            "",
+            *table(["what", "figure"], [
+                ["how", g.get("how", "?")],
+                ["local launcher, first call", s(g.get("local s"))],
+                ["Ray launcher, first / second call", f"{s(g.get('ray first call s'))} / {s(g.get('ray second call s'))}"],
+                ["same losses through both", "yes" if g.get("same losses") else "no"],
+                ["GPUs free in Ray afterwards / total", " / ".join(map(str, g.get("ray GPUs free after / total", [])))],
+                ["GPU MiB in use before / after", " / ".join(
+                    ", ".join(map(str, g.get(f"GPU MiB used {when}", []))) for when in ("before", "after"))],
+            ]),
+        ]
+    return lines
+
+
+def gpu_demos() -> list[str]:
+    rows = []
+    names = matching("gpu_demos*.json")
+    for name in names:
+        d = load(name)
+        for row in d["rows"]:
+            for part, times in row["step_time_ms"].items():
+                demo = row["notebook"].removesuffix(".ipynb") + (f" {part}" if part else "")
+                rows.append([demo, ", ".join(row["ranks"]), " / ".join(ms(t) for t in times),
+                             f"{row['wall_s']} s", machine_of(d, name), date_of(d), f"`{name}`"])
+    return [
+        "## Demo notebooks on GPUs",
+        "",
+        "`bench/gpu_demos.py`: every demo notebook executed headless; median training step per rank (tiny",
+        "models: the figures mostly show overhead).",
+        "",
+        *table(["demo", "ranks", "step per rank", "notebook wall time", "machine", "date", "file"], rows),
+    ]
+
+
+def raw_records() -> list[str]:
+    rows = []
+    for path in sorted(RESULTS.iterdir()):
+        if path.suffix in {".txt", ".log"}:
+            first = path.read_text(errors="replace").strip().splitlines()[:1]
+            rows.append([f"`results/{path.name}`", (first[0].strip() if first else "").replace("|", "\\|")[:100]])
+    return [
+        "## Raw records",
+        "",
+        "Logs and printed output kept as they were written (not tables); their first line:",
+        "",
+        *table(["file", "first line"], rows),
+    ]
+
+
+SECTIONS: list[Callable[[], list[str]]] = [
+    launch, ddp_step, faults, panel, mlflow_launch, mlflow_logging, data_read, ray, gpu_demos, raw_records,
+]
+
+
+# --- the scripts ----------------------------------------------------------------------------------------------------
+
+
+def scripts() -> list[str]:
+    """Each script with the first paragraph of its docstring and its command lines."""
+    rows = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name == Path(__file__).name:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+        # Command lines as the docstrings write them, without a trailing comment or note after two spaces.
+        commands = [line[line.find("python bench/"):].split("  ")[0] for line in doc.splitlines() if "python bench/" in line]
+        usage = "<br>".join(f"`{c}`" for c in commands) or "(no command line: another script runs it)"
+        rows.append([f"`{path.name}`", summary.replace("|", "\\|"), usage.replace("|", "\\|")])
+    return table(["script", "what it measures", "how to run it"], rows)
+
+
+def render() -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Written by bench/report.py from bench/results/ and the scripts' docstrings; do not edit by hand:",
+        "     run `python bench/report.py` after adding results. -->",
+        "",
+        "Each script below measures one thing and writes its figures to `bench/results/`; the tables that",
+        "follow are generated from those files by `python bench/report.py`, with the machine, date and load",
+        "average each file records (\"not recorded\" where it does not). Figures from a loaded or",
+        "shared machine are inflated; compare rows of one file. `make bench` runs `bench/launch.py`; on a GPU",
+        "node `bash bench/gpu_run.sh OUTDIR bench demos mlflow ...` runs the GPU benchmarks.",
+        "",
+        "## The scripts",
+        "",
+        *scripts(),
+    ]
+    for section in SECTIONS:
+        lines += section()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if bench/README.md is not current")
+    args = ap.parse_args()
+    text = render()
+    if args.check:
+        if README.read_text() != text:
+            print("bench/README.md is not what bench/report.py writes; run: python bench/report.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(text)
+    print(f"wrote {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
