@@ -22,14 +22,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import AirMagicError, describe_returncode
-from . import protocol as p
-from .errorfile import read_error_file
-from .interface import JobHandle, Launcher, drain
-from .rundir import RunDir, helper_log, runs_root, write_private
+from ...errors import AirMagicError, describe_returncode
+from .. import protocol as p
+from .. import used
+from ..boot import PACKAGE_PARENT, boot_command
+from ..errorfile import read_error_file
+from ..interface import JobHandle, Launcher, drain
+from ..rundir import RunDir, helper_log, runs_root, write_private
 
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
-_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.launch.supervisor import main; main()"
+#: The supervisor's module: its command line names it.
+SUPERVISOR_MODULE = "air_magic.launch.local.supervisor"
 _READ_CHUNK = 1 << 20
 
 
@@ -135,7 +137,7 @@ class SupervisorClient:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), *(["--warm"] if warm else [])],
+                [sys.executable, "-c", boot_command(SUPERVISOR_MODULE), *(["--warm"] if warm else [])],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=fd,
@@ -172,7 +174,9 @@ class SupervisorClient:
             code = None
         how = "" if code is None else f" ({describe_returncode(code)})"
         for job in jobs:
-            job.wire.put(p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}"))
+            job.wire.put(
+                p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}")
+            )
 
     def send(self, message: p.Message) -> None:
         data = p.encode(message)
@@ -232,7 +236,7 @@ def warm_default() -> bool:
 class LocalLauncher(Launcher):
     """Ranks on this machine, through the kernel's supervisor (started on first use, again if it died)."""
 
-    supports = frozenset({"keep_alive"})
+    supports = frozenset({"keep_alive", "warm"})
 
     def __init__(self) -> None:
         self._client: SupervisorClient | None = None
@@ -261,10 +265,20 @@ class LocalLauncher(Launcher):
         return client.proc.pid if client is not None and client.alive else None
 
     def launch_message(self, request: p.JobRequest, run_dir: RunDir) -> p.LaunchJob:
+        # hot ranks are forks of the warm helper, whatever `warm` says
+        fork = bool(request.keep_alive) or (warm_default() if request.warm is None else request.warm)
         return p.LaunchJob(
-            job=request.job_id, world_size=request.world_size, fork=request.warm, executable=sys.executable,
-            sys_path=request.sys_path, run_dir=str(run_dir.path), env=request.env, package_parent=_PKG_PARENT,
-            keep_alive=request.keep_alive, world_key=request.world_key,
+            job=request.job_id,
+            world_size=request.world_size,
+            fork=fork,
+            executable=sys.executable,
+            sys_path=request.sys_path,
+            run_dir=str(run_dir.path),
+            env=request.env,
+            package_parent=PACKAGE_PARENT,
+            keep_alive=request.keep_alive,
+            world_key=request.world_key,
+            hooks=list(request.hooks),
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
@@ -300,8 +314,19 @@ def local_launcher() -> LocalLauncher:
 def warm_up() -> None:
     """Start the supervisor now, in the background: it imports torch (never CUDA) while the user types."""
     if warm_default():
-        _local.client()
+        used(_local).client()
 
 
 atexit.register(_local.shutdown)
-__all__ = ["LocalJob", "LocalLauncher", "LogTail", "close_by_eof", "local_launcher", "runs_root", "warm_up"]
+__all__ = [
+    "SUPERVISOR_MODULE",
+    "LocalJob",
+    "LocalLauncher",
+    "LogTail",
+    "SupervisorClient",
+    "close_by_eof",
+    "local_launcher",
+    "runs_root",
+    "warm_default",
+    "warm_up",
+]
