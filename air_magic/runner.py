@@ -188,13 +188,22 @@ class _Run:
         deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
         while True:
             for event in self.handle.next_events(_POLL):
-                if self.on_event(event):
+                if self.on_event(event) or (self.handle.ends_in_background and self.all_returned()):
                     return
             self.notify("poll")
             if self.ctx.cancelled:
                 self.stop("cancelled")
             if deadline is not None and time.monotonic() > deadline:
                 self.stop("timeout")
+
+    def all_returned(self) -> bool:
+        """Every rank exited with success and left its outcome: the results are complete, whatever still exits."""
+        return (
+            self.stop_reason is None
+            and self.launch_error is None
+            and len(self.outcomes) == self.spec.world_size
+            and all(rank.returncode == 0 for rank in self.result.ranks)
+        )
 
     def wait_stopped(self) -> None:
         """After Ctrl-C: wait for the launcher to confirm every process is gone."""

@@ -31,6 +31,10 @@ def drain(events: queue.Queue[Event], timeout: float) -> list[Event]:
 class JobHandle(ABC):
     """One started job, as its launcher reports it."""
 
+    #: True: once every rank has exited with success the runner may end the call before `JobGone`;
+    #: after `close()` the launcher lets the job's processes finish exiting, and its next job waits for that.
+    ends_in_background: bool = False
+
     @abstractmethod
     def next_events(self, timeout: float) -> list[Event]:
         """Events since the last call, waiting up to `timeout` s for the first; [] if none came.

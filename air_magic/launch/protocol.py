@@ -180,7 +180,7 @@ class RankExited(Event):
     rank: int
     #: Exit status; negative: killed by that signal.
     returncode: int
-    #: Wall time the exit was seen.
+    #: Wall time the rank's end was seen (it said it was done just before exiting, or its exit was reaped).
     at: float
     outcome: RankOutcome = field(default_factory=RankOutcome, metadata={"wire": False})
 

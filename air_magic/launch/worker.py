@@ -33,11 +33,30 @@ from .stopper import die_with_parent
 _TIDY_AFTER = 0.2
 #: Hook modules this process imported for the job (see JobRequest.hooks); flushed at the end.
 _hooks: list[ModuleType] = []
+#: The environment variable naming the pipe on which a rank says it is done, just before it exits.
+DONE_FD_ENV = "AIR_MAGIC_DONE_FD"
+#: That pipe, taken from the environment at start (the user's code may change the environment).
+_done_fd: int | None = None
 
 
 def _die_with_parent() -> None:
     """SIGKILL this process when the supervisor goes, and exit now if it already has."""
     die_with_parent(int(os.environ.get("AIR_MAGIC_SUPERVISOR_PID", "0")))
+
+
+def _take_done_fd() -> None:
+    global _done_fd
+    value = os.environ.pop(DONE_FD_ENV, "")
+    _done_fd = int(value) if value.isdigit() else None
+
+
+def _say_done(code: int) -> None:
+    """Tell the supervisor this rank's outcome is written and its output flushed: the call need not wait for the exit."""
+    if _done_fd is not None:
+        try:
+            os.write(_done_fd, f"{code}\n".encode())
+        except OSError:
+            pass  # the supervisor sees the exit instead
 
 
 def _install_hooks(names: list[str]) -> None:
@@ -153,12 +172,14 @@ def finish(code: int) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        _say_done(code)
         os._exit(code)
 
 
 def run_forked(run_dir: Path, rank: int) -> None:
     """Entry point of a worker forked from the warm supervisor."""
     _die_with_parent()  # the parent-death signal does not survive fork
+    _take_done_fd()
     hot = os.environ.get("AIR_MAGIC_HOT_FDS")
     if hot:
         _keep_process_group()
@@ -271,4 +292,5 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of a spawned worker: `python -c ... <run_dir> <rank>`."""
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
+    _take_done_fd()
     finish(run(Path(argv[0]), int(argv[1])))

@@ -19,6 +19,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,10 +30,13 @@ from ..boot import PACKAGE_PARENT, boot_command
 from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
 from ..rundir import RunDir, helper_log, runs_root, write_private
+from ..stopper import STOP_GRACE
 
 #: The supervisor's module: its command line names it.
 SUPERVISOR_MODULE = "air_magic.launch.local.supervisor"
 _READ_CHUNK = 1 << 20
+#: Seconds the next job waits at most for the processes of calls already over to finish exiting.
+ENDING_LIMIT = STOP_GRACE + 10
 
 
 class LogTail:
@@ -55,7 +59,13 @@ class LogTail:
 
 
 class LocalJob(JobHandle):
-    """One job on the supervisor: its events, with the ranks' output and outcomes read from the run directory."""
+    """One job on the supervisor: its events, with the ranks' output and outcomes read from the run directory.
+
+    A rank says it is done just before it exits, so the call can end then; the processes finish
+    exiting after `close()`, and the launcher's next job waits for them (`gone`).
+    """
+
+    ends_in_background = True
 
     def __init__(self, launcher: LocalLauncher, request: p.JobRequest, run_dir: RunDir) -> None:
         self.launcher = launcher
@@ -63,6 +73,8 @@ class LocalJob(JobHandle):
         self.run_dir = run_dir
         self.job_id = request.job_id
         self.wire: queue.Queue[p.Event] = queue.Queue()
+        #: Set once every process of the job is gone (JobGone), or the supervisor died.
+        self.gone = threading.Event()
         self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
         self.client = launcher.client()
         self.client.attach(self)
@@ -125,7 +137,10 @@ class LocalJob(JobHandle):
             pass  # the supervisor is gone, and its workers with it (LauncherDied follows)
 
     def close(self) -> None:
-        self.client.detach(self.job_id)
+        if self.gone.is_set():
+            self.client.detach(self.job_id)
+        else:
+            self.launcher.ending(self)  # its processes are still exiting: the next job waits for them
 
 
 class SupervisorClient:
@@ -166,6 +181,8 @@ class SupervisorClient:
                 job = self._jobs.get(getattr(event, "job", ""))
             if job is not None and isinstance(event, p.Event):
                 job.wire.put(event)
+                if isinstance(event, p.JobGone):
+                    job.gone.set()
         with self._lock:
             jobs = list(self._jobs.values())
         try:
@@ -177,6 +194,7 @@ class SupervisorClient:
             job.wire.put(
                 p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}")
             )
+            job.gone.set()
 
     def send(self, message: p.Message) -> None:
         data = p.encode(message)
@@ -241,6 +259,21 @@ class LocalLauncher(Launcher):
     def __init__(self) -> None:
         self._client: SupervisorClient | None = None
         self._lock = threading.Lock()
+        self._ending: list[LocalJob] = []  # jobs whose call ended while their processes still exit
+
+    def ending(self, job: LocalJob) -> None:
+        """`job`'s call is over but its processes are still exiting: the next job waits for them."""
+        with self._lock:
+            self._ending.append(job)
+
+    def wait_ended(self, limit: float = ENDING_LIMIT) -> None:
+        """Wait (at most `limit` s) until every process of the jobs whose calls are over is gone."""
+        deadline = time.monotonic() + limit
+        with self._lock:
+            jobs, self._ending = self._ending, []
+        for job in jobs:
+            job.gone.wait(max(0.0, deadline - time.monotonic()))
+            job.client.detach(job.job_id)
 
     def client(self, replace: SupervisorClient | None = None) -> SupervisorClient:
         """The supervisor, started on first use, again if it died, or anew when `replace` went stale."""
@@ -282,6 +315,7 @@ class LocalLauncher(Launcher):
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
+        self.wait_ended()  # the last call's ranks finish exiting before this one starts
         try:
             write_private(run_dir.payload, request.payload)
             write_private(run_dir.job, p.JobFile.of(request).to_bytes())
@@ -291,6 +325,7 @@ class LocalLauncher(Launcher):
 
     def release_hot(self) -> None:
         """End every idle hot rank now (a running call's ranks end with it)."""
+        self.wait_ended()  # a call that just returned still holds its hot ranks until its end is confirmed
         client = self._client
         if client is not None and client.alive:
             client.send(p.ReleaseHot())

@@ -20,8 +20,11 @@ from pathlib import Path
 
 from ..boot import INTERNAL_ERROR, PACKAGE_PARENT, boot_command
 from ..rendezvous import STORE_FD
+from ..worker import DONE_FD_ENV
 from .preload import Preloaded
 
+#: The descriptor a spawned worker's done pipe arrives on.
+DONE_FD = 3
 #: Signals a spawned child gets back at their defaults (the supervisor catches or ignores them).
 _DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD)
 
@@ -78,10 +81,19 @@ class Spawner:
         env: dict[str, str],
         log: str,
         close: Iterable[int] = (),
+        done: int | None = None,
     ) -> int:
-        """One rank's process, writing to `log`: forked from the warm state, or a fresh interpreter."""
+        """One rank's process, writing to `log`: forked from the warm state, or a fresh interpreter.
+
+        `done`: the write end of a pipe on which the rank says it is done, just before it exits.
+        """
+        if done is not None:
+            env = dict(env, **{DONE_FD_ENV: str(done if fork else DONE_FD)})
         if not fork:
-            return spawn(executable, "air_magic.launch.worker", [run_dir, str(rank)], env, log=log, parent=parent)
+            fds = {DONE_FD: done} if done is not None else None
+            return spawn(
+                executable, "air_magic.launch.worker", [run_dir, str(rank)], env, log=log, fds=fds, parent=parent
+            )
 
         def body() -> int:
             from ..worker import run_forked

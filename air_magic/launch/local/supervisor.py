@@ -20,6 +20,9 @@ of its work lives beside it:
   call; the next job of the same world runs in them. Idle past `keep_alive`,
   after a failure or a stop, on ReleaseHot, retirement or close, the pool's
   whole tree is stopped.
+- Ends: a rank says on a pipe of its own, just before it exits, that its outcome is
+  written; its RankExited goes out then, so the caller need not wait for the exit.
+  JobGone still waits until every process of the job is gone.
 - trees.py: it is a child subreaper, so processes a worker leaves behind are
   re-parented here and can still be found (by the AIR_MAGIC_JOB variable they
   inherit) and ended. End-of-file on stdin, or a new parent pid, means the
@@ -76,7 +79,9 @@ class Supervisor:
         self.preloaded = Preloaded(warm)
         self.warm = warm
         self.pools = Pools()
-        self.spawner = Spawner(self.preloaded, lambda: (*(self.wake or ()), *self.pools.fds()))
+        self.done: dict[int, tuple[str, int]] = {}  # read end of a rank's done pipe -> (job, rank)
+        self.done_buffers: dict[int, bytes] = {}
+        self.spawner = Spawner(self.preloaded, lambda: (*(self.wake or ()), *self.pools.fds(), *self.done))
 
     # -- requests ----------------------------------------------------------
     def handle(self, msg: p.Message) -> None:
@@ -153,11 +158,14 @@ class Supervisor:
                 ),
             )
             log = str(RunDir(Path(msg.run_dir)).log(rank))
-            close: list[int] = []
-            if pool is not None:
+            if pool is not None:  # a hot rank reports each call's end on its pool's done pipe
                 (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
                 rank_env["AIR_MAGIC_HOT_FDS"] = f"{cmd_r},{done_w}"
                 close = [cmd_w, done_r, *(fd for r, pair in pipes.items() for fd in (*pair[0], *pair[1]) if r != rank)]
+                said = None
+            else:  # any other says once, just before it exits, that its outcome is written
+                done_r, done_w = os.pipe()
+                close, said = [done_r], done_w
             pid = self.spawner.worker(
                 fork=msg.fork,
                 executable=msg.executable,
@@ -167,11 +175,14 @@ class Supervisor:
                 env=rank_env,
                 log=log,
                 close=close,
+                done=said,
             )
+            os.close(done_w)
             if pool is not None:
                 os.close(cmd_r)
-                os.close(done_w)
                 pool.cmd[rank], pool.done[rank], pool.pids[rank] = cmd_w, done_r, pid
+            else:
+                self.done[done_r] = (job.id, rank)
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
             _emit(p.RankStarted(job.id, rank, pid))
@@ -215,9 +226,36 @@ class Supervisor:
             job = self.jobs.get(pool.job or "")
             if job is not None and rank not in job.exited:
                 job.exited[rank] = code
-                _emit(p.RankExited(job.id, rank, code, time.time()))
+                self.report_exit(job, rank, code)
                 if code != 0:
                     self.pools.release(pool)  # a rank that failed is not reused: the next call gets fresh ranks
+
+    def read_said(self, fd: int) -> None:
+        """A rank said on its done pipe that its outcome is written: report it now, while its process exits."""
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            data = b""
+        job_id, rank = self.done[fd]
+        if not data:
+            self.close_said(fd)
+            return
+        buffer = self.done_buffers.get(fd, b"") + data
+        line, newline, self.done_buffers[fd] = buffer.partition(b"\n")
+        job = self.jobs.get(job_id)
+        if newline and job is not None and line.strip().lstrip(b"-").isdigit():
+            self.report_exit(job, rank, int(line))
+
+    def close_said(self, fd: int) -> None:
+        self.done.pop(fd, None)
+        self.done_buffers.pop(fd, None)
+        os.close(fd)
+
+    def report_exit(self, job: Job, rank: int, code: int) -> None:
+        """RankExited, once per rank: when it says it is done, or when its exit is reaped, whichever is first."""
+        if rank not in job.reported:
+            job.reported.add(rank)
+            _emit(p.RankExited(job.id, rank, code, time.time()))
 
     # -- process trees -----------------------------------------------------
     def processes(self, job: Job) -> dict[int, psutil.Process]:
@@ -252,7 +290,7 @@ class Supervisor:
             if job is not None and owner[1] not in job.exited:
                 code = os.waitstatus_to_exitcode(status)
                 job.exited[owner[1]] = code
-                _emit(p.RankExited(job.id, owner[1], code, time.time()))
+                self.report_exit(job, owner[1], code)
 
     def store_exited(self, pid: int, code: int) -> None:
         """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
@@ -296,6 +334,8 @@ class Supervisor:
                 continue
             if not leftovers:
                 del self.jobs[job.id]
+                for fd in [fd for fd, (owner, _) in self.done.items() if owner == job.id]:
+                    self.close_said(fd)  # a rank's own children may still hold its write end
                 if job.pool is not None and job.pool in self.pools.pools:
                     job.pool.job, job.pool.idle_since = None, time.monotonic()  # ready for the next call
                     for rank, pid in job.pool.pids.items():
@@ -320,10 +360,13 @@ class Supervisor:
         buf = b""
         while not ((self.closing or self.retiring) and not self.jobs and not self.pools.releasing):
             done = self.pools.done_fds()
-            ready, _, _ = select.select([*([0] if not self.closing else []), rfd, *done], [], [], _TICK)
+            said = list(self.done)
+            ready, _, _ = select.select([*([0] if not self.closing else []), rfd, *done, *said], [], [], _TICK)
             for fd in ready:
                 if fd in done:
                     self.read_done(*done[fd])
+                elif fd in said:
+                    self.read_said(fd)
             if rfd in ready:
                 os.read(rfd, 4096)
             if 0 in ready:

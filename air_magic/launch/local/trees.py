@@ -29,7 +29,8 @@ class Job:
     id: str
     world_size: int
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
-    exited: dict[int, int] = field(default_factory=dict)  # rank -> return code
+    exited: dict[int, int] = field(default_factory=dict)  # rank -> return code, once its process is gone
+    reported: set[int] = field(default_factory=set)  # ranks whose RankExited was sent (may be before the exit)
     stopper: Stopper | None = None
     pool: Pool | None = None
     store_pid: int | None = None
