@@ -51,8 +51,12 @@ def _take_done_fd() -> None:
 
 
 def _say_done(code: int) -> None:
-    """Tell the supervisor this rank's outcome is written and its output flushed: the call need not wait for the exit."""
-    if _done_fd is not None:
+    """After a success: tell the supervisor the result is written and output flushed, so no one waits for the exit.
+
+    A failure is reported when the process has exited, as before: the call then stops every rank and
+    waits for all of them anyway.
+    """
+    if _done_fd is not None and code == 0:
         try:
             os.write(_done_fd, f"{code}\n".encode())
         except OSError:

@@ -61,7 +61,7 @@ class LogTail:
 class LocalJob(JobHandle):
     """One job on the supervisor: its events, with the ranks' output and outcomes read from the run directory.
 
-    A rank says it is done just before it exits, so the call can end then; the processes finish
+    A rank that succeeded says so just before it exits, so the call can end then; the processes finish
     exiting after `close()`, and the launcher's next job waits for them (`gone`).
     """
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from .. import protocol as p
 from ..boot import INTERNAL_ERROR, PACKAGE_PARENT, boot_command
 from ..rendezvous import STORE_FD
 from ..worker import DONE_FD_ENV
@@ -72,27 +73,24 @@ class Spawner:
 
     def worker(
         self,
-        *,
-        fork: bool,
-        executable: str,
-        parent: str,
-        run_dir: str,
+        msg: p.LaunchJob,
         rank: int,
         env: dict[str, str],
         log: str,
         close: Iterable[int] = (),
         done: int | None = None,
     ) -> int:
-        """One rank's process, writing to `log`: forked from the warm state, or a fresh interpreter.
+        """One rank of `msg`'s job, writing to `log`: forked from the warm state (`msg.fork`), or a fresh interpreter.
 
-        `done`: the write end of a pipe on which the rank says it is done, just before it exits.
+        `close`: descriptors the forked rank closes; `done`: the write end of a pipe on which the rank says it
+        is done, just before it exits.
         """
         if done is not None:
-            env = dict(env, **{DONE_FD_ENV: str(done if fork else DONE_FD)})
-        if not fork:
-            fds = {DONE_FD: done} if done is not None else None
+            env = dict(env, **{DONE_FD_ENV: str(done if msg.fork else DONE_FD)})
+        if not msg.fork:
+            args, fds = [msg.run_dir, str(rank)], ({DONE_FD: done} if done is not None else None)
             return spawn(
-                executable, "air_magic.launch.worker", [run_dir, str(rank)], env, log=log, fds=fds, parent=parent
+                msg.executable, "air_magic.launch.worker", args, env, log=log, fds=fds, parent=msg.package_parent
             )
 
         def body() -> int:
@@ -105,25 +103,18 @@ class Spawner:
                     pass  # already closed with the pools' ends
             _reset_inherited_state(env)
             self.preloaded.hide_in_child()
-            run_forked(Path(run_dir), rank)  # ends the process
+            run_forked(Path(msg.run_dir), rank)  # ends the process
             return INTERNAL_ERROR
 
         return self.fork(body, env=env, log=log)
 
-    def store(
-        self, *, fork: bool, executable: str, parent: str, env: dict[str, str], sock: socket.socket, port: int, n: int
-    ) -> int:
-        """A process serving a job's TCPStore for `n` ranks on listening socket `sock` (forked when warm)."""
-        if fork and "torch" in sys.modules:
+    def store(self, msg: p.LaunchJob, env: dict[str, str], sock: socket.socket, port: int) -> int:
+        """A process serving the TCPStore of `msg`'s job on listening socket `sock` (forked when warm)."""
+        n = msg.world_size
+        if msg.fork and "torch" in sys.modules:
             return self.fork(lambda: _serve_store(sock.fileno(), port, n), env=env, log=None)
-        return spawn(
-            executable,
-            "air_magic.launch.rendezvous",
-            [str(port), str(n)],
-            env,
-            fds={STORE_FD: sock.fileno()},
-            parent=parent,
-        )
+        args, fds = [str(port), str(n)], {STORE_FD: sock.fileno()}
+        return spawn(msg.executable, "air_magic.launch.rendezvous", args, env, fds=fds, parent=msg.package_parent)
 
     def fork(self, body: Callable[[], int], env: dict[str, str], log: str | None) -> int:
         """A child forked from here that runs `body()` and exits with what it returns; never returns in the child."""

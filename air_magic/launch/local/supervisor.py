@@ -20,8 +20,9 @@ of its work lives beside it:
   call; the next job of the same world runs in them. Idle past `keep_alive`,
   after a failure or a stop, on ReleaseHot, retirement or close, the pool's
   whole tree is stopped.
-- Ends: a rank says on a pipe of its own, just before it exits, that its outcome is
-  written; its RankExited goes out then, so the caller need not wait for the exit.
+- Ends: a rank that succeeded says on a pipe of its own, just before it exits, that
+  its result is written; its RankExited goes out then, so the caller need not wait
+  for the exit.
   JobGone still waits until every process of the job is gone.
 - trees.py: it is a child subreaper, so processes a worker leaves behind are
   re-parented here and can still be found (by the AIR_MAGIC_JOB variable they
@@ -128,15 +129,7 @@ class Supervisor:
         store = importlib.util.find_spec("torch") is not None
         if store:
             sock.listen(max(128, 4 * job.world_size))
-            job.store_pid = self.spawner.store(
-                fork=msg.fork,
-                executable=msg.executable,
-                parent=msg.package_parent,
-                env=env,
-                sock=sock,
-                port=port,
-                n=job.world_size,
-            )
+            job.store_pid = self.spawner.store(msg, env, sock, port)
         sock.close()
         loopback_sockets(env)
         pool = None
@@ -166,17 +159,7 @@ class Supervisor:
             else:  # any other says once, just before it exits, that its outcome is written
                 done_r, done_w = os.pipe()
                 close, said = [done_r], done_w
-            pid = self.spawner.worker(
-                fork=msg.fork,
-                executable=msg.executable,
-                parent=msg.package_parent,
-                run_dir=msg.run_dir,
-                rank=rank,
-                env=rank_env,
-                log=log,
-                close=close,
-                done=said,
-            )
+            pid = self.spawner.worker(msg, rank, rank_env, log, close=close, done=said)
             os.close(done_w)
             if pool is not None:
                 os.close(cmd_r)
