@@ -49,10 +49,11 @@ from .. import protocol as p
 from ..env import loopback_sockets, torchrun_env
 from ..rundir import RunDir
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
+from .jobs import Job
 from .pool import Pool, Pools
 from .preload import Preloaded
 from .spawn import Spawner
-from .trees import Job, job_processes
+from .trees import job_processes
 
 if TYPE_CHECKING:
     import psutil
@@ -244,7 +245,7 @@ class Supervisor:
     def processes(self, job: Job) -> dict[int, psutil.Process]:
         """Every live process of the job: workers, their descendants, and adopted orphans."""
         known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
-        return job_processes(job, known | self.pools.store_pids())
+        return job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
 
     def stop(self, job: Job, grace: float) -> None:
         """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`."""

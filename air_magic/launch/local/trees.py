@@ -9,38 +9,9 @@ the stopper's job (stopper.py); this module only finds them.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psutil
-
-from ..stopper import Stopper
-
-if TYPE_CHECKING:
-    from .pool import Pool
-
-
-@dataclass
-class Job:
-    """One call's workers as the supervisor tracks them."""
-
-    id: str
-    world_size: int
-    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
-    exited: dict[int, int] = field(default_factory=dict)  # rank -> return code, once its process is gone
-    reported: set[int] = field(default_factory=set)  # ranks whose RankExited was sent (may be before the exit)
-    stopper: Stopper | None = None
-    pool: Pool | None = None
-    store_pid: int | None = None
-    seen: dict[int, psutil.Process] = field(default_factory=dict)
-    started: float = field(default_factory=time.time)
-    port: int = 0
-
-    @property
-    def live_workers(self) -> list[int]:
-        return [pid for rank, pid in self.pids.items() if rank not in self.exited]
 
 
 def live_trees(pids: Iterable[int]) -> list[psutil.Process]:
@@ -56,10 +27,16 @@ def live_trees(pids: Iterable[int]) -> list[psutil.Process]:
     return found
 
 
-def job_processes(job: Job, known: set[int]) -> dict[int, psutil.Process]:
-    """Every live process of `job`; `known`: children of the supervisor that belong to others (workers, stores)."""
+def job_processes(
+    job: str, workers: Iterable[int], seen: dict[int, psutil.Process], started: float, known: set[int]
+) -> dict[int, psutil.Process]:
+    """Every live process of job `job`: its live `workers`, their descendants, and orphans it left.
+
+    `seen`: what earlier calls found (kept up to date here); `started`: the job's start (wall time);
+    `known`: children of the supervisor that belong to others (workers, stores).
+    """
     found: dict[int, psutil.Process] = {}
-    for pid in job.live_workers:
+    for pid in workers:
         try:
             proc = psutil.Process(pid)
             found[pid] = proc
@@ -76,9 +53,9 @@ def job_processes(job: Job, known: set[int]) -> dict[int, psutil.Process]:
             continue
         try:
             tag = c.environ().get("AIR_MAGIC_JOB")
-            if tag == job.id or c.pid in job.seen:
+            if tag == job or c.pid in seen:
                 found[c.pid] = c
-            elif tag is None and c.ppid() == me and c.create_time() >= job.started - 1:
+            elif tag is None and c.ppid() == me and c.create_time() >= started - 1:
                 # An orphan we adopted that carries no job tag: it dropped its environment (env={}), or
                 # it was forked from a warm worker, whose /proc environ is ours. Only a job running
                 # when it was born can have started it, so each such job counts it as its own.
@@ -92,5 +69,5 @@ def job_processes(job: Job, known: set[int]) -> dict[int, psutil.Process]:
                 del found[pid]
         except psutil.Error:
             del found[pid]
-    job.seen.update(found)
+    seen.update(found)
     return found
