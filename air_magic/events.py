@@ -77,4 +77,5 @@ class Listener:
         """Called about every 50 ms while the call runs (refresh clocks, handle clicks)."""
 
     def on_end(self, result: JobResult) -> None:
-        """The call is over; every worker is gone. `result.status` says how it ended."""
+        """The call is over: every rank has ended (after a success, the local launcher's may still be exiting;
+        the next call waits for them). `result.status` says how it ended."""

@@ -19,12 +19,11 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
-from . import runner
+from . import launch, runner
 from .cell import CellProgram, ends_with_semicolon
 from .decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_timeout
 from .errors import ConfigurationError
 from .job import JobResult
-from .launch.local import local_launcher
 
 _DEFAULT: Any = object()  # an option the cell did not give: the configured default applies
 
@@ -272,7 +271,7 @@ class DistributedMagics(Magics):
     @line_magic
     def distributed_release(self, line: str = "") -> None:
         """End every hot rank of this kernel now (see --keep-alive); their GPU memory is freed."""
-        local_launcher().release_hot()
+        launch.release_hot()
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -282,7 +281,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Remove %%distributed and stop the supervisor (and any worker it still has)."""
+    """Remove %%distributed and stop every launcher this kernel used (and any worker each still has)."""
     manager = ipython.magics_manager
     magics = manager.registry.pop("DistributedMagics", None)
     if magics is not None:
@@ -293,4 +292,4 @@ def unload_ipython_extension(ipython: Any) -> None:
         configurables = getattr(ipython, "configurables", [])
         if magics in configurables:
             configurables.remove(magics)
-    local_launcher().shutdown()
+    launch.shutdown()

@@ -37,6 +37,7 @@ from .errors import (
 from .events import Listener, RunContext
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
 from .launch import protocol as p
+from .launch import used
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir
 from .launch.stopper import STOP_GRACE
@@ -123,14 +124,10 @@ class _Run:
         if not self.spec.uses_gpu and "CUDA_VISIBLE_DEVICES" not in self.spec.extra_env:
             # CPU workers on a GPU node see no GPU: `"nccl" if torch.cuda.is_available() else "gloo"` picks gloo
             env["CUDA_VISIBLE_DEVICES"] = ""
-        from .launch.local import warm_default
-
         return p.JobRequest(
             job_id=uuid.uuid4().hex, name=self.spec.name, world_size=self.spec.world_size, payload=self.blob,
             env=env, sys_path=list(sys.path), cwd=os.getcwd(), hooks=tuple(hooks),
-            # hot ranks are forks of the warm helper, whatever `warm` says
-            warm=bool(self.spec.keep_alive) or (warm_default() if self.spec.warm is None else self.spec.warm),
-            keep_alive=self.spec.keep_alive, world_key=self.world_key(),
+            warm=self.spec.warm, keep_alive=self.spec.keep_alive, world_key=self.world_key(),
             num_nodes=self.spec.num_nodes, use_gpu=self.spec.uses_gpu,
         )
 
@@ -191,13 +188,22 @@ class _Run:
         deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
         while True:
             for event in self.handle.next_events(_POLL):
-                if self.on_event(event):
+                if self.on_event(event) or (self.handle.ends_in_background and self.all_returned()):
                     return
             self.notify("poll")
             if self.ctx.cancelled:
                 self.stop("cancelled")
             if deadline is not None and time.monotonic() > deadline:
                 self.stop("timeout")
+
+    def all_returned(self) -> bool:
+        """Every rank exited with success and left its outcome: the results are complete, whatever still exits."""
+        return (
+            self.stop_reason is None
+            and self.launch_error is None
+            and len(self.outcomes) == self.spec.world_size
+            and all(rank.returncode == 0 for rank in self.result.ranks)
+        )
 
     def wait_stopped(self) -> None:
         """After Ctrl-C: wait for the launcher to confirm every process is gone."""
@@ -342,6 +348,11 @@ def check_supported(spec: JobSpec, launcher: Launcher) -> None:
             f"keep_alive={spec.keep_alive:g} asks for hot ranks, which {type(launcher).__name__} cannot keep "
             "between calls; leave keep_alive unset (or --keep-alive out of %%distributed) for this call."
         )
+    if spec.warm and "warm" not in launcher.supports:
+        raise ConfigurationError(
+            f"warm=True asks for ranks forked from a warm helper, which {type(launcher).__name__} does not start; "
+            "leave warm unset for this call."
+        )
 
 
 def default_listeners(spec: JobSpec) -> list[Listener]:
@@ -374,5 +385,6 @@ def run(spec: JobSpec, listeners: list[Listener] | None = None, launcher: Launch
 
             launcher = local_launcher()
     check_supported(spec, launcher)
+    used(launcher)
     chosen = default_listeners(spec) if listeners is None else listeners
     return _Run(spec, chosen, launcher).execute()

@@ -24,7 +24,7 @@ about once a second while they run and once more at the end.
 
 This module is imported in the notebook process only. Workers never import
 mlflow on our account: the environment variables are all they get. (A warm
-helper imports mlflow between calls when asked by `AIR_MAGIC_WARM_UP`, so a
+helper runs the in-rank hook's `warm_up` between calls, importing mlflow, so a
 rank's `import mlflow` is instant; ranks whose code does not import it do not
 see it in `sys.modules`.)
 """
@@ -273,8 +273,6 @@ class MlflowTracker(Listener):
             "MLFLOW_EXPERIMENT_ID": str(self.experiment_id),
             "MLFLOW_EXPERIMENT_NAME": str(self.experiment_name),
             "AIR_MAGIC_MLFLOW_RUN_ID": self.run_id,
-            # A warm helper imports mlflow (hidden from ranks that do not import it) while idle: see mlflow_worker.warm_up.
-            "AIR_MAGIC_WARM_UP": "air_magic.mlflow_worker",
         }
         for key, value in ASYNC_LOGGING_ENV.items():
             env[key] = os.environ.get(key, value)

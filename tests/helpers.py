@@ -233,9 +233,9 @@ def is_supervisor(proc: psutil.Process) -> bool:
     try:
         if "air_magic.mlflow_ui" in " ".join(proc.cmdline()) or "mlflow" in proc.name():
             return True
-        mine = "air_magic.launch.supervisor" in " ".join(proc.cmdline())
+        mine = "air_magic.launch.local.supervisor" in " ".join(proc.cmdline())
         parent = proc.parent()
-        return mine and (parent is None or "air_magic.launch.supervisor" not in " ".join(parent.cmdline()))
+        return mine and (parent is None or "air_magic.launch.local.supervisor" not in " ".join(parent.cmdline()))
     except psutil.Error:
         return False
 

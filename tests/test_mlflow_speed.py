@@ -31,7 +31,7 @@ def logs_once(key):
 
 
 def supervisor_pids(kernel: Kernel) -> set[int]:
-    return {p.pid for p in psutil.Process(kernel.pid).children() if "air_magic.launch.supervisor" in " ".join(p.cmdline())}
+    return {p.pid for p in psutil.Process(kernel.pid).children() if "air_magic.launch.local.supervisor" in " ".join(p.cmdline())}
 
 
 
@@ -54,7 +54,7 @@ def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
 def test_site_packages_are_watched_by_their_top_level_entry(tmp_path, monkeypatch):
     """An installed package is seen as changed when an upgrade replaces its files; the user's own files when edited."""
     from air_magic.launch.protocol import LaunchJob
-    from air_magic.launch.supervisor import Preloaded
+    from air_magic.launch.local.preload import Preloaded
 
     site = tmp_path / "lib" / "site-packages"
     (site / "fakepkg").mkdir(parents=True)

@@ -87,7 +87,7 @@ print(waits.distributed())
     for proc in tree:
         conns = inet_sockets(proc)
         if (
-            "air_magic.launch.supervisor" in " ".join(proc.cmdline())
+            "air_magic.launch.local.supervisor" in " ".join(proc.cmdline())
             and "AIR_MAGIC_JOB" not in _env(proc)
             and proc.ppid() == nb.pid
         ):

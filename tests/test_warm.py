@@ -76,4 +76,4 @@ def test_workers_are_children_of_the_supervisor_not_the_kernel(nb):
     nb.execute("@distributed(2, warm=True)\ndef parent():\n    import os\n    return os.getppid()").check()
     ppids = eval(nb.execute("parent.distributed()").check().result)
     assert nb.pid not in ppids
-    assert all("air_magic.launch.supervisor" in " ".join(psutil.Process(p).cmdline()) for p in set(ppids))
+    assert all("air_magic.launch.local.supervisor" in " ".join(psutil.Process(p).cmdline()) for p in set(ppids))

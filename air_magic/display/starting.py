@@ -12,16 +12,18 @@ import sys
 from ..job import JobSpec
 
 
-def waiting_for(spec: JobSpec, run_made: bool = False) -> str:
-    """What a call that has not started its ranks yet waits for, as the panel's phase says it."""
-    from ..launch.local import local_launcher
+def waiting_for(spec: JobSpec, phase: str | None = None, run_made: bool = False) -> str:
+    """What a call that has not started its ranks yet waits for, as the panel's phase says it.
 
+    `phase`: the runner's phase of the call's start (see `Listener.on_phase`); once the listeners have
+    started, a phase other than "ranks starting" is the launcher's own (say, starting a helper).
+    """
     waits = []
-    if spec.mlflow and not run_made:
+    if spec.mlflow and not run_made and phase in (None, "creating the MLflow run"):
         waits.append("creating the MLflow run")
-    if local_launcher().supervisor_pid is None:
-        waits.append("starting air_magic's helper process")
-    waits.append(f"starting {spec.world_size} rank(s)")
+    if phase not in (None, "creating the MLflow run", "ranks starting", "running"):
+        waits.append(phase)
+    waits.append(f"{spec.world_size} rank(s)" if not waits else f"starting {spec.world_size} rank(s)")
     return "starting: " + ", ".join(waits)
 
 

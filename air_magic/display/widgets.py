@@ -71,7 +71,6 @@ class Panel(Listener):
     last_flush: float
     last_clock: float
     last_charts: float
-    launched_phase: str
     metrics: MetricsTail | None
     handle: Any
 
@@ -91,7 +90,7 @@ class Panel(Listener):
         self.spec = ctx.spec
         self._build(ctx.spec)
         self.metrics = MetricsTail(ctx.run_dir, ctx.spec.world_size) if ctx.spec.mlflow else None
-        self.phase = waiting_for(ctx.spec, run_made=bool(ctx.links.get("mlflow")))
+        self.phase = waiting_for(ctx.spec, ctx.phase, run_made=bool(ctx.links.get("mlflow")))
         self._show_status()
         self._show_link()
         if self.starting is not None:
@@ -100,6 +99,11 @@ class Panel(Listener):
             self.handle.update(self.box)
         else:
             self.handle = display(self.box, display_id=True)
+
+    def on_phase(self, phase: str) -> None:
+        if self.spec is not None and self.phase.startswith("starting: "):
+            self.phase = waiting_for(self.spec, phase)  # after on_start: the launcher's phase, then its ranks
+            self._show_status()
 
     def on_output(self, rank: int, text: str) -> None:
         self.tails[rank].feed(text)
@@ -113,9 +117,6 @@ class Panel(Listener):
 
     def poll(self) -> None:
         now = time.monotonic()
-        if self.phase.startswith("starting: ") and self.phase != self.launched_phase:
-            self.phase = self.launched_phase  # the run exists and the processes are asked for
-            self._show_status()
         if self.dirty and now - self.last_flush >= self.refresh:
             self._flush()
             self.last_flush = now
@@ -172,7 +173,6 @@ class Panel(Listener):
         self.metrics = None
         self.started = time.monotonic()
         self.phase = "starting"
-        self.launched_phase = f"starting: {n} rank(s)"
         self.logs = [w.HTML(value=self._log_html(r), layout=w.Layout(width="100%")) for r in range(n)]
         self.tabs = w.Tab(children=self.logs, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
         self.status = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", overflow="hidden"))

@@ -3,10 +3,52 @@
 interface.py  the Launcher and JobHandle the runner talks to
 protocol.py   the typed requests and events that cross the boundary
 rundir.py     the run directory: its layout and privacy (the only place its paths are built)
+env.py        the torchrun variables of a rank, for every launcher
+boot.py       how air_magic's own processes start (boot line, package location, internal-error exit code)
 stopper.py    stopping process trees (SIGTERM, grace, SIGKILL) for every helper
-local.py      the local launcher: one supervisor per kernel, ranks on this machine
-supervisor.py rendezvous.py worker.py errorfile.py   what runs in the helper and rank processes
+local/        the local launcher: one supervisor process per kernel, ranks on this machine
+rendezvous.py worker.py errorfile.py   what runs in the store and rank processes, whichever launcher started them
 ray/          the Ray launcher: ranks as Ray actors on several machines (imports Ray only when used)
 
-Nothing here imports IPython, ipywidgets or MLflow.
+This module also keeps the launchers this kernel has used, so that releasing hot
+ranks and shutting down reach each of them without naming one. Nothing here
+imports IPython, ipywidgets or MLflow.
 """
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from .interface import Launcher
+
+L = TypeVar("L", bound="Launcher")
+_used: list[Launcher] = []
+_lock = threading.Lock()
+
+
+def used(launcher: L) -> L:
+    """Note that this kernel uses `launcher` (once); returns it."""
+    with _lock:
+        if not any(known is launcher for known in _used):
+            _used.append(launcher)
+    return launcher
+
+
+def used_launchers() -> list[Launcher]:
+    """The launchers this kernel has used, first used first."""
+    with _lock:
+        return list(_used)
+
+
+def release_hot() -> None:
+    """End the idle hot ranks of every launcher this kernel has used."""
+    for launcher in used_launchers():
+        launcher.release_hot()
+
+
+def shutdown() -> None:
+    """Stop every launcher this kernel has used, and whatever each still runs."""
+    for launcher in used_launchers():
+        launcher.shutdown()

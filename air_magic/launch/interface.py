@@ -3,7 +3,7 @@
 The runner holds a `Launcher` and nothing below it. A launcher starts the
 ranks of a `JobRequest`, reports what they do as events (protocol.py), stops
 them on request, and says when every process of the job is gone. The local
-supervisor (local.py) is one implementation; one whose ranks run on other
+supervisor (local/) is one implementation; one whose ranks run on other
 machines plugs in the same way and feeds the same listeners.
 """
 
@@ -31,6 +31,10 @@ def drain(events: queue.Queue[Event], timeout: float) -> list[Event]:
 class JobHandle(ABC):
     """One started job, as its launcher reports it."""
 
+    #: True: once every rank has exited with success the runner may end the call before `JobGone`;
+    #: after `close()` the launcher lets the job's processes finish exiting, and its next job waits for that.
+    ends_in_background: bool = False
+
     @abstractmethod
     def next_events(self, timeout: float) -> list[Event]:
         """Events since the last call, waiting up to `timeout` s for the first; [] if none came.
@@ -50,12 +54,19 @@ class Launcher(ABC):
     """Starts jobs."""
 
     #: Call settings this launcher honours beyond the basics; the runner refuses a call that asks for
-    #: one it lacks, before anything starts. "keep_alive": hot ranks kept between calls.
+    #: one it lacks, before anything starts. "keep_alive": hot ranks kept between calls; "warm": ranks
+    #: forked from a warm helper (`warm=`).
     supports: frozenset[str] = frozenset()
 
     def prepare(self) -> str | None:
         """Get ready for a call while the listeners start (say, start a helper); the phase that takes, if any."""
         return None
+
+    def release_hot(self) -> None:
+        """End every idle rank kept for the next call (a running call's ranks end with it); their memory is freed."""
+
+    def shutdown(self) -> None:
+        """Stop whatever this launcher still runs (at exit, or when the extension is unloaded); it may be used again."""
 
     @abstractmethod
     def start(self, request: JobRequest, run_dir: RunDir) -> JobHandle:

@@ -37,8 +37,9 @@ class JobRequest:
     #: Modules each rank imports before the call, calling their `install()`, and whose `flush()` runs
     #: after it: how a listener (MLflow) reaches inside the ranks without the launcher knowing it.
     hooks: tuple[str, ...] = ()
-    #: Start ranks from the warm helper (fork) rather than as fresh interpreters.
-    warm: bool = True
+    #: The user's `warm=`: start ranks from a warm helper (fork) rather than as fresh interpreters; None: the
+    #: launcher's default. Only a launcher with "warm" in its `supports` reads it.
+    warm: bool | None = None
     #: Hot ranks: keep the ranks alive this many seconds after the call, for the next call of the same world.
     keep_alive: float | None = None
     #: What makes two calls the same world (ranks, accelerator type, environment, sys.path): a digest.
@@ -102,6 +103,8 @@ class LaunchJob(Message):
     package_parent: str
     keep_alive: float | None = None
     world_key: str = ""
+    #: The call's hook modules (JobRequest.hooks): the supervisor runs each one's `warm_up(env)`, if any, while idle.
+    hooks: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ class RankExited(Event):
     rank: int
     #: Exit status; negative: killed by that signal.
     returncode: int
-    #: Wall time the exit was seen.
+    #: Wall time the rank's end was seen (it said it was done just before exiting, or its exit was reaped).
     at: float
     outcome: RankOutcome = field(default_factory=RankOutcome, metadata={"wire": False})
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
+from .boot import INTERNAL_ERROR
+
 #: Seconds between SIGTERM and SIGKILL, for every tree air_magic stops.
 STOP_GRACE = 3.0
 _PR_SET_PDEATHSIG = 1
@@ -40,7 +42,7 @@ def die_with_parent(parent: int = 0) -> None:
     """SIGKILL this process when its parent goes; exit now if `parent` (a pid) is already gone."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent and os.getppid() != parent:
-        os._exit(70)
+        os._exit(INTERNAL_ERROR)
 
 
 def send(sig: int, procs: Iterable[psutil.Process], groups: Iterable[int] = ()) -> None:

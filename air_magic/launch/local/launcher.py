@@ -19,18 +19,24 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import AirMagicError, describe_returncode
-from . import protocol as p
-from .errorfile import read_error_file
-from .interface import JobHandle, Launcher, drain
-from .rundir import RunDir, helper_log, runs_root, write_private
+from ...errors import AirMagicError, describe_returncode
+from .. import protocol as p
+from .. import used
+from ..boot import PACKAGE_PARENT, boot_command
+from ..errorfile import read_error_file
+from ..interface import JobHandle, Launcher, drain
+from ..rundir import RunDir, helper_log, runs_root, write_private
+from ..stopper import STOP_GRACE
 
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
-_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.launch.supervisor import main; main()"
+#: The supervisor's module: its command line names it.
+SUPERVISOR_MODULE = "air_magic.launch.local.supervisor"
 _READ_CHUNK = 1 << 20
+#: Seconds the next job waits at most for the processes of calls already over to finish exiting.
+ENDING_LIMIT = STOP_GRACE + 10
 
 
 class LogTail:
@@ -53,7 +59,13 @@ class LogTail:
 
 
 class LocalJob(JobHandle):
-    """One job on the supervisor: its events, with the ranks' output and outcomes read from the run directory."""
+    """One job on the supervisor: its events, with the ranks' output and outcomes read from the run directory.
+
+    A rank that succeeded says so just before it exits, so the call can end then; the processes finish
+    exiting after `close()`, and the launcher's next job waits for them (`gone`).
+    """
+
+    ends_in_background = True
 
     def __init__(self, launcher: LocalLauncher, request: p.JobRequest, run_dir: RunDir) -> None:
         self.launcher = launcher
@@ -61,6 +73,8 @@ class LocalJob(JobHandle):
         self.run_dir = run_dir
         self.job_id = request.job_id
         self.wire: queue.Queue[p.Event] = queue.Queue()
+        #: Set once every process of the job is gone (JobGone), or the supervisor died.
+        self.gone = threading.Event()
         self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
         self.client = launcher.client()
         self.client.attach(self)
@@ -123,7 +137,10 @@ class LocalJob(JobHandle):
             pass  # the supervisor is gone, and its workers with it (LauncherDied follows)
 
     def close(self) -> None:
-        self.client.detach(self.job_id)
+        if self.gone.is_set():
+            self.client.detach(self.job_id)
+        else:
+            self.launcher.ending(self)  # its processes are still exiting: the next job waits for them
 
 
 class SupervisorClient:
@@ -135,7 +152,7 @@ class SupervisorClient:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), *(["--warm"] if warm else [])],
+                [sys.executable, "-c", boot_command(SUPERVISOR_MODULE), *(["--warm"] if warm else [])],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=fd,
@@ -164,6 +181,8 @@ class SupervisorClient:
                 job = self._jobs.get(getattr(event, "job", ""))
             if job is not None and isinstance(event, p.Event):
                 job.wire.put(event)
+                if isinstance(event, p.JobGone):
+                    job.gone.set()
         with self._lock:
             jobs = list(self._jobs.values())
         try:
@@ -172,7 +191,10 @@ class SupervisorClient:
             code = None
         how = "" if code is None else f" ({describe_returncode(code)})"
         for job in jobs:
-            job.wire.put(p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}"))
+            job.wire.put(
+                p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}")
+            )
+            job.gone.set()
 
     def send(self, message: p.Message) -> None:
         data = p.encode(message)
@@ -232,11 +254,26 @@ def warm_default() -> bool:
 class LocalLauncher(Launcher):
     """Ranks on this machine, through the kernel's supervisor (started on first use, again if it died)."""
 
-    supports = frozenset({"keep_alive"})
+    supports = frozenset({"keep_alive", "warm"})
 
     def __init__(self) -> None:
         self._client: SupervisorClient | None = None
         self._lock = threading.Lock()
+        self._ending: list[LocalJob] = []  # jobs whose call ended while their processes still exit
+
+    def ending(self, job: LocalJob) -> None:
+        """`job`'s call is over but its processes are still exiting: the next job waits for them."""
+        with self._lock:
+            self._ending.append(job)
+
+    def wait_ended(self, limit: float = ENDING_LIMIT) -> None:
+        """Wait (at most `limit` s) until every process of the jobs whose calls are over is gone."""
+        deadline = time.monotonic() + limit
+        with self._lock:
+            jobs, self._ending = self._ending, []
+        for job in jobs:
+            job.gone.wait(max(0.0, deadline - time.monotonic()))
+            job.client.detach(job.job_id)
 
     def client(self, replace: SupervisorClient | None = None) -> SupervisorClient:
         """The supervisor, started on first use, again if it died, or anew when `replace` went stale."""
@@ -261,13 +298,24 @@ class LocalLauncher(Launcher):
         return client.proc.pid if client is not None and client.alive else None
 
     def launch_message(self, request: p.JobRequest, run_dir: RunDir) -> p.LaunchJob:
+        # hot ranks are forks of the warm helper, whatever `warm` says
+        fork = bool(request.keep_alive) or (warm_default() if request.warm is None else request.warm)
         return p.LaunchJob(
-            job=request.job_id, world_size=request.world_size, fork=request.warm, executable=sys.executable,
-            sys_path=request.sys_path, run_dir=str(run_dir.path), env=request.env, package_parent=_PKG_PARENT,
-            keep_alive=request.keep_alive, world_key=request.world_key,
+            job=request.job_id,
+            world_size=request.world_size,
+            fork=fork,
+            executable=sys.executable,
+            sys_path=request.sys_path,
+            run_dir=str(run_dir.path),
+            env=request.env,
+            package_parent=PACKAGE_PARENT,
+            keep_alive=request.keep_alive,
+            world_key=request.world_key,
+            hooks=list(request.hooks),
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
+        self.wait_ended()  # the last call's ranks finish exiting before this one starts
         try:
             write_private(run_dir.payload, request.payload)
             write_private(run_dir.job, p.JobFile.of(request).to_bytes())
@@ -277,6 +325,7 @@ class LocalLauncher(Launcher):
 
     def release_hot(self) -> None:
         """End every idle hot rank now (a running call's ranks end with it)."""
+        self.wait_ended()  # a call that just returned still holds its hot ranks until its end is confirmed
         client = self._client
         if client is not None and client.alive:
             client.send(p.ReleaseHot())
@@ -300,8 +349,19 @@ def local_launcher() -> LocalLauncher:
 def warm_up() -> None:
     """Start the supervisor now, in the background: it imports torch (never CUDA) while the user types."""
     if warm_default():
-        _local.client()
+        used(_local).client()
 
 
 atexit.register(_local.shutdown)
-__all__ = ["LocalJob", "LocalLauncher", "LogTail", "close_by_eof", "local_launcher", "runs_root", "warm_up"]
+__all__ = [
+    "SUPERVISOR_MODULE",
+    "LocalJob",
+    "LocalLauncher",
+    "LogTail",
+    "SupervisorClient",
+    "close_by_eof",
+    "local_launcher",
+    "runs_root",
+    "warm_default",
+    "warm_up",
+]

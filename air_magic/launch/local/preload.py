@@ -1,0 +1,217 @@
+"""The import cache of a warm supervisor: what it preloaded, when that no longer matches the caller, and warm-ups.
+
+A warm supervisor imports torch (and what AIR_MAGIC_PRELOAD names) once, so a forked
+worker finds it imported. `Preloaded.stale_reason` says when that state no longer
+matches a caller (another interpreter, a changed file, another copy on sys.path, an
+import-time variable that differs): the supervisor then answers `stale` and the
+launcher starts a fresh one. Warm-ups are what the hook modules of a call (see
+JobRequest.hooks) do in `warm_up(env)` while the supervisor is idle, e.g. importing
+mlflow; what they import is hidden from a forked worker until its code imports it
+(`_Unhide`, `_Restore`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import sysconfig
+from typing import Any
+
+from .. import protocol as p
+
+#: Variables read when torch is imported: a warm supervisor with other values is stale.
+IMPORT_TIME_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHASHSEED", "TORCH_HOME", "PYTORCH_NVML_BASED_CUDA_CHECK")
+#: Modules a warm supervisor imports up front; AIR_MAGIC_PRELOAD (comma-separated) replaces the list.
+PRELOAD = ("torch", "torch.distributed", "numpy")
+ExitFunc = tuple[Any, tuple[Any, ...], dict[str, Any]]
+
+
+class Preloaded:
+    """What a warm supervisor imported, and how to tell that it no longer matches the caller.
+
+    Two kinds of preload. What AIR_MAGIC_PRELOAD (else PRELOAD) names is imported at start and
+    is simply there in every forked worker. The hook modules of a call (LaunchJob.hooks; the MLflow
+    tracking of a call names its in-rank hook) may define `warm_up(env)`, which the supervisor runs
+    while it is idle after that call: what a warm-up imports is kept out of a forked worker's
+    sys.modules (and its atexit functions unregistered) until the worker's code imports it, so a
+    worker carries only what its code imports, yet that import takes microseconds.
+    """
+
+    def __init__(self, warm: bool) -> None:
+        self.modules: dict[str, str] = {}  # top-level package -> its directory, for the sys.path check
+        self.files: dict[str, tuple[int, int]] = {}  # watched path -> (inode, mtime), see _watch
+        self.env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+        self.pending: dict[str, dict[str, str]] = {}  # warm-up module -> environment of the call that asked
+        self.hidden_tops: set[str] = set()  # top-level names that warm-ups brought in
+        self.exit_funcs: list[ExitFunc] = []
+        if not warm:
+            return
+        wanted = os.environ.get("AIR_MAGIC_PRELOAD")
+        for name in [n.strip() for n in wanted.split(",") if n.strip()] if wanted is not None else PRELOAD:
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                continue
+            module = __import__(name)
+            self.modules[name.split(".")[0]] = os.path.dirname(getattr(module, "__file__", "") or "")
+        self._watch(list(sys.modules.values()))
+
+    def _watch(self, modules: list[Any]) -> None:
+        """Remember how the files behind `modules` look now, cheaply enough to check on every launch.
+
+        A module in a site-packages directory is watched through its top-level entry there (the
+        package directory, or the module file): installing, upgrading or removing a distribution
+        adds and removes entries in it, which changes its inode or mtime. Every other file (the
+        user's own packages, editable installs) is watched itself, so an edit in place is seen.
+        A few hundred stats instead of one per module: mlflow alone loads over a thousand.
+        """
+        stdlib = sysconfig.get_paths()["stdlib"]
+        for module in modules:
+            path = getattr(module, "__file__", None)
+            if not path or path.startswith(stdlib):
+                continue
+            for marker in ("/site-packages/", "/dist-packages/"):
+                cut = path.rfind(marker)
+                if cut >= 0:
+                    root = cut + len(marker)
+                    path = path[:root] + path[root:].split("/", 1)[0]
+                    break
+            if path not in self.files:
+                try:
+                    info = os.stat(path)
+                except OSError:
+                    continue
+                self.files[path] = (info.st_ino, info.st_mtime_ns)
+
+    def stale_reason(self, msg: p.LaunchJob) -> str | None:
+        if msg.executable != sys.executable:
+            return f"the interpreter is now {msg.executable}"
+        env = msg.env
+        for key, value in self.env.items():
+            if env.get(key) != value:
+                return f"{key} changed"
+        for top, where in self.modules.items():
+            spec = importlib.machinery.PathFinder.find_spec(top, msg.sys_path)
+            if spec is not None and spec.origin and os.path.dirname(spec.origin) != where:
+                return f"sys.path now finds {top} at {spec.origin}"
+        for path, seen in self.files.items():
+            try:
+                info = os.stat(path)
+            except OSError:
+                return f"{path} is gone"
+            if (info.st_ino, info.st_mtime_ns) != seen:
+                return f"{path} changed on disk"
+        return None
+
+    # -- warm-ups: imports a call asked for, done while idle ------------------
+    def ask(self, hooks: list[str], env: dict[str, str]) -> None:
+        """Note the hook modules of a launched call, whose warm-ups run later (`warm_up_now`, while idle)."""
+        for name in hooks:
+            self.pending[name] = env
+
+    def warm_up_now(self) -> None:
+        """Run the pending warm-ups, each catching its own failure (the workers then import for themselves)."""
+        import atexit
+
+        register = atexit.register
+        registered: list[ExitFunc] = []
+
+        def record(func: Any, *args: Any, **kwargs: Any) -> Any:
+            registered.append((func, args, kwargs))
+            return register(func, *args, **kwargs)
+
+        while self.pending:
+            name, env = self.pending.popitem()
+            before = set(sys.modules)
+            registered.clear()
+            try:
+                warm_up = getattr(importlib.import_module(name), "warm_up", None)
+                if warm_up is None:
+                    continue  # a hook with nothing to warm up
+                before = set(sys.modules)
+                atexit.register = record  # type: ignore[assignment]
+                try:
+                    packages = warm_up(env)
+                finally:
+                    atexit.register = register
+            except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation; say why it did not happen
+                print(f"air_magic supervisor: warm-up {name} failed: {exc!r}", file=sys.stderr, flush=True)
+                packages = []
+            for func, _, _ in registered:
+                atexit.unregister(func)  # they belong to a worker that imports the package, not to us
+            self.exit_funcs += list(registered)
+            added = [sys.modules[n] for n in sys.modules.keys() - before]
+            tops = {n.partition(".")[0] for n in sys.modules.keys() - before}
+            self.hidden_tops |= {t for t in tops if t not in before and t not in sys.stdlib_module_names}
+            for package in packages or ():
+                module = sys.modules.get(package)
+                if module is not None and package not in self.modules:
+                    self.modules[package] = os.path.dirname(getattr(module, "__file__", "") or "")
+            self._watch(added)
+
+    def hide_in_child(self) -> None:
+        """In a forked worker: take what warm-ups imported out of sys.modules until the worker imports it."""
+        if not self.hidden_tops:
+            return
+        groups: dict[str, dict[str, Any]] = {}
+        for name in list(sys.modules):
+            top = name.partition(".")[0]
+            if top in self.hidden_tops:
+                groups.setdefault(top, {})[name] = sys.modules.pop(name)
+        if groups:
+            sys.meta_path.insert(0, _Unhide(groups, self.exit_funcs))
+
+
+class _Unhide(importlib.abc.MetaPathFinder):
+    """In a forked worker, gives back a hidden package (with its submodules) when it is imported.
+
+    The module objects are the supervisor's, already executed: the import costs a dict update.
+    `importlib.util.find_spec` alone finds the package without bringing it back.
+    """
+
+    def __init__(self, groups: dict[str, dict[str, Any]], exit_funcs: list[ExitFunc]) -> None:
+        self.groups = groups
+        self.exit_funcs = exit_funcs
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        group = self.groups.get(name.partition(".")[0])
+        module = None if group is None else group.get(name)
+        if module is None:
+            return None
+        return importlib.util.spec_from_loader(
+            name,
+            _Restore(self, module),
+            origin=getattr(getattr(module, "__spec__", None), "origin", None),
+            is_package=hasattr(module, "__path__"),
+        )
+
+    def restore(self, top: str) -> None:
+        group = self.groups.pop(top, None)
+        if group is None:
+            return
+        sys.modules.update(group)
+        for func, args, kwargs in self.exit_funcs:
+            if (getattr(func, "__module__", None) or "").partition(".")[0] == top:
+                import atexit
+
+                atexit.register(func, *args, **kwargs)
+        if not self.groups and self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _Restore(importlib.abc.Loader):
+    """Loader of one hidden module: hands back the supervisor's module object, executes nothing."""
+
+    def __init__(self, finder: _Unhide, module: Any) -> None:
+        self.finder = finder
+        self.module = module
+        self.spec = getattr(module, "__spec__", None)
+
+    def create_module(self, spec: Any) -> Any:
+        self.finder.restore(spec.name.partition(".")[0])
+        return self.module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self.spec  # the import system set ours; keep the package's own

@@ -1,0 +1,392 @@
+"""The supervisor process: starts each job's workers, stops whole process trees, reports exits.
+
+One per kernel, started by the local launcher (launcher.py) in its own session.
+It reads requests on stdin and writes events on stdout, one JSON line each, as
+defined in protocol.py. This module keeps the job table and the loop; the rest
+of its work lives beside it:
+
+- preload.py: with `--warm` it imports torch once, never initializes CUDA, and
+  forks each worker from that state (milliseconds); the child takes the
+  caller's environment, working directory and sys.path as they are at call
+  time. A warm supervisor answers `stale` instead of forking when that state no
+  longer matches the caller; the launcher then starts a fresh one. While idle it
+  runs the `warm_up(env)` of the hook modules a call named (e.g. importing
+  mlflow), hidden from a forked worker until its code imports it.
+- spawn.py: forking and spawning workers and rendezvous stores. Without
+  `--warm`, or for a job that asks for fresh interpreters, every worker is
+  started by posix_spawn. The supervisor stays single-threaded so forking is
+  safe: even the rendezvous store runs in a process of its own (rendezvous.py).
+- pool.py: hot ranks. A job with `keep_alive` leaves its workers alive after the
+  call; the next job of the same world runs in them. Idle past `keep_alive`,
+  after a failure or a stop, on ReleaseHot, retirement or close, the pool's
+  whole tree is stopped.
+- Ends: a rank that succeeded says on a pipe of its own, just before it exits, that
+  its result is written; its RankExited goes out then, so the caller need not wait
+  for the exit.
+  JobGone still waits until every process of the job is gone.
+- trees.py: it is a child subreaper, so processes a worker leaves behind are
+  re-parented here and can still be found (by the AIR_MAGIC_JOB variable they
+  inherit) and ended. End-of-file on stdin, or a new parent pid, means the
+  kernel is gone: every job is stopped and the supervisor exits.
+
+Policy (when to stop a job) belongs to the runner; this process carries it out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...errors import describe_returncode
+from .. import protocol as p
+from ..env import loopback_sockets, torchrun_env
+from ..rundir import RunDir
+from ..stopper import STOP_GRACE, Stopper, become_subreaper
+from .jobs import Job
+from .pool import Pool, Pools
+from .preload import Preloaded
+from .spawn import Spawner
+from .trees import job_processes
+
+if TYPE_CHECKING:
+    import psutil
+
+_TICK = 0.1
+
+
+def _emit(event: p.Event) -> None:
+    try:
+        os.write(1, p.encode(event))
+    except BrokenPipeError:
+        pass  # the kernel is gone; stdin EOF follows and stops everything
+
+
+class Supervisor:
+    """The job table and the loop of the supervisor process."""
+
+    def __init__(self, warm: bool) -> None:
+        self.jobs: dict[str, Job] = {}
+        self.owner: dict[int, tuple[str, int]] = {}  # worker pid -> (job, rank)
+        self.parent = os.getppid()
+        self.closing = False
+        self.retiring = False
+        self.wake: tuple[int, int] | None = None
+        self.preloaded = Preloaded(warm)
+        self.warm = warm
+        self.pools = Pools()
+        self.done: dict[int, tuple[str, int]] = {}  # read end of a rank's done pipe -> (job, rank)
+        self.done_buffers: dict[int, bytes] = {}
+        self.spawner = Spawner(self.preloaded, lambda: (*(self.wake or ()), *self.pools.fds(), *self.done))
+
+    # -- requests ----------------------------------------------------------
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.LaunchJob):
+            try:
+                self.launch(msg)
+            except Exception as exc:  # noqa: BLE001 - reported to the runner
+                _emit(p.LaunchFailed(msg.job, f"{type(exc).__name__}: {exc}"))
+                job = self.jobs.get(msg.job)
+                if job is not None:
+                    self.stop(job, 0.0)
+                else:
+                    _emit(p.JobGone(msg.job))
+        elif isinstance(msg, p.Retire):
+            self.retiring = True
+            self.pools.release_idle()
+        elif isinstance(msg, p.ReleaseHot):
+            self.pools.release_idle()
+        elif isinstance(msg, p.StopJob):
+            job = self.jobs.get(msg.job)
+            if job is not None:
+                self.stop(job, msg.grace)
+
+    def launch(self, msg: p.LaunchJob) -> None:
+        if msg.fork and self.warm:
+            reason = self.preloaded.stale_reason(msg)
+            if reason is not None:
+                _emit(p.Stale(msg.job, reason))
+                return
+            self.preloaded.ask(msg.hooks, msg.env)
+        job = Job(msg.job, msg.world_size)
+        self.jobs[job.id] = job
+        hot = bool(msg.keep_alive) and msg.fork
+        if not (hot and self.run_hot(job, msg)):
+            self.start_workers(job, msg, hot)
+
+    def start_workers(self, job: Job, msg: p.LaunchJob, hot: bool) -> None:
+        """New workers for `job` (and its rendezvous store); with `hot`, they become a pool that outlives the call."""
+        env = dict(msg.env)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        port = job.port = sock.getsockname()[1]
+        env.update(AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
+        store = importlib.util.find_spec("torch") is not None
+        if store:
+            sock.listen(max(128, 4 * job.world_size))
+            job.store_pid = self.spawner.store(msg, env, sock, port)
+        sock.close()
+        loopback_sockets(env)
+        pool = None
+        if hot:
+            pool = job.pool = Pool(msg.world_key, job.world_size, float(msg.keep_alive or 0), port, job=job.id)
+            pool.store_pid, job.store_pid = job.store_pid, None  # the store lives as long as the pool
+            self.pools.add(pool)
+            pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
+        for rank in range(job.world_size):
+            rank_env = dict(
+                env,
+                **torchrun_env(
+                    rank=rank,
+                    world_size=job.world_size,
+                    local_rank=rank,
+                    local_world_size=job.world_size,
+                    master_port=port,
+                    agent_store=store,
+                ),
+            )
+            log = str(RunDir(Path(msg.run_dir)).log(rank))
+            if pool is not None:  # a hot rank reports each call's end on its pool's done pipe
+                (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
+                rank_env["AIR_MAGIC_HOT_FDS"] = f"{cmd_r},{done_w}"
+                close = [cmd_w, done_r, *(fd for r, pair in pipes.items() for fd in (*pair[0], *pair[1]) if r != rank)]
+                said = None
+            else:  # any other says once, just before it exits, that its outcome is written
+                done_r, done_w = os.pipe()
+                close, said = [done_r], done_w
+            pid = self.spawner.worker(msg, rank, rank_env, log, close=close, done=said)
+            os.close(done_w)
+            if pool is not None:
+                os.close(cmd_r)
+                pool.cmd[rank], pool.done[rank], pool.pids[rank] = cmd_w, done_r, pid
+            else:
+                self.done[done_r] = (job.id, rank)
+            job.pids[rank] = pid
+            self.owner[pid] = (job.id, rank)
+            _emit(p.RankStarted(job.id, rank, pid))
+
+    def run_hot(self, job: Job, msg: p.LaunchJob) -> bool:
+        """Run `job` in an idle pool of the same world, if there is one; True if it did."""
+        pool = self.pools.idle(msg.world_key, job.world_size)
+        if pool is None:
+            return False
+        pool.job, pool.idle_since, job.pool, job.port = job.id, None, pool, pool.port
+        env = dict(msg.env, AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
+        loopback_sockets(env)
+        for rank, pid in pool.pids.items():
+            rank_env = dict(
+                env,
+                **torchrun_env(
+                    rank=rank,
+                    world_size=job.world_size,
+                    local_rank=rank,
+                    local_world_size=job.world_size,
+                    master_port=pool.port,
+                ),
+            )
+            rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")
+            job.pids[rank] = pid
+            self.owner[pid] = (job.id, rank)
+            pool.call(rank, msg.run_dir, rank_env)
+            _emit(p.RankStarted(job.id, rank, pid))
+        return True
+
+    def read_done(self, pool: Pool, rank: int) -> None:
+        """A hot rank wrote "<exit code>" on its done pipe: its call is over, the process stays."""
+        try:
+            data = os.read(pool.done[rank], 4096)
+        except OSError:
+            data = b""
+        if not data:
+            os.close(pool.done.pop(rank))
+            return  # it exited: reap() reports it
+        for code in pool.feed(rank, data):
+            job = self.jobs.get(pool.job or "")
+            if job is not None and rank not in job.exited:
+                job.exited[rank] = code
+                self.report_exit(job, rank, code)
+                if code != 0:
+                    self.pools.release(pool)  # a rank that failed is not reused: the next call gets fresh ranks
+
+    def read_said(self, fd: int) -> None:
+        """A rank said on its done pipe that its outcome is written: report it now, while its process exits."""
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            data = b""
+        job_id, rank = self.done[fd]
+        if not data:
+            self.close_said(fd)
+            return
+        buffer = self.done_buffers.get(fd, b"") + data
+        line, newline, self.done_buffers[fd] = buffer.partition(b"\n")
+        job = self.jobs.get(job_id)
+        if newline and job is not None and line.strip().lstrip(b"-").isdigit():
+            self.report_exit(job, rank, int(line))
+
+    def close_said(self, fd: int) -> None:
+        self.done.pop(fd, None)
+        self.done_buffers.pop(fd, None)
+        os.close(fd)
+
+    def report_exit(self, job: Job, rank: int, code: int) -> None:
+        """RankExited, once per rank: when it says it is done, or when its exit is reaped, whichever is first."""
+        if rank not in job.reported:
+            job.reported.add(rank)
+            _emit(p.RankExited(job.id, rank, code, time.time()))
+
+    # -- process trees -----------------------------------------------------
+    def processes(self, job: Job) -> dict[int, psutil.Process]:
+        """Every live process of the job: workers, their descendants, and adopted orphans."""
+        known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
+        return job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
+
+    def stop(self, job: Job, grace: float) -> None:
+        """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`."""
+        if job.stopper is None:
+            job.stopper = Stopper(lambda: self.processes(job).values(), lambda: job.live_workers, grace)
+            job.stopper.begin()
+            if job.pool is not None:
+                self.pools.release(job.pool)  # a stopped call leaves no hot ranks: their state is unknown
+
+    # -- the loop ----------------------------------------------------------
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            owner = self.owner.pop(pid, None)
+            for pool in self.pools.holding(pid):
+                self.pools.release(pool)  # a hot rank died (crash, OOM, kill): the rest of its world is no use
+            if owner is None:
+                self.store_exited(pid, os.waitstatus_to_exitcode(status))
+                continue  # the store, or an adopted orphan
+            job = self.jobs.get(owner[0])
+            if job is not None and owner[1] not in job.exited:
+                code = os.waitstatus_to_exitcode(status)
+                job.exited[owner[1]] = code
+                self.report_exit(job, owner[1], code)
+
+    def store_exited(self, pid: int, code: int) -> None:
+        """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
+        for pool in [q for q in self.pools.pools if q.store_pid == pid]:
+            pool.store_pid = None
+            self.pools.release(pool)
+            if pool.job in self.jobs:
+                self.jobs[pool.job].store_pid = pid  # reported below like any job's store
+        for job in self.jobs.values():
+            if job.store_pid == pid:
+                job.store_pid = None
+                if job.stopper is None:
+                    how = describe_returncode(code)
+                    _emit(
+                        p.LaunchFailed(
+                            job.id,
+                            (
+                                f"the job's rendezvous store (pid {pid}, 127.0.0.1:{job.port}) {how}, so the ranks "
+                                "could not meet; every rank was stopped. Run the call again"
+                            ),
+                        )
+                    )
+                    self.stop(job, STOP_GRACE)
+
+    def tick(self) -> None:
+        self.pools.tick()
+        for job in list(self.jobs.values()):
+            if job.stopper is not None:
+                job.stopper.tick()
+            if len(job.exited) < len(job.pids) or (len(job.pids) < job.world_size and job.stopper is None):
+                continue
+            if job.store_pid is not None:
+                try:
+                    os.kill(job.store_pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                job.store_pid = None
+            leftovers = self.processes(job)
+            if leftovers and job.stopper is None:
+                self.stop(job, STOP_GRACE)  # a finished job's stray children get TERM, then KILL
+                continue
+            if not leftovers:
+                del self.jobs[job.id]
+                for fd in [fd for fd, (owner, _) in self.done.items() if owner == job.id]:
+                    self.close_said(fd)  # a rank's own children may still hold its write end
+                if job.pool is not None and job.pool in self.pools.pools:
+                    job.pool.job, job.pool.idle_since = None, time.monotonic()  # ready for the next call
+                    for rank, pid in job.pool.pids.items():
+                        self.owner[pid] = ("", rank)
+                _emit(p.JobGone(job.id))
+
+    def run(self) -> None:
+        import gc
+
+        # What was preloaded (torch: hundreds of thousands of objects) is never garbage: keep it out of every
+        # collection in the workers forked from here, which also keeps its memory pages shared with them.
+        gc.freeze()
+        become_subreaper()
+        self.wake = os.pipe()
+        rfd, wfd = self.wake
+        os.set_blocking(wfd, False)
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: self.close())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _emit(p.Ready(os.getpid(), sorted(self.preloaded.modules)))
+        buf = b""
+        while not ((self.closing or self.retiring) and not self.jobs and not self.pools.releasing):
+            done = self.pools.done_fds()
+            said = list(self.done)
+            ready, _, _ = select.select([*([0] if not self.closing else []), rfd, *done, *said], [], [], _TICK)
+            for fd in ready:
+                if fd in done:
+                    self.read_done(*done[fd])
+                elif fd in said:
+                    self.read_said(fd)
+            if rfd in ready:
+                os.read(rfd, 4096)
+            if 0 in ready:
+                chunk = os.read(0, 65536)
+                if not chunk:
+                    self.close()
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        self.handle(p.decode(line))
+            if os.getppid() != self.parent:
+                self.close()
+            self.reap()
+            self.tick()
+            idle = not (self.jobs or self.closing or self.retiring or select.select([0], [], [], 0)[0])
+            if self.preloaded.pending and idle:
+                self.preloaded.warm_up_now()  # nothing to watch, no request waiting
+
+    def close(self) -> None:
+        """The kernel is gone or asked us to go: stop every job, then leave."""
+        if not self.closing:
+            print(
+                f"air_magic supervisor {os.getpid()}: closing, stopping {len(self.jobs)} job(s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.closing = True
+        for job in self.jobs.values():
+            self.stop(job, STOP_GRACE)
+        for pool in list(self.pools.pools):
+            self.pools.release(pool)
+
+
+def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash of the supervisor itself leaves a trace in its log
+    Supervisor(warm="--warm" in sys.argv[1:]).run()

@@ -1,0 +1,94 @@
+"""What launchers declare and decide: supported settings, the local launcher's warm choice, the registry, the phase text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from air_magic import launch
+from air_magic.display.starting import waiting_for
+from air_magic.errors import ConfigurationError
+from air_magic.job import JobSpec
+from air_magic.launch import protocol as p
+from air_magic.launch.interface import JobHandle, Launcher
+from air_magic.launch.local import LocalLauncher
+from air_magic.launch.rundir import RunDir
+from air_magic.runner import check_supported
+
+
+class Plain(Launcher):
+    """A launcher that supports nothing beyond the basics."""
+
+    def __init__(self) -> None:
+        self.released = self.shut = 0
+
+    def start(self, request: p.JobRequest, run_dir: RunDir) -> JobHandle:
+        raise NotImplementedError
+
+    def release_hot(self) -> None:
+        self.released += 1
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+
+def _spec(**kw) -> JobSpec:
+    return JobSpec(target=print, args=(), kwargs={}, name="f", world_size=2, accelerator_type="CPU", timeout=None, **kw)
+
+
+def _request(**kw) -> p.JobRequest:
+    return p.JobRequest(job_id="j", name="f", world_size=2, payload=b"", env={}, sys_path=[], cwd="/", **kw)
+
+
+@pytest.mark.parametrize("setting", [{"warm": True}, {"keep_alive": 60.0}])
+def test_a_setting_the_launcher_cannot_honour_is_refused(setting):
+    """warm=True or keep_alive on a launcher that lacks them is a ConfigurationError naming the setting and launcher."""
+    with pytest.raises(ConfigurationError, match=f"{next(iter(setting))}.*Plain"):
+        check_supported(_spec(**setting), Plain())
+
+
+def test_the_local_launcher_honours_warm_and_keep_alive():
+    """Both settings, and warm=False or unset anywhere, pass the check."""
+    check_supported(_spec(warm=True, keep_alive=60.0), LocalLauncher())
+    check_supported(_spec(warm=False), Plain())
+    check_supported(_spec(), Plain())
+
+
+def test_the_local_launcher_decides_warm(monkeypatch):
+    """Unset warm follows AIR_MAGIC_WARM; an explicit one wins; hot ranks are always forked; hooks are passed on."""
+    run_dir = RunDir(Path("/nonexistent"))
+    launcher = LocalLauncher()
+    monkeypatch.setenv("AIR_MAGIC_WARM", "0")
+    assert launcher.launch_message(_request(), run_dir).fork is False
+    assert launcher.launch_message(_request(warm=True), run_dir).fork is True
+    assert launcher.launch_message(_request(keep_alive=5.0, warm=False), run_dir).fork is True
+    monkeypatch.setenv("AIR_MAGIC_WARM", "1")
+    assert launcher.launch_message(_request(), run_dir).fork is True
+    assert launcher.launch_message(_request(warm=False), run_dir).fork is False
+    assert launcher.launch_message(_request(hooks=("a.hook",)), run_dir).hooks == ["a.hook"]
+
+
+def test_release_and_shutdown_reach_every_used_launcher(monkeypatch):
+    """The registry notes each launcher once and passes release and shutdown to each; the base class does nothing."""
+    monkeypatch.setattr(launch, "_used", [])
+    first, second = Plain(), Plain()
+    assert launch.used(first) is first
+    launch.used(second)
+    launch.used(first)
+    assert launch.used_launchers() == [first, second]
+    launch.release_hot()
+    launch.shutdown()
+    assert (first.released, first.shut, second.released, second.shut) == (1, 1, 1, 1)
+    Launcher.release_hot(first)
+    Launcher.shutdown(first)
+
+
+def test_the_phase_text_follows_the_runners_phases():
+    """What a starting call waits for: the MLflow run until it exists, then the launcher's phase, then the ranks."""
+    spec = _spec(mlflow=True)
+    assert waiting_for(spec) == "starting: creating the MLflow run, starting 2 rank(s)"
+    assert waiting_for(spec, "creating the MLflow run", run_made=True) == "starting: 2 rank(s)"
+    assert waiting_for(spec, "starting the helper") == "starting: starting the helper, starting 2 rank(s)"
+    assert waiting_for(spec, "ranks starting") == "starting: 2 rank(s)"
+    assert waiting_for(_spec(mlflow=False)) == "starting: 2 rank(s)"

@@ -1,0 +1,118 @@
+"""A warm supervisor's import cache: when it no longer matches a caller, and how warm-ups stay hidden from workers."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from air_magic.launch.local.preload import IMPORT_TIME_ENV, Preloaded
+from air_magic.launch.protocol import LaunchJob
+
+
+def _msg(**kw) -> LaunchJob:
+    base = {"job": "j", "world_size": 1, "fork": True, "executable": sys.executable, "sys_path": list(sys.path),
+            "run_dir": "", "env": dict(os.environ), "package_parent": ""}
+    return LaunchJob(**{**base, **kw})
+
+
+def _package(root, name: str, body: str = "") -> str:
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(body)
+    return str(root / name)
+
+
+def test_a_matching_caller_is_not_stale():
+    """The same interpreter, environment and sys.path: the warm state is used."""
+    assert Preloaded(warm=False).stale_reason(_msg()) is None
+
+
+def test_another_interpreter_is_stale():
+    """A kernel now running another Python gets fresh workers."""
+    assert "interpreter" in (Preloaded(warm=False).stale_reason(_msg(executable="/other/python")) or "")
+
+
+def test_an_import_time_variable_that_differs_is_stale():
+    """A variable read when torch is imported, set differently by the caller, makes the warm state stale."""
+    key = IMPORT_TIME_ENV[0]
+    env = dict(os.environ, **{key: (os.environ.get(key) or "") + ":/changed"})
+    assert Preloaded(warm=False).stale_reason(_msg(env=env)) == f"{key} changed"
+
+
+def test_another_copy_on_sys_path_is_stale(tmp_path):
+    """A caller whose sys.path finds a preloaded package elsewhere would import another copy: stale."""
+    first = _package(tmp_path / "one", "cachedpkg")
+    _package(tmp_path / "two", "cachedpkg")
+    watched = Preloaded(warm=False)
+    watched.modules["cachedpkg"] = first
+    assert watched.stale_reason(_msg(sys_path=[str(tmp_path / "one")])) is None
+    reason = watched.stale_reason(_msg(sys_path=[str(tmp_path / "two"), str(tmp_path / "one")]))
+    assert reason is not None and "sys.path now finds cachedpkg" in reason and str(tmp_path / "two") in reason
+
+
+def test_a_watched_file_edited_or_removed_is_stale(tmp_path, monkeypatch):
+    """The user's own module edited in place, or deleted, after it was preloaded."""
+    (tmp_path / "ownmod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ownmod  # type: ignore[import-not-found]
+
+    try:
+        watched = Preloaded(warm=False)
+        watched._watch([ownmod])
+        assert watched.stale_reason(_msg()) is None
+        time.sleep(0.01)
+        (tmp_path / "ownmod.py").write_text("X = 2\n")
+        assert "ownmod.py changed on disk" in (watched.stale_reason(_msg()) or "")
+        watched = Preloaded(warm=False)
+        watched._watch([ownmod])
+        (tmp_path / "ownmod.py").unlink()
+        assert "ownmod.py is gone" in (watched.stale_reason(_msg()) or "")
+    finally:
+        sys.modules.pop("ownmod", None)
+
+
+@pytest.fixture
+def hook(tmp_path, monkeypatch):
+    """A hook module whose warm_up imports a package of its own (registering an exit function), and one without."""
+    _package(tmp_path, "warmedpkg", "import atexit\nLOADED = True\natexit.register(len, ())\n")
+    (tmp_path / "warmhook.py").write_text(
+        "def warm_up(env):\n    import warmedpkg\n    warmedpkg.ENV = env\n    return ['warmedpkg']\n"
+    )
+    (tmp_path / "coldhook.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("warmedpkg", "warmhook", "coldhook"):
+        sys.modules.pop(name, None)
+
+
+def test_a_hooks_warm_up_runs_when_asked_and_what_it_imports_is_watched(hook):
+    """The hook modules of a call are warmed up later, with the call's environment; a hook without warm_up is skipped."""
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["warmhook", "coldhook"], {"MLFLOW_TRACKING_URI": "sqlite:///x.db"})
+    assert "warmedpkg" not in sys.modules, "asking runs nothing yet"
+    preloaded.warm_up_now()
+    assert not preloaded.pending
+    assert sys.modules["warmedpkg"].ENV == {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
+    assert preloaded.hidden_tops == {"warmedpkg"}
+    assert "warmedpkg" in preloaded.modules, "the package it returned is checked against the caller's sys.path"
+    assert any(path.endswith("warmedpkg/__init__.py") for path in preloaded.files)
+
+
+def test_what_a_warm_up_imported_is_hidden_until_imported_again(hook):
+    """In a forked worker the warmed package is out of sys.modules until the worker imports it: then the same module."""
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["warmhook"], {})
+    preloaded.warm_up_now()
+    warmed = sys.modules["warmedpkg"]
+    meta_path = list(sys.meta_path)
+    try:
+        preloaded.hide_in_child()
+        assert "warmedpkg" not in sys.modules
+        import warmedpkg  # type: ignore[import-not-found]
+
+        assert warmedpkg is warmed and warmedpkg.LOADED, "given back, not executed again"
+        assert sys.meta_path == meta_path, "the finder leaves once nothing is hidden"
+    finally:
+        sys.meta_path[:] = meta_path
