@@ -38,6 +38,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 from collections import Counter
@@ -98,7 +99,7 @@ class FileCache:
 
     def __init__(
         self, directory: str, limit: int | None, min_free: int, retries: int = 5, backoff: float = 0.5,
-        poll: float = 0.02,
+        poll: float = 0.02, stall_report: float = 60.0,
     ) -> None:
         self.directory = os.path.abspath(directory)
         self.limit = limit
@@ -106,6 +107,7 @@ class FileCache:
         self.retries = retries
         self.backoff = backoff
         self.poll = poll
+        self.stall_report = stall_report  # seconds a needed file waits for room before this says so on stderr
         self._pins: Counter[str] = Counter()
         self._announced: set[str] = set()
         self._published: set[str] = set()
@@ -289,6 +291,8 @@ class FileCache:
         key = cache_key(url, size, version)
         final = self.path(key)
         part = ""
+        waiting_since: float | None = None
+        held = used = 0
         while not part:
             if stop is not None and stop.is_set():
                 raise FetchCancelled(url)
@@ -321,6 +325,7 @@ class FileCache:
                         )
                     over_alone = head and (self.limit is None or used <= self.limit)  # the only file over the cap
                     short = not (self._fits(used, free, size) or over_alone)
+                    held = sum(s for k, (s, _) in data.items() if k in pinned) + sum(parts.values())
                     if not short:
                         part = os.path.join(self.directory, "part", f"{key}.{os.getpid()}.{size}.part")
                         open(part, "wb").close()  # the reservation
@@ -329,6 +334,10 @@ class FileCache:
             if not part:
                 if short and needed_now():
                     self._want_room()
+                    waiting_since = waiting_since or time.monotonic()
+                    if time.monotonic() - waiting_since > self.stall_report:
+                        self._report_stall(url, size, used, held)
+                        waiting_since = float("inf")  # once per file
                 time.sleep(self.poll)
         try:
             self._download(url, size, part, open_fs)
@@ -340,6 +349,16 @@ class FileCache:
             with self._state:
                 self._active -= 1
         return final
+
+    def _report_stall(self, url: str, size: int, used: int, held: int) -> None:
+        print(
+            f"air_magic: {url} ({size} bytes) has waited {self.stall_report:.0f} s for room in the cache at "
+            f"{self.directory}: cache_limit={self.limit} bytes, {used} bytes cached or being fetched, {held} of them "
+            f"pinned by live readers. Readers the DataLoader did not count hold them (another run sharing this "
+            f"cache_dir, a plain torch DataLoader, ranks with more num_workers than this one): raise cache_limit, "
+            f"give the other run its own cache_dir, or pass a transform",
+            file=sys.stderr, flush=True,
+        )
 
     def _fits(self, used: int, free: int, size: int) -> bool:
         cap_ok = self.limit is None or used + size <= self.limit

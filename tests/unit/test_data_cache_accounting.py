@@ -61,9 +61,11 @@ def test_need_is_the_largest_files_that_the_readers_keep_each_counted_once():
     assert human_size(999) == "999 bytes"
 
 
-def test_the_file_needed_next_goes_over_the_cap_only_while_nothing_else_is_over(files: list[str], tmp_path: Path):
-    """With every cached file pinned, one needed file may go over a 2-file cap; the next one waits (and asks others for room) until a file is released."""
-    cache = FileCache(str(tmp_path / "cache"), limit=2 * SIZE, min_free=0, poll=0.005)
+def test_the_file_needed_next_goes_over_the_cap_only_while_nothing_else_is_over(
+    files: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+):
+    """With every cached file pinned, one needed file may go over a 2-file cap; the next one waits (asking others for room, and saying so on stderr when it lasts) until a file is released."""
+    cache = FileCache(str(tmp_path / "cache"), limit=2 * SIZE, min_free=0, poll=0.005, stall_report=0.05)
     for url in files[:3]:
         fetch(cache, url)
     assert cache.usage() == 3 * SIZE  # the third went over the cap by itself
@@ -79,6 +81,8 @@ def test_the_file_needed_next_goes_over_the_cap_only_while_nothing_else_is_over(
         waiter.join(10)
         assert got == [cache.path(key(files[3]))]
         assert cache.usage() == 3 * SIZE
+        err = capsys.readouterr().err
+        assert err.count("has waited") == 1 and "cache_limit=2000 bytes, 3000 bytes cached or being fetched, 3000 of them pinned" in err, err
         assert not os.path.exists(cache.path(key(files[0]))), "the released file was not the one evicted"
     finally:
         stop.set()
