@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -10,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Self
@@ -72,37 +70,53 @@ def test_s3_dataset_matches_local_and_a_warm_epoch_reads_only_the_cache(remote, 
     assert sorted(ds) == sorted(first)
 
 
-class CachePeak:
-    """Samples the bytes under a cache directory (complete files and downloads) from a thread; `peak` is the most seen.
+SAMPLER = """
+import fcntl, os, sys, time
+cache = sys.argv[1]
+peak = 0
+while True:
+    time.sleep(0.001)
+    if not os.path.exists(os.path.join(cache, ".lock")):
+        continue
+    fd = os.open(os.path.join(cache, ".lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        total = 0
+        for sub in ("data", "part"):
+            for entry in os.scandir(os.path.join(cache, sub)):
+                try:
+                    total += entry.stat().st_size
+                except FileNotFoundError:  # a failed download, removed without the lock
+                    pass
+    finally:
+        os.close(fd)
+    if total > peak:
+        peak = total
+        print(peak, flush=True)
+"""
 
-    Each sample holds the cache's lock, so no eviction or new download interleaves with the scan.
+
+class CachePeak:
+    """Samples the bytes under a cache directory (complete files and downloads); `peak` is the most seen.
+
+    Each sample holds the cache's lock, so no eviction or new download interleaves with the scan. The
+    sampler is a process of its own: a lock held by a thread here would be shared by the DataLoader
+    workers this process forks.
     """
 
     def __init__(self, cache: Path) -> None:
         self.cache = cache
         self.peak = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._measure)
-
-    def _measure(self) -> None:
-        while not self._done.wait(0.001):
-            if not (self.cache / ".lock").exists():
-                continue
-            fd = os.open(self.cache / ".lock", os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                total = sum(entry.stat().st_size for sub in ("data", "part") for entry in os.scandir(self.cache / sub))
-            finally:
-                os.close(fd)
-            self.peak = max(self.peak, total)
 
     def __enter__(self) -> Self:
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "-c", SAMPLER, str(self.cache)], stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+        time.sleep(0.05)  # a last sample
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=30)
+        self.peak = max([0, *(int(line) for line in out.split())])
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -155,7 +169,7 @@ def quarter_mib_files(s3: S3, tmp_path: Path) -> tuple[str, dict[str, str]]:
 def test_pinned_paths_under_a_cap_too_small_for_them_are_refused_when_the_dataloader_is_made(
     quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ):
-    """2 ranks x 2 workers handing out paths pin 32 files of 256 KiB: a 2 MiB cap is refused up front, with the numbers and the ways out."""
+    """2 ranks x 2 workers handing out paths pin 32 files of 256 KiB: a 2 MiB cap is refused up front, with the numbers and the ways out (also without workers, and iterating the bare dataset)."""
     url, _ = quarter_mib_files
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -169,6 +183,12 @@ def test_pinned_paths_under_a_cap_too_small_for_them_are_refused_when_the_datalo
         assert part in message, message
     with_transform = StreamingFileDataset(url, transform=digest, cache_dir=tmp_path / "cache", cache_limit="2MiB")
     DataLoader(with_transform, batch_size=2, num_workers=2)  # read in the worker, released at once: it fits
+    with pytest.raises(ValueError, match=r"2 reading processes \(the ranks on this machine, no DataLoader workers\) "
+                       r"each keep the last 2 x batch_size 8 = 16 paths"):
+        DataLoader(ds, batch_size=8)
+    with pytest.raises(ValueError, match=r"2 reading processes on this machine each keep the last keep_yielded=16 .* "
+                       r"up to 8388608 bytes \(8.0 MiB\).* lower keep_yielded"):
+        next(iter(StreamingFileDataset(url, cache_dir=tmp_path / "cache", cache_limit="2MiB")))
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -49,6 +49,27 @@ from typing import Any
 _PART = re.compile(r"^(?P<key>.+)\.(?P<pid>[0-9]+)\.(?P<size>[0-9]+)\.part$")
 WANTED_FRESH = 1.0  # seconds a wait for room is taken as still going on without being renewed
 
+# flock belongs to the open file description, which a forked child shares: a lock held by one thread
+# while another forks (a DataLoader starting its workers) would outlive the parent's close. The child
+# closes its copies; the guard keeps a fork from falling between opening a lock and recording it.
+_HELD: set[int] = set()
+_FORK_GUARD = threading.Lock()
+
+
+def _close_held_in_child() -> None:
+    global _FORK_GUARD
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+    _FORK_GUARD = threading.Lock()
+
+
+os.register_at_fork(before=lambda: _FORK_GUARD.acquire(), after_in_parent=lambda: _FORK_GUARD.release(),
+                    after_in_child=_close_held_in_child)
+
 
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
@@ -126,12 +147,16 @@ class FileCache:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        with _FORK_GUARD:
+            fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            _HELD.add(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)  # closing the descriptor drops the lock
+            with _FORK_GUARD:
+                _HELD.discard(fd)
+                os.close(fd)  # closing the descriptor drops the lock (no forked child holds a copy)
 
     def usage(self) -> int:
         """Bytes the cache holds now: complete files plus downloads in progress at their full size."""

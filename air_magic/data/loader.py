@@ -58,14 +58,19 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._check_cache()
 
     def _keep(self) -> int:
-        """Paths a worker keeps pinned after yielding them: the batch in the loop's hands, those queued, one more."""
-        return (int(self.prefetch_factor or 2) + 2) * (1 if self.batch_size is None else int(self.batch_size))
+        """Paths a reading process keeps pinned after yielding them.
+
+        A worker: the batch in the loop's hands, the prefetch_factor batches queued, one more. Without
+        workers: the batch being made and the one before (the loop is done with it when it asks for more).
+        """
+        chunk = 1 if self.batch_size is None else int(self.batch_size)
+        return (int(self.prefetch_factor or 2) + 2) * chunk if self.num_workers else 2 * chunk
 
     def _check_cache(self) -> None:
         """Tell the dataset how many processes read into this machine's cache; refuse a cap their pins overflow."""
         dataset: StreamingFileDataset = self.dataset  # type: ignore[assignment]
-        ranks, workers = _local_ranks(), max(1, int(self.num_workers))
-        readers = ranks * workers
+        ranks, workers = _local_ranks(), int(self.num_workers)
+        readers = ranks * max(1, workers)
         dataset.keep_yielded = self._keep()
         dataset._readers = readers
         need, budget = dataset.cache_plan(readers)
@@ -73,14 +78,19 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if budget is None or limit is None or need <= limit:
             return
         chunk = 1 if self.batch_size is None else int(self.batch_size)
+        if workers:
+            who = f"{readers} reading processes ({ranks} ranks on this machine x {workers} DataLoader workers)"
+            why = f"(prefetch_factor {int(self.prefetch_factor or 2)} + 2) x batch_size {chunk} = {self._keep()}"
+            ways = "use fewer num_workers, a smaller prefetch_factor or a smaller batch_size"
+        else:
+            who = f"{readers} reading processes (the ranks on this machine, no DataLoader workers)"
+            why = f"2 x batch_size {chunk} = {self._keep()}"
+            ways = "use a smaller batch_size"
         raise ValueError(
-            f"cache_limit={human_size(limit)} cannot hold the cached files this DataLoader keeps pinned: "
-            f"{readers} reading processes ({ranks} ranks on this machine x {workers} DataLoader workers) each keep "
-            f"the last (prefetch_factor {int(self.prefetch_factor or 2)} + 2) x batch_size {chunk} = {self._keep()} "
-            f"paths they handed out pinned until the training loop has opened them, up to {human_size(need)} "
-            f"for the largest files. Raise cache_limit to at least {human_size(need)}; or pass the dataset a "
-            f"transform (each file is then read in the worker and released at once); or use fewer num_workers, "
-            f"a smaller prefetch_factor or a smaller batch_size"
+            f"cache_limit={human_size(limit)} cannot hold the cached files this DataLoader keeps pinned: {who} "
+            f"each keep the last {why} paths they handed out pinned until the training loop has opened them, "
+            f"up to {human_size(need)} for the largest files. Raise cache_limit to at least {human_size(need)}; "
+            f"or pass the dataset a transform (each file is then read in the worker and released at once); or {ways}"
         )
 
     @property
