@@ -9,9 +9,9 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 from helpers import ROOT
@@ -70,37 +70,152 @@ def test_s3_dataset_matches_local_and_a_warm_epoch_reads_only_the_cache(remote, 
     assert sorted(ds) == sorted(first)
 
 
+SAMPLER = """
+import fcntl, os, sys, time
+cache = sys.argv[1]
+peak = 0
+while True:
+    time.sleep(0.001)
+    if not os.path.exists(os.path.join(cache, ".lock")):
+        continue
+    fd = os.open(os.path.join(cache, ".lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        total = 0
+        for sub in ("data", "part"):
+            for entry in os.scandir(os.path.join(cache, sub)):
+                try:
+                    total += entry.stat().st_size
+                except FileNotFoundError:  # a failed download, removed without the lock
+                    pass
+    finally:
+        os.close(fd)
+    if total > peak:
+        peak = total
+        print(peak, flush=True)
+"""
+
+
+class CachePeak:
+    """Samples the bytes under a cache directory (complete files and downloads); `peak` is the most seen.
+
+    Each sample holds the cache's lock, so no eviction or new download interleaves with the scan. The
+    sampler is a process of its own: a lock held by a thread here would be shared by the DataLoader
+    workers this process forks.
+    """
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+        self.peak = 0
+
+    def __enter__(self) -> Self:
+        self._proc = subprocess.Popen([sys.executable, "-c", SAMPLER, str(self.cache)], stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.05)  # a last sample
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=30)
+        self.peak = max([0, *(int(line) for line in out.split())])
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_cache_peak_stays_within_the_limit_plus_one_file_per_worker(s3: S3, tmp_path: Path):
-    """Iterating 40 files of 64 KiB with a 256 KiB cap and 3 workers prefetching, the cache never holds more than 256 + 3 x 64 KiB."""
+    """Iterating 40 files of 64 KiB with a 256 KiB cap and 3 workers prefetching, the cache never holds more than 256 + 64 KiB."""
     digests = make_files(tmp_path / "src", 40, 64 * KIB)
     url = f"s3://{s3.bucket()}/big"
     s3.upload(tmp_path / "src", url)
     cache = tmp_path / "cache"
     limit, workers = 256 * KIB, 3
     ds = StreamingFileDataset(url, transform=slow_digest, cache_dir=cache, cache_limit=limit, prefetch=4)
-    peak, done = [0], threading.Event()
-
-    def measure() -> None:
-        while not done.is_set():
-            total = 0
-            for sub in ("data", "part"):
-                for entry in os.scandir(cache / sub) if (cache / sub).is_dir() else []:
-                    try:
-                        total += entry.stat().st_size
-                    except FileNotFoundError:
-                        pass
-            peak[0] = max(peak[0], total)
-
-    watcher = threading.Thread(target=measure)
-    watcher.start()
-    try:
+    with CachePeak(cache) as peak:
         seen = [pair for batch in DataLoader(ds, batch_size=4, num_workers=workers) for pair in zip(*batch)]
-    finally:
-        done.set()
-        watcher.join()
     assert sorted(seen) == sorted(digests.items())
-    assert 0 < peak[0] <= limit + workers * 64 * KIB, f"peak {peak[0]} bytes"
+    assert 0 < peak.peak <= limit + 64 * KIB, f"peak {peak.peak} bytes"
+
+
+def two_ranks_read_paths(
+    url: str, cache: Path, limit: int, monkeypatch: pytest.MonkeyPatch, transform=None, prefetch_factor: int = 2,
+) -> list[tuple[str, str]]:
+    """2 ranks x 2 DataLoader workers, batch size 2, stepped in lockstep from this process; (name, sha256) of every file the loop got."""
+    loaders = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        ds = StreamingFileDataset(url, seed=1, transform=transform, cache_dir=cache, cache_limit=limit)
+        loaders.append(DataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=prefetch_factor))
+    iters = []
+    for rank, loader in enumerate(loaders):
+        monkeypatch.setenv("RANK", str(rank))
+        iters.append(iter(loader))
+    seen = []
+    for batches in zip(*iters):
+        time.sleep(0.01)  # the training step: workers fetch and evict meanwhile
+        for batch in batches:
+            seen += list(zip(*batch)) if transform is not None else [digest(path) for path in batch]
+    return seen
+
+
+@pytest.fixture
+def quarter_mib_files(s3: S3, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """40 files of 256 KiB on S3, and their digests."""
+    digests = make_files(tmp_path / "src", 40, 256 * KIB)
+    url = f"s3://{s3.bucket()}/quarter"
+    s3.upload(tmp_path / "src", url)
+    return url, digests
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_pinned_paths_under_a_cap_too_small_for_them_are_refused_when_the_dataloader_is_made(
+    quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+):
+    """2 ranks x 2 workers handing out paths pin 32 files of 256 KiB: a 2 MiB cap is refused up front, with the numbers and the ways out (also without workers, and iterating the bare dataset)."""
+    url, _ = quarter_mib_files
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = StreamingFileDataset(url, cache_dir=tmp_path / "cache", cache_limit="2MiB")
+    with pytest.raises(ValueError) as err:
+        DataLoader(ds, batch_size=2, num_workers=2)
+    message = str(err.value)
+    for part in ("cache_limit=2097152 bytes (2.0 MiB)", "4 reading processes (2 ranks on this machine x 2 DataLoader workers)",
+                 "(prefetch_factor 2 + 2) x batch_size 2 = 8", "8388608 bytes (8.0 MiB)", "transform", "num_workers",
+                 "prefetch_factor"):
+        assert part in message, message
+    with_transform = StreamingFileDataset(url, transform=digest, cache_dir=tmp_path / "cache", cache_limit="2MiB")
+    DataLoader(with_transform, batch_size=2, num_workers=2)  # read in the worker, released at once: it fits
+    with pytest.raises(ValueError, match=r"2 reading processes \(the ranks on this machine, no DataLoader workers\) "
+                       r"each keep the last 2 x batch_size 8 = 16 paths"):
+        DataLoader(ds, batch_size=8)
+    with pytest.raises(ValueError, match=r"2 reading processes on this machine each keep the last keep_yielded=16 .* "
+                       r"up to 8388608 bytes \(8.0 MiB\).* lower keep_yielded"):
+        next(iter(StreamingFileDataset(url, cache_dir=tmp_path / "cache", cache_limit="2MiB")))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_paths_from_two_ranks_and_two_workers_each_stay_within_the_cap(
+    quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+):
+    """2 ranks x 2 workers (prefetch_factor 1) handing out paths of 40 files of 256 KiB under a 6.5 MiB cap: the cache never holds more than the cap plus one file, and every file reaches the loop once, still readable."""
+    url, digests = quarter_mib_files
+    cache, limit = tmp_path / "cache", 6 * 2**20 + 512 * KIB
+    with CachePeak(cache) as peak:
+        seen = two_ranks_read_paths(url, cache, limit, monkeypatch, prefetch_factor=1)
+    assert sorted(seen) == sorted(digests.items())
+    assert 0 < peak.peak <= limit + 256 * KIB, f"peak {peak.peak} bytes"
+    assert len(list((cache / "data").iterdir())) < 40, "nothing was evicted: the cap did not bite"
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_transform_reads_through_a_small_cap_from_two_ranks_and_two_workers_each(
+    quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+):
+    """With a transform, the measured layout (2 ranks x 2 workers, batch 2, 40 x 256 KiB) reads every file once under a 2 MiB cap, never above it plus one file."""
+    url, digests = quarter_mib_files
+    cache, limit = tmp_path / "cache", 2 * 2**20
+    with CachePeak(cache) as peak:
+        seen = two_ranks_read_paths(url, cache, limit, monkeypatch, transform=digest)
+    assert sorted(seen) == sorted(digests.items())
+    assert 0 < peak.peak <= limit + 256 * KIB, f"peak {peak.peak} bytes"
 
 
 def test_cache_limit_smaller_than_the_largest_file_is_an_error_at_once(remote, tmp_path: Path):

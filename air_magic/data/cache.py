@@ -3,6 +3,7 @@
 Layout under the cache directory (mode 0700):
 
     .lock                 flock'ed for every decision about space (short critical sections)
+    .wanted               its mtime is renewed while a process waits for room (see "pressure")
     data/<key>            complete files; their mtime is the last use (least recently used goes first)
     part/<key>.<pid>.<size>.part   a download in progress, counted at its full size
     pins/<pid>            keys a live process still needs (prefetched, yielded and maybe unread, or
@@ -14,10 +15,17 @@ lock. The filesystem is the only ledger, so nothing is lost or stuck when a proc
 dies: the kernel drops a dead process's flock, and the next process to take the
 lock deletes the dead one's partial downloads and ignores its pins. Files are
 published with an atomic rename, so two runs sharing a directory never see a
-half-written file. Bytes on disk (complete + partial) stay within `limit`,
-except that a process with no download in flight may always fetch the one file
-it needs next: that is what keeps a small cap from deadlocking, and bounds the
-peak at `limit` plus one file per process. A floor of free disk space is kept.
+half-written file. A floor of free disk space is kept.
+
+The cap: bytes on disk (complete + partial) stay within `limit`, except that the
+file a process needs next may go over it by itself when nothing else is over:
+that keeps a small cap from deadlocking and bounds the peak at `limit` plus one
+file. The rest of the time a download waits for room. Announcements and lazily
+published unpins would let files nobody is using fill the cap, so a process that
+waits for room renews `.wanted`; while it is fresh, every process (a watcher
+thread each, also in idle DataLoader workers) withdraws its announcements and
+publishes exactly its live pins. What live pins may hold is the reader's budget
+(`cache_need`): the caller checks it fits the cap before reading.
 
 Not for local sources: those are read in place and never enter the cache.
 """
@@ -30,6 +38,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 from collections import Counter
@@ -38,6 +47,28 @@ from contextlib import contextmanager
 from typing import Any
 
 _PART = re.compile(r"^(?P<key>.+)\.(?P<pid>[0-9]+)\.(?P<size>[0-9]+)\.part$")
+WANTED_FRESH = 1.0  # seconds a wait for room is taken as still going on without being renewed
+
+# flock belongs to the open file description, which a forked child shares: a lock held by one thread
+# while another forks (a DataLoader starting its workers) would outlive the parent's close. The child
+# closes its copies; the guard keeps a fork from falling between opening a lock and recording it.
+_HELD: set[int] = set()
+_FORK_GUARD = threading.Lock()
+
+
+def _close_held_in_child() -> None:
+    global _FORK_GUARD
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+    _FORK_GUARD = threading.Lock()
+
+
+os.register_at_fork(before=lambda: _FORK_GUARD.acquire(), after_in_parent=lambda: _FORK_GUARD.release(),
+                    after_in_child=_close_held_in_child)
 
 
 def _alive(pid: int) -> bool:
@@ -59,6 +90,23 @@ def cache_key(url: str, size: int, version: str) -> str:
     return f"{digest}-{base}"
 
 
+def cache_need(sizes: list[int] | tuple[int, ...], readers: int, keep: int) -> int:
+    """Bytes that `readers` processes, each keeping its last `keep` files pinned, may hold at once (worst case).
+
+    That is the `readers * keep` largest files (every file at most once: a file twice in the cache is one file).
+    """
+    count = min(len(sizes), max(0, readers) * max(0, keep))
+    return sum(sorted(sizes, reverse=True)[:count])
+
+
+def human_size(n: int) -> str:
+    """Bytes, with a binary unit when that is shorter to read: "8388608 bytes (8.0 MiB)"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n} bytes ({n / scale:.1f} {unit})"
+    return f"{n} bytes"
+
+
 class FetchCancelled(Exception):
     """A prefetch given up because its iteration ended."""
 
@@ -72,7 +120,7 @@ class FileCache:
 
     def __init__(
         self, directory: str, limit: int | None, min_free: int, retries: int = 5, backoff: float = 0.5,
-        poll: float = 0.02,
+        poll: float = 0.02, stall_report: float = 60.0,
     ) -> None:
         self.directory = os.path.abspath(directory)
         self.limit = limit
@@ -80,11 +128,14 @@ class FileCache:
         self.retries = retries
         self.backoff = backoff
         self.poll = poll
+        self.stall_report = stall_report  # seconds a needed file waits for room before this says so on stderr
         self._pins: Counter[str] = Counter()
         self._announced: set[str] = set()
         self._published: set[str] = set()
         self._active = 0
         self._state = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._wanted = os.path.join(self.directory, ".wanted")
         for sub in ("", "data", "part", "pins"):
             path = os.path.join(self.directory, sub)
             os.makedirs(path, mode=0o700, exist_ok=True)
@@ -96,12 +147,16 @@ class FileCache:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        with _FORK_GUARD:
+            fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            _HELD.add(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)  # closing the descriptor drops the lock
+            with _FORK_GUARD:
+                _HELD.discard(fd)
+                os.close(fd)  # closing the descriptor drops the lock (no forked child holds a copy)
 
     def usage(self) -> int:
         """Bytes the cache holds now: complete files plus downloads in progress at their full size."""
@@ -160,15 +215,51 @@ class FileCache:
             return
         with open(path, "w") as f:  # in place: every reader holds the lock, as every writer does
             f.write("\n".join(sorted(keys)) + "\n")
+        if self._watcher is None:  # under self._state, as the watcher's decision to stop
+            self._watcher = threading.Thread(target=self._watch, name="air-magic-cache-watch", daemon=True)
+            self._watcher.start()
+
+    def pressure(self) -> bool:
+        """Whether some process is waiting for room now (it renewed `.wanted` within WANTED_FRESH seconds)."""
+        try:
+            return time.time() - os.stat(self._wanted).st_mtime < WANTED_FRESH
+        except FileNotFoundError:
+            return False
+
+    def _want_room(self) -> None:
+        try:
+            os.utime(self._wanted)
+        except FileNotFoundError:
+            open(self._wanted, "a").close()
+
+    def settle(self) -> None:
+        """Withdraw this process's announcements and publish exactly its live pins (what others may not evict)."""
+        with self._locked(), self._state:
+            live = {k for k, n in self._pins.items() if n > 0}
+            if self._announced or self._published != live:
+                self._announced = set()
+                self._publish()
+
+    def _watch(self) -> None:
+        """While this process publishes pins: settle them whenever someone waits for room (idle workers too)."""
+        while True:
+            time.sleep(self.poll)
+            with self._state:
+                if not self._published:
+                    self._watcher = None
+                    return
+            if self.pressure():
+                self.settle()
 
     def announce(self, keys: list[str]) -> None:
         """Keys this process will fetch soon: published as pins in one write, so pinning them later costs nothing.
 
         Other processes do not evict them meanwhile (they are about to be read). Unpins are lazy: the
-        published set is a superset of the live pins until the next announcement rewrites it.
+        published set is a superset of the live pins until the next announcement rewrites it. While
+        someone waits for room nothing is announced (see `settle`): those files are then found by `fetch`.
         """
         with self._locked(), self._state:  # an eviction runs wholly before (then lookup misses) or after (then it sees them)
-            self._announced = set(keys)
+            self._announced = set() if self.pressure() else set(keys)
             self._publish()
 
     def lookup(self, key: str) -> str | None:
@@ -177,22 +268,27 @@ class FileCache:
         Safe without the lock: nobody evicts an announced key once `announce` returned (see there).
         """
         final = self.path(key)
-        if key not in self._announced:
-            return None
-        try:
-            os.utime(final)
-        except FileNotFoundError:
-            return None
-        self._pin(key)
+        with self._state:  # a concurrent `settle` withdraws the announcement wholly before or after this
+            if key not in self._announced:
+                return None
+            try:
+                os.utime(final)
+            except FileNotFoundError:
+                return None
+            self._pins[key] += 1  # published already: it is announced
         return final
 
     def unpin(self, key: str) -> None:
-        """This process no longer needs `key`: it may evict it (others may once the next announcement drops it)."""
+        """This process no longer needs `key`: it may evict it (others may once the next announcement drops it,
+        or at once while someone waits for room)."""
         with self._state:
             self._pins[key] -= 1
             if self._pins[key] <= 0:
                 del self._pins[key]
                 self._announced.discard(key)
+            stale = key in self._published and key not in self._pins
+        if stale and self.pressure():
+            self.settle()
 
     def release_all(self) -> None:
         """Drop every pin and announcement of this process."""
@@ -214,14 +310,18 @@ class FileCache:
         """A local path holding `url`, pinned for this process (call `unpin(key)` when done).
 
         Waits for space while `needed_now()` is false (a prefetch); the file needed next may
-        go over the cap by itself when this process has no other download in flight.
+        go over the cap by itself when this process has no other download in flight and nothing else
+        is over the cap, else it waits too, renewing `.wanted` so that others release what they can.
         """
         key = cache_key(url, size, version)
         final = self.path(key)
         part = ""
+        waiting_since: float | None = None
+        held = used = 0
         while not part:
             if stop is not None and stop.is_set():
                 raise FetchCancelled(url)
+            short = False  # waiting for room (not for another process's download of the same file)
             with self._locked():
                 if os.path.exists(final):
                     os.utime(final)
@@ -241,18 +341,28 @@ class FileCache:
                         used, free = used - vsize, free + vsize
                     with self._state:
                         alone = self._active == 0
-                    if self._fits(used, free, size) or (needed_now() and alone):
-                        if free - size < self.min_free and needed_now() and alone:
-                            raise CacheFullError(
-                                f"cannot cache {url} ({size} bytes) in {self.directory}: only {free} bytes free on "
-                                f"that disk and the cache keeps at least {self.min_free} free; free some space, "
-                                f"choose another cache_dir or lower min_free"
-                            )
+                    head = needed_now() and alone
+                    if head and free - size < self.min_free:
+                        raise CacheFullError(
+                            f"cannot cache {url} ({size} bytes) in {self.directory}: only {free} bytes free on "
+                            f"that disk and the cache keeps at least {self.min_free} free; free some space, "
+                            f"choose another cache_dir or lower min_free"
+                        )
+                    over_alone = head and (self.limit is None or used <= self.limit)  # the only file over the cap
+                    short = not (self._fits(used, free, size) or over_alone)
+                    held = sum(s for k, (s, _) in data.items() if k in pinned) + sum(parts.values())
+                    if not short:
                         part = os.path.join(self.directory, "part", f"{key}.{os.getpid()}.{size}.part")
                         open(part, "wb").close()  # the reservation
                         with self._state:
                             self._active += 1
             if not part:
+                if short and needed_now():
+                    self._want_room()
+                    waiting_since = waiting_since or time.monotonic()
+                    if time.monotonic() - waiting_since > self.stall_report:
+                        self._report_stall(url, size, used, held)
+                        waiting_since = float("inf")  # once per file
                 time.sleep(self.poll)
         try:
             self._download(url, size, part, open_fs)
@@ -264,6 +374,16 @@ class FileCache:
             with self._state:
                 self._active -= 1
         return final
+
+    def _report_stall(self, url: str, size: int, used: int, held: int) -> None:
+        print(
+            f"air_magic: {url} ({size} bytes) has waited {self.stall_report:.0f} s for room in the cache at "
+            f"{self.directory}: cache_limit={self.limit} bytes, {used} bytes cached or being fetched, {held} of them "
+            f"pinned by live readers. Readers the DataLoader did not count hold them (another run sharing this "
+            f"cache_dir, a plain torch DataLoader, ranks with more num_workers than this one): raise cache_limit, "
+            f"give the other run its own cache_dir, or pass a transform",
+            file=sys.stderr, flush=True,
+        )
 
     def _fits(self, used: int, free: int, size: int) -> bool:
         cap_ok = self.limit is None or used + size <= self.limit

@@ -6,6 +6,11 @@ reads only its own share (see `order.py`); local files are yielded in place,
 remote ones through the private cache (see `cache.py`) with a few downloads
 running ahead of the file being yielded.
 
+Under a `cache_limit`, what each reading process holds must fit: its last
+`keep_yielded` paths (kept pinned until the training loop opens them; none with
+a `transform`) for every process on the machine, checked before reading, and
+files fetched ahead only within that process's share of what is left.
+
 Not for saving the reading position: `loader.DataLoader` counts what reached
 the training loop and tells the dataset where to start.
 """
@@ -22,7 +27,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .cache import FileCache, cache_key
+from .cache import FileCache, cache_key, cache_need, human_size
 from .order import SPLITS, Plan, worker_share
 from .source import Listing, filesystem, list_files, parse_size
 
@@ -39,6 +44,13 @@ def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _local_ranks() -> int:
+    """Ranks on this machine (they share its cache directory): LOCAL_WORLD_SIZE where the launcher set it."""
+    world = _rank_and_world()[1]
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return min(world, max(1, int(local))) if local.isdigit() else world
 
 
 def _min_free(value: int | str | None, directory: str) -> int:
@@ -70,7 +82,8 @@ class StreamingFileDataset(IterableDataset[Any]):
     retries, backoff: remote reads are retried this many times, waiting backoff * 2**n seconds.
     keep_yielded: cached files a process keeps pinned after yielding them without a transform, so a
         prefetched batch of paths is not evicted before the training loop opens it (the DataLoader
-        of this package sets it from its batch size and prefetch_factor).
+        of this package sets it from its batch size and prefetch_factor). Under a cache_limit, those
+        of every reading process on the machine must fit in it: iterating fails at once otherwise.
     storage_options: passed to fsspec (credentials, endpoint).
     """
 
@@ -122,6 +135,7 @@ class StreamingFileDataset(IterableDataset[Any]):
         self._cache: FileCache | None = None
         self._cache_pid = -1
         self._keys: dict[int, str] = {}
+        self._readers: int | None = None  # processes reading into this machine's cache (set by the DataLoader)
 
     # -- order ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -147,6 +161,28 @@ class StreamingFileDataset(IterableDataset[Any]):
             self._cache_pid = os.getpid()
         return self._cache
 
+    def cache_plan(self, readers: int) -> tuple[int, int | None]:
+        """(bytes the pinned paths of `readers` processes may hold, bytes each may fetch ahead; None: no cap)."""
+        keep = 0 if self.transform is not None else self.keep_yielded
+        need = cache_need(self.listing.sizes, readers, keep)
+        if self.cache_limit is None or self.listing.local:
+            return need, None
+        return need, max(0, self.cache_limit - need) // max(1, readers)
+
+    def _ahead_budget(self) -> int | None:
+        """Bytes this process may fetch ahead of the file it yields; an error if the cap cannot hold the pins."""
+        readers = self._readers or _local_ranks()
+        need, budget = self.cache_plan(readers)
+        if budget is not None and self.cache_limit is not None and need > self.cache_limit:
+            raise ValueError(
+                f"cache_limit={human_size(self.cache_limit)} cannot hold the files this dataset keeps pinned: "
+                f"{readers} reading processes on this machine each keep the last keep_yielded={self.keep_yielded} "
+                f"paths they yielded pinned until they are opened, up to {human_size(need)} for the largest files. "
+                f"Raise cache_limit to at least {human_size(need)}, pass a transform (each file is then read "
+                f"where it was fetched and released at once) or lower keep_yielded"
+            )
+        return budget
+
     def __iter__(self) -> Iterator[Any]:
         files = self.plan().rank_files()
         info = get_worker_info()
@@ -160,6 +196,7 @@ class StreamingFileDataset(IterableDataset[Any]):
             yield from self._iter_remote(files)
 
     def _iter_remote(self, files: list[int]) -> Iterator[Any]:
+        budget = self._ahead_budget()
         cache = self._file_cache()
         listing = self.listing
         fs_holder: dict[int, Any] = {}
@@ -185,9 +222,11 @@ class StreamingFileDataset(IterableDataset[Any]):
                 known[i] = cache_key(listing.url(i), listing.sizes[i], listing.versions[i])
         keys = [known[i] for i in files]
 
+        sizes = [listing.sizes[i] for i in files]
         yielded: deque[str] = deque()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.prefetch, 16)), thread_name_prefix="air-magic-fetch")
         pending: deque[Future[str] | str] = deque()
+        finished = False
         try:
             submitted = 0
             window = 64 + self.prefetch
@@ -195,9 +234,13 @@ class StreamingFileDataset(IterableDataset[Any]):
                 head[0] = pos
                 if pos % 64 == 0:  # publish the next files as pinned in one write (see FileCache.announce)
                     cache.announce(keys[pos:pos + window] + list(yielded))
+                ahead = sum(sizes[pos + 1:submitted])  # fetched or fetching ahead of this one, held meanwhile
                 while submitted < len(files) and submitted <= pos + self.prefetch:
+                    if submitted > pos and budget is not None and ahead + sizes[submitted] > budget:
+                        break  # this process's share of the cap is taken: fetch further when the head moves
                     hit = cache.lookup(keys[submitted])  # a cached file needs no thread
                     pending.append(hit if hit is not None else pool.submit(fetch, submitted))
+                    ahead += sizes[submitted] if submitted > pos else 0
                     submitted += 1
                 first = pending.popleft()
                 local = first if isinstance(first, str) else first.result()
@@ -213,6 +256,7 @@ class StreamingFileDataset(IterableDataset[Any]):
                     while len(yielded) > self.keep_yielded:
                         cache.unpin(yielded.popleft())
                     yield local
+            finished = True
         finally:
             stop.set()  # fetches still waiting for space give up
             for fut in pending:
@@ -224,8 +268,9 @@ class StreamingFileDataset(IterableDataset[Any]):
                     cache.unpin(os.path.basename(fut))
                 elif fut.done() and not fut.cancelled() and fut.exception() is None:
                     cache.unpin(os.path.basename(fut.result()))
-            for key in yielded:
-                cache.unpin(key)
+            if not (finished and get_worker_info() is not None):
+                for key in yielded:  # a DataLoader worker's last batches may still be queued: kept while it lives
+                    cache.unpin(key)
             cache.announce([])
 
     def __getstate__(self) -> dict[str, Any]:

@@ -7,6 +7,10 @@ them to positions of the epoch's global order, assuming ranks advance in
 lockstep (as collective training does), so rank 0's state resumes every rank,
 on any number of ranks and DataLoader workers.
 
+Under a `cache_limit` it also checks, when made and at each iteration, that the
+cache can hold the paths its workers keep pinned for batches in flight, and
+refuses with the numbers and the ways out when it cannot.
+
 Not for other datasets: a map-style dataset resumes with a sampler instead.
 """
 
@@ -17,7 +21,8 @@ from typing import Any
 
 import torch.utils.data
 
-from .dataset import StreamingFileDataset, _rank_and_world
+from .cache import human_size
+from .dataset import StreamingFileDataset, _local_ranks, _rank_and_world
 from .order import Plan
 
 STATE_VERSION = 1
@@ -31,7 +36,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     `set_epoch(e)` moves to the start of epoch `e` (calling it with the current epoch changes nothing,
     so `for epoch in range(start, n): loader.set_epoch(epoch)` resumes mid-epoch). Ranks may use
     different `num_workers`; fork, spawn and forkserver all work. `persistent_workers=True` is refused:
-    persistent workers would keep the order of the epoch they started in.
+    persistent workers would keep the order of the epoch they started in. Under the dataset's
+    `cache_limit`, a layout whose pinned paths cannot fit is refused here (see `_check_cache`).
     """
 
     def __init__(self, dataset: StreamingFileDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
@@ -49,6 +55,43 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._epoch = dataset.epoch
         self._start = dataset._start
         self._live: _Counted | None = None
+        self._check_cache()
+
+    def _keep(self) -> int:
+        """Paths a reading process keeps pinned after yielding them.
+
+        A worker: the batch in the loop's hands, the prefetch_factor batches queued, one more. Without
+        workers: the batch being made and the one before (the loop is done with it when it asks for more).
+        """
+        chunk = 1 if self.batch_size is None else int(self.batch_size)
+        return (int(self.prefetch_factor or 2) + 2) * chunk if self.num_workers else 2 * chunk
+
+    def _check_cache(self) -> None:
+        """Tell the dataset how many processes read into this machine's cache; refuse a cap their pins overflow."""
+        dataset: StreamingFileDataset = self.dataset  # type: ignore[assignment]
+        ranks, workers = _local_ranks(), int(self.num_workers)
+        readers = ranks * max(1, workers)
+        dataset.keep_yielded = self._keep()
+        dataset._readers = readers
+        need, budget = dataset.cache_plan(readers)
+        limit = dataset.cache_limit
+        if budget is None or limit is None or need <= limit:
+            return
+        chunk = 1 if self.batch_size is None else int(self.batch_size)
+        if workers:
+            who = f"{readers} reading processes ({ranks} ranks on this machine x {workers} DataLoader workers)"
+            why = f"(prefetch_factor {int(self.prefetch_factor or 2)} + 2) x batch_size {chunk} = {self._keep()}"
+            ways = "use fewer num_workers, a smaller prefetch_factor or a smaller batch_size"
+        else:
+            who = f"{readers} reading processes (the ranks on this machine, no DataLoader workers)"
+            why = f"2 x batch_size {chunk} = {self._keep()}"
+            ways = "use a smaller batch_size"
+        raise ValueError(
+            f"cache_limit={human_size(limit)} cannot hold the cached files this DataLoader keeps pinned: {who} "
+            f"each keep the last {why} paths they handed out pinned until the training loop has opened them, "
+            f"up to {human_size(need)} for the largest files. Raise cache_limit to at least {human_size(need)}; "
+            f"or pass the dataset a transform (each file is then read in the worker and released at once); or {ways}"
+        )
 
     @property
     def epoch(self) -> int:
@@ -93,7 +136,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         dataset.epoch, dataset._start = self._epoch, self._start
         chunk = 1 if self.batch_size is None else int(self.batch_size)
         dataset._chunk = chunk
-        dataset.keep_yielded = (int(self.prefetch_factor or 2) + 2) * chunk
+        self._check_cache()  # the layout is known for sure now
         counted = _Counted(super().__iter__(), dataset.plan(), chunk)
         self._live = counted
         return counted
