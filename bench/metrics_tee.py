@@ -1,4 +1,4 @@
-"""Cost of the live-chart copy of each `mlflow.log_metric` call in a worker (air_magic/mlflow_worker.py).
+"""Cost of the live-chart copy of each `mlflow.log_metric` call in a worker (air_magic/tracking/hook.py).
 
 In one plain process set up as a worker of a call is (MLflow's asynchronous logging,
 `MLFLOW_RUN_ID` of a run in a fresh local store, `AIR_MAGIC_RUN_DIR`, `RANK`), times (CPU time of the calling thread)
@@ -30,13 +30,13 @@ PROBE = r"""
 import json, os, sys, time
 calls, rounds = int(sys.argv[1]), int(sys.argv[2])
 import mlflow
-from air_magic.tracking import ASYNC_LOGGING_ENV
+from air_magic.tracking.listener import ASYNC_LOGGING_ENV
 client = mlflow.MlflowClient()
 run = client.create_run(client.create_experiment("tee-" + str(time.time()))).info.run_id
 os.environ.update(ASYNC_LOGGING_ENV, MLFLOW_RUN_ID=run, AIR_MAGIC_MLFLOW_RUN_ID=run, RANK="0")
 mlflow.log_metric("warm", 0.0)
 plain_metric, plain_metrics = mlflow.log_metric, mlflow.log_metrics
-from air_magic import mlflow_worker
+from air_magic.tracking import hook as mlflow_worker
 mlflow_worker._tee_metrics(mlflow, run)
 tee_metric, tee_metrics = mlflow.log_metric, mlflow.log_metrics
 assert tee_metric is not plain_metric

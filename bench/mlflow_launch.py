@@ -68,7 +68,7 @@ out["logging runs"] = sum(1 for r in runs if r.info.run_name == "logs")
 out["logging runs with every rank's metric"] = sum(
     1 for r in runs if r.info.run_name == "logs" and len(client.get_metric_history(r.info.run_id, "x")) == int(r.data.params["world_size"])
 )
-from air_magic import mlflow_ui
+from air_magic.tracking import ui as mlflow_ui
 mlflow_ui.shutdown()
 print(json.dumps(out))
 '''

@@ -44,7 +44,7 @@ def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         import mlflow
         os.environ.update(MLFLOW_TRACKING_URI="sqlite:///{db}", MLFLOW_RUN_ID="0" * 32, MLFLOW_ENABLE_ASYNC_LOGGING="true")
-        from air_magic import mlflow_worker
+        from air_magic.tracking import hook as mlflow_worker
         mlflow_worker.flush()
     """)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=300)
@@ -181,7 +181,7 @@ stubborn.distributed()
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real `mlflow server` on 127.0.0.1 over its own sqlite store, stopped at the end."""
-    from air_magic import mlflow_ui
+    from air_magic.tracking import ui as mlflow_ui
 
     path = tmp_path_factory.mktemp("mlflow-server")
     with pytest.MonkeyPatch.context() as mp:
@@ -224,6 +224,6 @@ def steps(n):
 
 def test_worker_module_keeps_mlflow_out_of_its_imports():
     """The worker-side hook module imports mlflow only inside warm_up and flush, never at import."""
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import air_magic.mlflow_worker, air_magic.launch.worker; print('mlflow' in sys.modules)"
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import air_magic.tracking.hook, air_magic.launch.worker; print('mlflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 

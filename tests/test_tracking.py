@@ -344,7 +344,7 @@ classic.distributed(2000)
 
 def test_configured_server_link_is_that_servers_run_page():
     """With an http(s) tracking URI the link is the configured server's page for the run, and no local UI starts."""
-    from air_magic import mlflow_ui
+    from air_magic.tracking import ui as mlflow_ui
 
     before = {p.pid for p in mlflow_ui_processes()}
     url = mlflow_ui.run_url("https://mlflow.example.org/", "7", "abc123")
