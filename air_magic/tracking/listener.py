@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec
-from . import _compat
+from . import _compat, prepare
 
 #: Experiment used when neither mlflow.set_experiment nor MLFLOW_EXPERIMENT_NAME/ID chose one
 #: and the notebook or script name is unknown.
@@ -165,7 +165,9 @@ class MlflowTracker(Listener):
         self.failure: BaseException | None = None
         self.parent_run_id: str | None = None
         self.chosen_experiment: str | None = None
-        if "mlflow" in sys.modules:  # not imported yet: the notebook cannot have an active run or experiment
+        # Not imported yet (or being imported by prepare.py, which a user's import would have waited for):
+        # the notebook cannot have an active run or experiment.
+        if "mlflow" in sys.modules and not prepare.importing():
             from mlflow.tracking import fluent
 
             parent = fluent.active_run()
@@ -180,6 +182,7 @@ class MlflowTracker(Listener):
 
     def _start_quietly(self, ctx: RunContext) -> None:
         try:
+            prepare.wait()  # the store's first set-up, if the extension started it, is done once
             import mlflow  # noqa: F401 - first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
 
             with quiet_mlflow_logs():
