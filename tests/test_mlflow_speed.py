@@ -124,6 +124,8 @@ def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb
 def nb(kernel):
     """The shared kernel (tracking to a sqlite store), with the logging function defined."""
     kernel.execute("from air_magic import distributed\nimport mlflow" + LOGS_AND_COUNTS_IMPORTS).check()
+    # The import set the store up in the background; the tests' own client opens it only after that.
+    kernel.execute("from air_magic.tracking import prepare\nprepare.wait()").check()
     return kernel
 
 
@@ -226,4 +228,64 @@ def test_worker_module_keeps_mlflow_out_of_its_imports():
     """The worker-side hook module imports mlflow only inside warm_up and flush, never at import."""
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import air_magic.tracking.hook, air_magic.launch.worker; print('mlflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+#: A trivial 2-rank gloo all-reduce, and a timer of one call of it (the text display writes nothing to wait for).
+FIRST_CALLS = """
+import statistics, time
+from air_magic import distributed
+
+def allreduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+call = distributed(2, accelerator_type="CPU")(allreduce)
+
+def timed():
+    t = time.perf_counter()
+    assert call.distributed() == [2.0, 2.0]
+    return time.perf_counter() - t
+"""
+
+
+def wait_idle(pid: int, timeout: float = 180.0) -> None:
+    """Wait until process `pid` has used no CPU for a second (a helper done with its imports)."""
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout
+    last = -1.0
+    while time.monotonic() < deadline:
+        used = sum(proc.cpu_times()[:2])
+        if used == last:
+            return
+        last = used
+        time.sleep(1.0)
+    raise AssertionError(f"process {pid} was still busy after {timeout:g} s")
+
+
+@pytest.mark.slow
+def test_first_call_after_loading_the_extension_costs_about_a_warm_call(tmp_path):
+    """Once the work %load_ext starts in the background is done, the first call with MLflow on (a fresh default
+    store) costs at most 1.5 x a warm call + 0.3 s."""
+    (tmp_path / "runs").mkdir()
+    k = Kernel(tmp_path, env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "text",
+                              "MLFLOW_TRACKING_URI": ""})
+    try:
+        k.execute("%load_ext air_magic").check()
+        k.execute("from air_magic.tracking import prepare\nprepare.wait()", timeout=180).check()
+        (helper,) = supervisor_pids(k)
+        wait_idle(helper)
+        assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
+        k.execute(FIRST_CALLS).check()
+        first = float(k.execute("timed()", timeout=300).check().result)
+        k.execute("timed()", timeout=300).check()  # the second call: the helper's own MLflow warm-up may still run
+        warm = float(k.execute("statistics.median(timed() for _ in range(5))", timeout=300).check().result)
+        assert (tmp_path / "mlflow.db").exists()
+    finally:
+        k.shutdown()
+    assert first <= 1.5 * warm + 0.3, f"first call {first:.2f} s, warm call {warm:.2f} s"
 

@@ -71,6 +71,8 @@ def nb(store):
     procs_before = {p.pid for p in psutil.process_iter()}
     k = Kernel(store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""})
     k.execute("import os, time, re\nimport mlflow\nfrom air_magic import distributed").check()
+    # The import set the default store up in the background; the tests' own client opens it only after that.
+    k.execute("from air_magic.tracking import prepare\nprepare.wait()").check()
     yield k
     k.kc.stop_channels()
     k.km.shutdown_kernel(now=True)  # SIGKILL: the hardest way for a kernel to go
