@@ -31,10 +31,13 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..launch.rundir import RunDir
 from . import _compat
+from .tee import TeeWriter
 
 
 def _patch(mlflow: ModuleType) -> None:
@@ -73,11 +76,6 @@ def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
     run_dir, rank = os.environ.get("AIR_MAGIC_RUN_DIR"), os.environ.get("RANK")
     if not run_dir or rank is None or getattr(mlflow.log_metric, "_air_magic_tee", False):
         return
-    from pathlib import Path
-
-    from ..launch.rundir import RunDir
-    from .tee import TeeWriter
-
     write = TeeWriter(RunDir(Path(run_dir)).chart_metrics(int(rank))).write
 
     def ours(target: Any) -> bool:
