@@ -19,7 +19,7 @@ Calls alternate, after a first call that starts the helper and one call of each 
 lets it warm up; medians of --repeat. Every metric is counted in the store afterwards.
 
     python bench/mlflow_launch.py [--parts first warm] [--pause 5] [--warm-calls 5] [--repeat 5] [--ranks 1 2]
-                                  [--out bench/results/mlflow_launch-cpu.json]
+                                  [--cpu] [--out bench/results/mlflow_launch-cpu.json]
 """
 
 from __future__ import annotations
@@ -165,9 +165,10 @@ def main() -> None:
     ap.add_argument("--warm-calls", type=int, default=5, help="calls after the second one (their median is 'warm')")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--cpu", action="store_true", help="CPU ranks even on a node with GPUs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    gpus = _gpu_count()
+    gpus = 0 if args.cpu else _gpu_count()
     kind = "GPU" if gpus else "CPU"
     ranks = [n for n in args.ranks if not gpus or n <= gpus]
     device = _device_name() if gpus else "CPU"
