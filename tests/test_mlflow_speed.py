@@ -44,8 +44,8 @@ def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         import mlflow
         os.environ.update(MLFLOW_TRACKING_URI="sqlite:///{db}", MLFLOW_RUN_ID="0" * 32, MLFLOW_ENABLE_ASYNC_LOGGING="true")
-        from air_magic.tracking import hook as mlflow_worker
-        mlflow_worker.flush()
+        from air_magic.tracking import hook
+        hook.flush()
     """)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=300)
     assert not db.exists(), "flush() built the tracking store (and created its database) with nothing to send"
