@@ -52,31 +52,26 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magics import load_ipython_extension as load
 
     load(ipython)
-    _prepare_first_call()
+    _prepare_first_call(ipython)
 
 
-def _prepare_first_call() -> None:
+def _prepare_first_call(ipython: Any) -> None:
     """Start, in the background, what a first call would wait for: the supervisor (it imports torch, not CUDA)
-    and MLflow's import and store set-up in this process. Returns at once; a call made earlier waits for it."""
+    and, unless %%distributed cells are configured without MLflow, MLflow's import and store set-up in this
+    process. Returns at once; a call made earlier waits for it."""
     from .launch.local import warm_up
     from .tracking.prepare import start
 
     warm_up()
-    start()
+    if ipython.config.get("DistributedMagics", {}).get("mlflow", True) is not False:
+        start()
 
 
-def unload_ipython_extension(ipython: Any) -> None:
-    """`%unload_ext air_magic`: remove the magic and stop the supervisor."""
-    from .magics import unload_ipython_extension as unload
-
-    unload(ipython)
-
-
-def _in_ipython() -> bool:
-    """Whether this process is an IPython session (a notebook's kernel); ranks and helpers import no IPython."""
+def _shell() -> Any:
+    """This process's IPython shell (a notebook's kernel), or None; ranks and helpers import no IPython."""
     ipython = sys.modules.get("IPython")
-    return ipython is not None and ipython.get_ipython() is not None
+    return None if ipython is None else ipython.get_ipython()
 
 
-if _in_ipython():
-    _prepare_first_call()  # `import air_magic` in a notebook prepares the first call as `%load_ext` does
+if _shell() is not None:
+    _prepare_first_call(_shell())  # `import air_magic` in a notebook prepares the first call as `%load_ext` does

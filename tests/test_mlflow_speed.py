@@ -289,3 +289,52 @@ def test_first_call_after_loading_the_extension_costs_about_a_warm_call(tmp_path
         k.shutdown()
     assert first <= 1.5 * warm + 0.3, f"first call {first:.2f} s, warm call {warm:.2f} s"
 
+
+@pytest.mark.slow
+def test_background_preparation_starts_once_and_a_caller_waits_for_it(tmp_path):
+    """start() twice makes one preparation thread; wait() returns once mlflow is imported and the store is set up."""
+    code = f"""
+import sys, threading, os
+sys.path.insert(0, {str(ROOT)!r})
+from air_magic.tracking import prepare
+prepare.start(); prepare.start()
+names = [t.name for t in threading.enumerate() if t.name == "air_magic-mlflow-prepare"]
+prepare.wait()
+print(len(names), "mlflow" in sys.modules, os.path.exists("mlflow.db"), "torch" in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
+    assert done.stdout.split() == ["1", "True", "True", "False"]
+
+
+SHELL_LOADS = """
+import os, sys, threading
+sys.path.insert(0, {root!r})
+from traitlets.config import Config
+from IPython.core.interactiveshell import InteractiveShell
+config = Config()
+if {off}:
+    config.DistributedMagics.mlflow = False
+shell = InteractiveShell.instance(config=config)
+shell.run_cell({how!r}).raise_error()
+started = [t.name for t in threading.enumerate() if t.name == "air_magic-mlflow-prepare"]
+from air_magic.tracking import prepare
+prepare.wait()
+print(len(started), os.path.exists("mlflow.db"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "off", "expected"), [
+    ("import air_magic", False, "1 True"),
+    ("%load_ext air_magic", False, "1 True"),
+    ("%load_ext air_magic", True, "0 False"),
+])
+def test_loading_in_ipython_prepares_mlflow_unless_cells_are_configured_without_it(tmp_path, how, off, expected):
+    """`import air_magic` or `%load_ext` in an IPython shell start MLflow's set-up; `DistributedMagics.mlflow = False`
+    in the config makes no store."""
+    code = SHELL_LOADS.format(root=str(ROOT), off=off, how=how)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["AIR_MAGIC_WARM"] = "0"  # no helper process: this is about the notebook's side
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
+    assert done.stdout.split()[-2:] == expected.split()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from air_magic.jupyter import absolute_proxy_path, jupyter_base_url
 from air_magic.launch.rundir import RunDir
-from air_magic.tracking import _compat, prepare, tee
+from air_magic.tracking import _compat, tee
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,23 +118,6 @@ def test_worker_side_modules_import_no_mlflow_ipython_or_widgets():
     assert done.stdout.strip() == "[]"
 
 
-def test_background_preparation_starts_once_and_a_caller_waits_for_it(tmp_path):
-    """start() twice makes one preparation thread; wait() returns once mlflow is imported and the store is set up."""
-    code = f"""
-import sys, threading, os
-sys.path.insert(0, {str(ROOT)!r})
-from air_magic.tracking import prepare
-prepare.start(); prepare.start()
-names = [t.name for t in threading.enumerate() if t.name == "air_magic-mlflow-prepare"]
-prepare.wait()
-print(len(names), "mlflow" in sys.modules, os.path.exists("mlflow.db"), "torch" in sys.modules)
-"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
-    assert done.stdout.split() == ["1", "True", "True", "False"]
-    assert not prepare.importing()  # never started in this process
-
-
 def test_jupyter_base_url_comes_from_the_parent_servers_runtime_file(tmp_path, monkeypatch):
     """The kernel's parent server's jpserver file gives the base URL; no file, no URL."""
     pytest.importorskip("jupyter_server_proxy")
@@ -145,3 +127,4 @@ def test_jupyter_base_url_comes_from_the_parent_servers_runtime_file(tmp_path, m
     (tmp_path / "jpserver-424242.json").write_text(json.dumps({"base_url": "/user/ann"}))
     assert jupyter_base_url() == "/user/ann/"
     assert absolute_proxy_path("/user/ann/", 5000) == "/user/ann/proxy/absolute/5000"
+
