@@ -67,6 +67,13 @@ def _prepare_first_call(ipython: Any) -> None:
         start()
 
 
+def unload_ipython_extension(ipython: Any) -> None:
+    """`%unload_ext air_magic`: remove the magic and stop the supervisor."""
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)
+
+
 def _shell() -> Any:
     """This process's IPython shell (a notebook's kernel), or None; ranks and helpers import no IPython."""
     ipython = sys.modules.get("IPython")
