@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .accelerators import AcceleratorType, GPUType
@@ -48,11 +49,22 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext air_magic`: register the %%distributed magic."""
-    from .launch.local import warm_up
     from .magics import load_ipython_extension as load
 
     load(ipython)
-    warm_up()  # start the supervisor in the background: it imports torch, not CUDA
+    _prepare_first_call(ipython)
+
+
+def _prepare_first_call(ipython: Any) -> None:
+    """Start, in the background, what a first call would wait for: the supervisor (it imports torch, not CUDA)
+    and, unless %%distributed cells are configured without MLflow, MLflow's import and store set-up in this
+    process. Returns at once; a call made earlier waits for it."""
+    from .launch.local import warm_up
+    from .tracking.prepare import start
+
+    warm_up()
+    if ipython.config.get("DistributedMagics", {}).get("mlflow", True) is not False:
+        start()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -60,3 +72,13 @@ def unload_ipython_extension(ipython: Any) -> None:
     from .magics import unload_ipython_extension as unload
 
     unload(ipython)
+
+
+def _shell() -> Any:
+    """This process's IPython shell (a notebook's kernel), or None; ranks and helpers import no IPython."""
+    ipython = sys.modules.get("IPython")
+    return None if ipython is None else ipython.get_ipython()
+
+
+if _shell() is not None:
+    _prepare_first_call(_shell())  # `import air_magic` in a notebook prepares the first call as `%load_ext` does

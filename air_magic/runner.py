@@ -361,7 +361,7 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
 
     listeners: list[Listener] = []
     if spec.mlflow:
-        from .tracking import make_tracker
+        from .tracking.listener import make_tracker
 
         tracker = make_tracker(spec)
         if tracker is not None:

@@ -1,8 +1,8 @@
-"""Cost of the live-chart copy of each `mlflow.log_metric` call in a worker (air_magic/mlflow_worker.py).
+"""Cost of the live-chart copy of each `mlflow.log_metric` call in a worker (air_magic/tracking/hook.py).
 
 In one plain process set up as a worker of a call is (MLflow's asynchronous logging,
 `MLFLOW_RUN_ID` of a run in a fresh local store, `AIR_MAGIC_RUN_DIR`, `RANK`), times (CPU time of the calling thread)
-`mlflow.log_metric` without and with the copy to `rank-N.metrics.jsonl`, interleaved
+`mlflow.log_metric` without and with the copy to the rank's chart file (`RunDir.chart_metrics`), interleaved
 in rounds of `--calls` calls, and the same for `mlflow.log_metrics` with 4 values; then
 the copy alone (the same wrapper around functions that do nothing), which is what the
 charts add to a training step whatever MLflow's own cost is.
@@ -30,14 +30,14 @@ PROBE = r"""
 import json, os, sys, time
 calls, rounds = int(sys.argv[1]), int(sys.argv[2])
 import mlflow
-from air_magic.tracking import ASYNC_LOGGING_ENV
+from air_magic.tracking.listener import ASYNC_LOGGING_ENV
 client = mlflow.MlflowClient()
 run = client.create_run(client.create_experiment("tee-" + str(time.time()))).info.run_id
 os.environ.update(ASYNC_LOGGING_ENV, MLFLOW_RUN_ID=run, AIR_MAGIC_MLFLOW_RUN_ID=run, RANK="0")
 mlflow.log_metric("warm", 0.0)
 plain_metric, plain_metrics = mlflow.log_metric, mlflow.log_metrics
-from air_magic import mlflow_worker
-mlflow_worker._tee_metrics(mlflow, run)
+from air_magic.tracking import hook
+hook._tee_metrics(mlflow, run)
 tee_metric, tee_metrics = mlflow.log_metric, mlflow.log_metrics
 assert tee_metric is not plain_metric
 def time_loop(fn, many):
@@ -60,12 +60,14 @@ fake.log_metrics = lambda *a, **k: None
 run_dir = os.environ["AIR_MAGIC_RUN_DIR"]
 os.environ["AIR_MAGIC_RUN_DIR"] = os.path.join(run_dir, "alone")
 os.mkdir(os.environ["AIR_MAGIC_RUN_DIR"], 0o700)
-mlflow_worker._tee_metrics(fake, run)
+hook._tee_metrics(fake, run)
 out["tee_alone_metric_us"] = [time_loop(fake.log_metric, False) for _ in range(rounds)]
 out["tee_alone_metrics4_us"] = [time_loop(fake.log_metrics, True) for _ in range(rounds)]
 os.environ["AIR_MAGIC_RUN_DIR"] = run_dir
 mlflow.flush_async_logging()
-lines = sum(1 for _ in open(os.path.join(os.environ["AIR_MAGIC_RUN_DIR"], "rank-0.metrics.jsonl")))
+from pathlib import Path
+from air_magic.launch.rundir import RunDir
+lines = sum(1 for _ in open(RunDir(Path(run_dir)).chart_metrics(0)))
 out["lines_written"] = lines
 print(json.dumps(out))
 """

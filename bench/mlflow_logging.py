@@ -113,7 +113,7 @@ def main() -> None:
     import mlflow
 
     from air_magic import distributed
-    from air_magic.mlflow_ui import shutdown
+    from air_magic.tracking.ui import shutdown
 
     job = distributed(num_accelerators=args.ranks, accelerator_type="CPU", timeout=3600)(step_loop)
     t = time.perf_counter()
@@ -129,7 +129,7 @@ def main() -> None:
     history = client.get_metric_history(run.info.run_id, "loss")
     logs = "".join(p.read_text(errors="replace") for p in sorted(result.run_dir.glob("rank-*.log")))
     per_rank = result.values
-    from air_magic.tracking import ASYNC_LOGGING_ENV
+    from air_magic.tracking.listener import ASYNC_LOGGING_ENV
 
     def probe(steps: int, mode: str) -> dict[str, float]:
         done = subprocess.run(

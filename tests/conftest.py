@@ -43,7 +43,7 @@ def _live_supervisor(proc: psutil.Process) -> bool:
     """A kernel's supervisor (and its local MLflow UI) is meant to outlive a test while its kernel lives."""
     try:
         cmd = " ".join(proc.cmdline())
-        return ("air_magic.launch.local.supervisor" in cmd or "air_magic.mlflow_ui" in cmd) and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
+        return ("air_magic.launch.local.supervisor" in cmd or "air_magic.tracking.ui" in cmd) and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
     except psutil.Error:
         return False
 

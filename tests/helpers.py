@@ -231,7 +231,7 @@ def ours(proc: psutil.Process, kind: str | None = None) -> bool:
 def is_supervisor(proc: psutil.Process) -> bool:
     """A per-kernel helper (the supervisor, the MLflow UI), not a worker forked from the supervisor."""
     try:
-        if "air_magic.mlflow_ui" in " ".join(proc.cmdline()) or "mlflow" in proc.name():
+        if "air_magic.tracking.ui" in " ".join(proc.cmdline()) or "mlflow" in proc.name():
             return True
         mine = "air_magic.launch.local.supervisor" in " ".join(proc.cmdline())
         parent = proc.parent()

@@ -43,7 +43,8 @@ def test_link_opens_the_run_with_its_metric_through_jupyter(lab):
         out = lab.execute(
             kernel,
             """
-from air_magic import distributed, mlflow_ui
+from air_magic import distributed
+from air_magic.tracking import ui as mlflow_ui
 @distributed(num_accelerators=2, accelerator_type="CPU")
 def train():
     import os, mlflow

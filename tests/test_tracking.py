@@ -71,6 +71,8 @@ def nb(store):
     procs_before = {p.pid for p in psutil.process_iter()}
     k = Kernel(store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""})
     k.execute("import os, time, re\nimport mlflow\nfrom air_magic import distributed").check()
+    # The import set the default store up in the background; the tests' own client opens it only after that.
+    k.execute("from air_magic.tracking import prepare\nprepare.wait()").check()
     yield k
     k.kc.stop_channels()
     k.km.shutdown_kernel(now=True)  # SIGKILL: the hardest way for a kernel to go
@@ -344,7 +346,7 @@ classic.distributed(2000)
 
 def test_configured_server_link_is_that_servers_run_page():
     """With an http(s) tracking URI the link is the configured server's page for the run, and no local UI starts."""
-    from air_magic import mlflow_ui
+    from air_magic.tracking import ui as mlflow_ui
 
     before = {p.pid for p in mlflow_ui_processes()}
     url = mlflow_ui.run_url("https://mlflow.example.org/", "7", "abc123")

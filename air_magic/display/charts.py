@@ -1,7 +1,7 @@
 """Live metric charts: what the ranks log with `mlflow.log_metric(s)`, read from their run-directory files.
 
-Each rank's MLflow hook (mlflow_worker.py) appends one JSON line per value to
-`rank-N.metrics.jsonl` in the run directory; `MetricsTail` follows those files
+Each rank's MLflow hook appends one JSON line per value to its chart file in
+the run directory (the format: tracking/tee.py); `MetricsTail` follows those files
 from the display's poll, so the charts never ask the tracking server anything.
 `charts_html` draws one small inline-SVG line chart per metric, one line per
 rank, bounded in points. Knows nothing about widgets; the panel and the static
@@ -11,9 +11,10 @@ record both use it.
 from __future__ import annotations
 
 import html
-import json
-import math
 from pathlib import Path
+
+from ..launch.rundir import RunDir
+from ..tracking.tee import decode
 
 #: Points kept per metric and rank; past that every other point is dropped (the newest is always kept).
 MAX_POINTS = 400
@@ -26,8 +27,8 @@ _W, _H, _PAD = 240, 96, 4
 
 
 def metrics_path(run_dir: Path, rank: int) -> Path:
-    """Where rank `rank` of a run appends its logged metrics (written by mlflow_worker.py)."""
-    return run_dir / f"rank-{rank}.metrics.jsonl"
+    """Where rank `rank` of a run appends its logged metrics."""
+    return RunDir(run_dir).chart_metrics(rank)
 
 
 class _Series:
@@ -81,18 +82,11 @@ class MetricsTail:
         return added
 
     def _take(self, rank: int, line: bytes) -> bool:
-        try:
-            item = json.loads(line)
-            key, value = str(item["key"]), float(item["value"])
-        except (ValueError, KeyError, TypeError):
+        point = decode(line)
+        if point is None:
             return False
-        if not math.isfinite(value):
-            return False
-        per_rank = self.series.setdefault(key, {})
-        series = per_rank.setdefault(rank, _Series())
-        step = item.get("step")
-        x = float(step) if isinstance(step, (int, float)) else float(series.count)
-        series.add(x, value)
+        series = self.series.setdefault(point.key, {}).setdefault(rank, _Series())
+        series.add(float(series.count) if point.step is None else point.step, point.value)
         return True
 
 

@@ -139,8 +139,12 @@ class RunDir:
         return self.path / f"rank-{rank}.error.pkl"
 
     def metrics(self, rank: int) -> Path:
-        """What the rank logged to MLflow, as JSON lines, when it cannot reach the store itself (mlflow_relay.py)."""
+        """What the rank logged to MLflow, as JSON lines, when it cannot reach the store itself (tracking/relay.py)."""
         return self.path / f"rank-{rank}.mlflow.jsonl"
+
+    def chart_metrics(self, rank: int) -> Path:
+        """Every metric value the rank logged, as JSON lines, for the live charts (tracking/tee.py)."""
+        return self.path / f"rank-{rank}.metrics.jsonl"
 
     @property
     def payload(self) -> Path:

@@ -12,7 +12,7 @@ from air_magic.launch import protocol as p
 SAMPLES: list[p.Message] = [
     p.LaunchJob(
         job="j1", world_size=2, fork=True, executable="/usr/bin/python3", sys_path=["/a", "/b"], run_dir="/runs/x",
-        env={"A": "1"}, package_parent="/src", keep_alive=60.0, world_key="k", hooks=["air_magic.mlflow_worker"],
+        env={"A": "1"}, package_parent="/src", keep_alive=60.0, world_key="k", hooks=["air_magic.tracking.hook"],
     ),
     p.StopJob(job="j1", reason="cancelled", grace=3.0),
     p.Retire(),
@@ -68,7 +68,7 @@ def test_launch_job_defaults_keep_old_lines_readable():
 
 def _request(**kw) -> p.JobRequest:
     base = {"job_id": "id", "name": "train", "world_size": 2, "payload": b"x", "env": {}, "sys_path": ["/a"],
-            "cwd": "/w", "hooks": ("air_magic.mlflow_worker",)}
+            "cwd": "/w", "hooks": ("air_magic.tracking.hook",)}
     return p.JobRequest(**{**base, **kw})
 
 
@@ -77,7 +77,7 @@ def test_the_job_file_round_trips():
     job = p.JobFile.of(_request())
     back = p.JobFile.from_bytes(job.to_bytes())
     assert back == job
-    assert back == p.JobFile(name="train", sys_path=["/a"], cwd="/w", hooks=["air_magic.mlflow_worker"])
+    assert back == p.JobFile(name="train", sys_path=["/a"], cwd="/w", hooks=["air_magic.tracking.hook"])
 
 
 def test_the_job_file_reader_ignores_fields_it_does_not_know():

@@ -103,7 +103,7 @@ def dashboard_link(url: str | None) -> str | None:
         return None
     parsed = urlparse(url if "://" in url else f"http://{url}")
     if parsed.hostname in ("127.0.0.1", "localhost", "::1") and parsed.port:
-        from ...mlflow_ui import jupyter_base_url
+        from ...jupyter import jupyter_base_url
 
         base = jupyter_base_url()
         if base is not None:

@@ -250,7 +250,7 @@ class RayJob(JobHandle):
             self.events.put(p.RankOutput(self.job, rank, text))
 
     def _metrics(self, rank: int, data: bytes) -> None:
-        """Lines the rank's MLflow relay wrote (mlflow_relay.py), for the notebook's MLflow listener to log."""
+        """Lines the rank's MLflow relay wrote (tracking/relay.py), for the notebook's MLflow listener to log."""
         if data:
             self.metrics_offsets[rank] += len(data)
             fd = os.open(self.run_dir.metrics(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

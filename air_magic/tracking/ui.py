@@ -4,8 +4,8 @@ With an http(s) tracking URI the link is that server's run page. With a local
 store (sqlite, files) this module starts one `mlflow server` per store and
 kernel, bound to 127.0.0.1 on a free port, over the same store, and reuses it
 for later calls. When the kernel was started by a Jupyter server, the link
-goes through that server's `/proxy/absolute/<port>/` route (jupyter-server-proxy,
-enabled by `jupyter-config/`), with MLflow's `--static-prefix` set to match:
+goes through that server's `/proxy/absolute/<port>/` route (air_magic.jupyter),
+with MLflow's `--static-prefix` set to match:
 the browser then reaches the UI through Jupyter itself, with Jupyter's
 authentication, so an SSH tunnel to Jupyter is enough.
 
@@ -21,7 +21,7 @@ waits for the UI's start instead (a few seconds; the page then opens).
 
 The watchdog reads a pipe from the kernel; when the kernel exits (or is
 killed) the pipe closes and the watchdog ends the UI's whole process tree.
-This module does not import mlflow.
+It runs this module by name (`_BOOT`). This module does not import mlflow.
 """
 
 from __future__ import annotations
@@ -40,36 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent)
-_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.mlflow_ui import watchdog_main; watchdog_main()"
+from ..jupyter import absolute_proxy_path, jupyter_base_url
+
+_PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
+#: What the watchdog process runs; tests and the process-tree checks find it by this module's name in its command line.
+_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.tracking.ui import watchdog_main; watchdog_main()"
 #: The query that makes MLflow 3's UI show a run in its model-training view.
 TRAINING_VIEW = "workflowType=machine_learning"
-
-
-def jupyter_base_url() -> str | None:
-    """The base URL of the Jupyter server that started this kernel, or None outside Jupyter
-    (or when jupyter-server-proxy is not installed).
-
-    A Jupyter server writes `jpserver-<pid>.json` in the runtime directory; the
-    kernel's parent process is that server.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("jupyter_server_proxy") is None:
-        return None  # no proxy route in that server: the direct link is the one that works
-    try:
-        from jupyter_core.paths import jupyter_runtime_dir
-    except ImportError:
-        return None
-    for pid in {os.getppid(), int(os.environ.get("JPY_PARENT_PID", "0") or 0)} - {0}:
-        info = Path(jupyter_runtime_dir()) / f"jpserver-{pid}.json"
-        try:
-            data = json.loads(info.read_text())
-        except (OSError, ValueError):
-            continue
-        base = str(data.get("base_url") or "/")
-        return base if base.endswith("/") else base + "/"
-    return None
 
 
 def _free_port() -> int:
@@ -99,7 +76,7 @@ class LocalUI:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Close the watchdog's pipe; it ends the UI's process group, then exits."""
-        from .launch.local import close_by_eof
+        from ..launch.local import close_by_eof
 
         close_by_eof(self.proc, timeout, lambda: os.killpg(self.proc.pid, signal.SIGKILL))
 
@@ -119,8 +96,8 @@ def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
             listener.bind(("127.0.0.1", 0))
             listener.listen(128)
             port = int(listener.getsockname()[1])
-            prefix = f"{jupyter_base}proxy/absolute/{port}" if jupyter_base is not None else ""
-            from .launch.rundir import helper_log
+            prefix = absolute_proxy_path(jupyter_base, port) if jupyter_base is not None else ""
+            from ..launch.rundir import helper_log
 
             log_path = helper_log("mlflow-ui", os.getpid(), port)
             cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store_uri, "--workers", "1"]
@@ -195,7 +172,7 @@ def watchdog_main() -> None:
     """Serve the port whose listening socket is fd argv[2]: at its first connection start the UI command given
     as JSON in argv[1] (on a private port), relay every connection to it; until stdin closes, the parent goes
     or the UI exits, then end it all."""
-    from .launch.stopper import become_subreaper
+    from ..launch.stopper import become_subreaper
 
     cmd = json.loads(sys.argv[1])
     listener = socket.socket(fileno=int(sys.argv[2]))
@@ -263,6 +240,6 @@ def _end_all() -> None:
     """SIGTERM every descendant, SIGKILL what is left after the grace, and reap them all."""
     import psutil
 
-    from .launch.stopper import stop_tree
+    from ..launch.stopper import stop_tree
 
     stop_tree(lambda: psutil.Process().children(recursive=True))

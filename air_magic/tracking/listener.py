@@ -1,17 +1,18 @@
-"""MLflow tracking of a call: one run per call that every rank logs to (the only module that imports mlflow).
+"""The notebook's MLflow listener: one run per call that every rank logs to.
 
 `MlflowTracker` is a runner listener. On start it creates the call's run (a
 child of the notebook's active run when there is one), records the settings
-and puts the run's link in `ctx.links["mlflow"]`; it hands the workers the
+and puts the run's link in `ctx.links["mlflow"]`; it hands the ranks the
 run id and tracking URI through the environment, so a plain
 `mlflow.log_metric(...)` in the function lands on that run; on end it stores
 each rank's log as an artifact and ends the run FINISHED, FAILED or KILLED.
 
 The run is made on a background thread that `on_start` starts and
-`worker_env` waits for: importing mlflow and creating the run take seconds on
-a first call, and meanwhile the display is already on screen and air_magic's
-helper process starts. MLflow's own INFO lines (such as "Creating initial
-MLflow database tables") are kept out of the cell's output.
+`worker_env` waits for; that thread first waits for the notebook's MLflow
+preparation (prepare.py: importing mlflow and setting up the store, started
+when the extension loads), so a call made while it is still going waits for
+it instead of doing it twice. MLflow's own INFO lines (such as "Creating
+initial MLflow database tables") are kept out of the cell's output.
 
 With MLflow's local default store (`sqlite:///mlflow.db`) and an experiment
 that air_magic creates, artifacts (each rank's log) go to `mlartifacts/`
@@ -19,19 +20,15 @@ next to the database, not to MLflow's `./mlruns` default.
 
 When the ranks run on other machines (`num_nodes > 1`) and the store is a
 local file here, they cannot open it: their tracking URI becomes the relay
-(mlflow_relay.py), and this listener logs what they relayed to the run,
-about once a second while they run and once more at the end.
+(relay.py), and this listener logs what they relayed to the run, about once
+a second while they run and once more at the end.
 
-This module is imported in the notebook process only. Workers never import
-mlflow on our account: the environment variables are all they get. (A warm
-helper runs the in-rank hook's `warm_up` between calls, importing mlflow, so a
-rank's `import mlflow` is instant; ranks whose code does not import it do not
-see it in `sys.modules`.)
+Runs in the notebook process only. The ranks get environment variables and
+the hook module (hook.py), which imports mlflow only if their code does.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -44,8 +41,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .events import Listener, RunContext
-from .job import JobResult, JobSpec
+from ..events import Listener, RunContext
+from ..job import JobResult, JobSpec
+from . import _compat, prepare
 
 #: Experiment used when neither mlflow.set_experiment nor MLFLOW_EXPERIMENT_NAME/ID chose one
 #: and the notebook or script name is unknown.
@@ -60,6 +58,9 @@ ASYNC_LOGGING_ENV = {
     "MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE": "1",
 }
 
+
+#: The module every rank of a tracked call imports (see hook.py); named here because ranks find it by name.
+HOOK = "air_magic.tracking.hook"
 
 #: Artifacts of experiments air_magic creates over a local sqlite store go here, next to the database.
 ARTIFACTS_DIR = "mlartifacts"
@@ -138,13 +139,11 @@ class MlflowTracker(Listener):
     # -- on start ----------------------------------------------------------
     def _experiment(self, mlflow: Any, client: Any) -> tuple[str, str]:
         """(id, name) of the experiment chosen by the user, else of the default one (created if needed)."""
-        from mlflow.tracking import fluent
-
         if self.chosen_experiment is not None:
             return self.chosen_experiment, str(client.get_experiment(self.chosen_experiment).name)
         if os.environ.get("MLFLOW_EXPERIMENT_NAME") or os.environ.get("MLFLOW_EXPERIMENT_ID"):
-            experiment_id = fluent._get_experiment_id()
-            return str(experiment_id), str(client.get_experiment(experiment_id).name)
+            experiment_id = _compat.experiment_id_from_env()
+            return experiment_id, str(client.get_experiment(experiment_id).name)
         name = default_experiment_name()
         found = client.get_experiment_by_name(name)
         if found is None:
@@ -166,21 +165,24 @@ class MlflowTracker(Listener):
         self.failure: BaseException | None = None
         self.parent_run_id: str | None = None
         self.chosen_experiment: str | None = None
-        if "mlflow" in sys.modules:  # not imported yet: the notebook cannot have an active run or experiment
+        # Not imported yet (or being imported by prepare.py, which a user's import would have waited for):
+        # the notebook cannot have an active run or experiment.
+        if "mlflow" in sys.modules and not prepare.importing():
             from mlflow.tracking import fluent
 
             parent = fluent.active_run()
             if parent is not None:
                 self.parent_run_id = parent.info.run_id
                 self.chosen_experiment = parent.info.experiment_id
-            elif fluent._active_experiment_id is not None:
-                self.chosen_experiment = str(fluent._active_experiment_id)
+            else:
+                self.chosen_experiment = _compat.active_experiment_id()
         self.starting: threading.Thread | None = threading.Thread(target=self._start_quietly, args=(ctx,), name="air_magic-mlflow-run",
                                          daemon=True)
         self.starting.start()
 
     def _start_quietly(self, ctx: RunContext) -> None:
         try:
+            prepare.wait()  # the store's first set-up, if the extension started it, is done once
             import mlflow  # noqa: F401 - first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
 
             with quiet_mlflow_logs():
@@ -213,7 +215,7 @@ class MlflowTracker(Listener):
         from mlflow.entities import Param
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_SOURCE_NAME, MLFLOW_USER
 
-        from . import mlflow_ui
+        from . import ui
 
         self.tracking_uri = absolute_uri(mlflow.get_tracking_uri())
         self.registry_uri = absolute_uri(mlflow.get_registry_uri() or self.tracking_uri)
@@ -247,14 +249,14 @@ class MlflowTracker(Listener):
             params["num_nodes"] = spec.num_nodes
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
         self.run_id = run_id
-        self.url = mlflow_ui.run_url(self.tracking_uri, experiment_id, run_id)
+        self.url = ui.run_url(self.tracking_uri, experiment_id, run_id)
         if self.url:
             ctx.links["mlflow"] = self.url
 
     def worker_hooks(self) -> list[str]:
-        """The MLflow hook (mlflow_worker.py) in every rank of a call that has a run."""
+        """The MLflow hook (hook.py) in every rank of a call that has a run."""
         self._started()
-        return ["air_magic.mlflow_worker"] if self.run_id is not None else []
+        return [HOOK] if self.run_id is not None else []
 
     @property
     def relayed(self) -> bool:
@@ -277,7 +279,7 @@ class MlflowTracker(Listener):
         for key, value in ASYNC_LOGGING_ENV.items():
             env[key] = os.environ.get(key, value)
         if self.relayed:
-            from .mlflow_relay import URI
+            from .relay import URI
 
             env.update(MLFLOW_TRACKING_URI=URI, AIR_MAGIC_MLFLOW_RELAY="1")
             env.pop("MLFLOW_REGISTRY_URI")
@@ -293,28 +295,21 @@ class MlflowTracker(Listener):
         """Log to the run what relayed ranks wrote to their metrics files since the last time."""
         from mlflow.entities import Metric, Param, RunTag
 
-        from .launch.rundir import RunDir
+        from ..launch.rundir import RunDir
+        from .relay import decode_batch, read_batches
 
         assert self.run_id is not None and self._ctx is not None
         run_dir = RunDir(self._ctx.run_dir)
         for rank in range(self.spec.world_size):
-            path = run_dir.metrics(rank)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self._relayed.get(rank, 0))
-                    data = f.read()
-            except OSError:
-                continue
-            complete = data[: data.rfind(b"\n") + 1]
-            self._relayed[rank] = self._relayed.get(rank, 0) + len(complete)
-            for line in complete.splitlines():
+            self._relayed[rank], lines = read_batches(run_dir.metrics(rank), self._relayed.get(rank, 0))
+            for line in lines:
                 try:
-                    record = json.loads(line)
+                    batch = decode_batch(line)
                     self.client.log_batch(
                         self.run_id,
-                        metrics=[Metric(k, float(v), int(t), int(s)) for k, v, t, s in record.get("metrics", ())],
-                        params=[Param(k, str(v)) for k, v in record.get("params", ())],
-                        tags=[RunTag(k, str(v)) for k, v in record.get("tags", ())],
+                        metrics=[Metric(*m) for m in batch.metrics],
+                        params=[Param(*p) for p in batch.params],
+                        tags=[RunTag(*t) for t in batch.tags],
                         synchronous=True,
                     )
                 except Exception as exc:  # noqa: BLE001 - one bad line (a param logged twice) must not stop the rest

@@ -1,25 +1,25 @@
-"""Inside a worker: make `mlflow.set_experiment` explain itself, and copy logged metrics for the live charts.
+"""Inside a rank: the MLflow hook. Makes `mlflow.set_experiment` explain itself, and copies logged metrics
+for the live charts.
 
 The call's run already exists, in the experiment chosen in the notebook; the
-worker logs to it through `MLFLOW_RUN_ID`. Without this hook a worker that
+rank logs to it through `MLFLOW_RUN_ID`. Without this hook a rank that
 calls `mlflow.set_experiment("other")` gets MLflow's "active experiment ID does
 not match environment run ID" at its first `log_metric`. With it, the call is
 kept on the run's experiment and a warning (in the rank's log) says where the
 metrics go and how to choose another experiment.
 
-`mlflow.log_metric` / `log_metrics` also append each value as a JSON line
-(`{"key", "value", "step", "ts"}`) to `rank-N.metrics.jsonl` in the run
-directory (mode 0600), which the notebook's display reads for its charts
-without asking the tracking server (`_tee_metrics`).
+`mlflow.log_metric` / `log_metrics` also hand each value to the chart file's
+writer (tee.py), which the notebook's display reads for its charts without
+asking the tracking server (`_tee_metrics`).
 
 Importing this module does not import mlflow: `install()` adds an import hook
 that patches mlflow only if the user's code imports it. Also here: `flush()`
-(at a rank's exit, only when MLflow has metrics in flight) and `warm_up()`
-(run by a warm helper between calls, so a rank's `import mlflow` and first
-`log_metric` cost milliseconds).
+(at a rank's exit, only when MLflow has metrics in flight), `reset()` (between
+two calls of a hot rank) and `warm_up()` (run by a warm helper while idle, so a
+rank's `import mlflow` and first `log_metric` cost milliseconds).
 
 With AIR_MAGIC_MLFLOW_RELAY set (a rank on another machine than a local
-store), it also registers the relay store (mlflow_relay.py) that the rank's
+store), it also registers the relay store (relay.py) that the rank's
 tracking URI names.
 """
 
@@ -31,13 +31,18 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from ..launch.rundir import RunDir
+from . import _compat
+from .tee import TeeWriter
 
 
 def _patch(mlflow: ModuleType) -> None:
     if os.environ.get("AIR_MAGIC_MLFLOW_RELAY"):
-        from .mlflow_relay import register
+        from .relay import register
 
         register()  # this rank cannot reach the store: what it logs goes back through the launcher
     original = mlflow.set_experiment
@@ -67,36 +72,11 @@ def _patch(mlflow: ModuleType) -> None:
 
 
 def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
-    """Make log_metric/log_metrics also append their values to this rank's metrics file in the run directory."""
+    """Make log_metric/log_metrics also append their values to this rank's chart file in the run directory."""
     run_dir, rank = os.environ.get("AIR_MAGIC_RUN_DIR"), os.environ.get("RANK")
     if not run_dir or rank is None or getattr(mlflow.log_metric, "_air_magic_tee", False):
         return
-    path = os.path.join(run_dir, f"rank-{rank}.metrics.jsonl")
-    import json
-    import threading
-    import time
-
-    lock = threading.Lock()
-    state: dict[str, Any] = {"fd": None}
-
-    prefixes: dict[Any, str] = {}  # the JSON text before each key's value, made once per key
-
-    def line(key: Any, value: Any, step: Any, now: float) -> str:
-        prefix = prefixes.get(key)
-        if prefix is None:
-            prefix = prefixes[key] = '{"key":' + json.dumps(str(key)) + ',"value":'
-        return f'{prefix}{float(value)!r},"step":{"null" if step is None else int(step)},"ts":{now!r}}}\n'
-
-    def write(items: list[tuple[Any, Any, Any]]) -> None:
-        try:
-            now = time.time()
-            data = "".join(line(k, v, s, now) for k, v, s in items).encode()
-            with lock:  # one os.write per call: lines of two threads never mix
-                if state["fd"] is None:
-                    state["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                os.write(state["fd"], data)
-        except (OSError, TypeError, ValueError, OverflowError):
-            pass  # the charts are a convenience; the metric itself was logged
+    write = TeeWriter(RunDir(Path(run_dir)).chart_metrics(int(rank))).write
 
     def ours(target: Any) -> bool:
         return target is None or str(target) == run_id
@@ -170,10 +150,9 @@ def reset() -> None:
         # Shut down, not flush: a flush restarts MLflow's logging thread, which then outlives the call and,
         # once the next call's environment lacks the buffering setting, holds that call's end for 1 s.
         _send_queued(mlflow, 120.0)
-    fluent = sys.modules.get("mlflow.tracking.fluent")
-    stack = getattr(fluent, "_active_run_stack", None)
+    stack = _compat.active_run_stack()
     if stack is not None:
-        stack.get().clear()  # the run stays as the notebook ends it; this process just lets go of it
+        stack.clear()  # the run stays as the notebook ends it; this process just lets go of it
 
 
 def leave_run_to_notebook() -> None:
@@ -183,20 +162,13 @@ def leave_run_to_notebook() -> None:
     (ranks contend for it on sqlite), and MLflow's "View run" lines in each rank's log. Only when the
     call's run is the only active run and no system-metrics monitor needs ending with it.
     """
-    fluent = sys.modules.get("mlflow.tracking.fluent")
-    if fluent is None:
-        return
     try:
-        stack = fluent._active_run_stack.get()
-        if [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")] and \
-                not fluent.run_id_to_system_metrics_monitor:
+        stack = _compat.active_run_stack()
+        if stack is not None and [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")] \
+                and not _compat.has_system_metrics_monitor():
             stack.clear()
     except Exception:  # noqa: BLE001 - MLflow internals moved: keep MLflow's own behaviour
         return
-
-
-#: Name of the thread MLflow's asynchronous logging runs while its queue is active (mlflow 2.x-3.x).
-_ASYNC_LOOP_THREAD = "MLflowAsyncLoggingLoop"
 
 
 def _async_logging_running() -> bool:
@@ -208,7 +180,7 @@ def _async_logging_running() -> bool:
     """
     import threading
 
-    return any(t.name == _ASYNC_LOOP_THREAD and t.is_alive() for t in threading.enumerate())
+    return any(t.name == _compat.ASYNC_LOOP_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def flush(timeout: float = 120.0) -> None:
@@ -224,9 +196,8 @@ def flush(timeout: float = 120.0) -> None:
 
 
 def _send_queued(mlflow: ModuleType, timeout: float) -> None:
-    fluent = sys.modules.get("mlflow.tracking.fluent")
     # Shutting the queue down (not just flushing it) also ends its threads, so the rank can exit.
-    shut_down = getattr(fluent, "_shut_down_async_logging", None) or mlflow.flush_async_logging
+    shut_down = _compat.shut_down_async_logging_function(mlflow)
 
     def run() -> None:
         try:
@@ -255,7 +226,6 @@ def warm_up(env: dict[str, str]) -> list[str]:
     connections are closed again (each rank opens its own). Returns the packages it preloaded.
     """
     import mlflow
-    from mlflow.tracking._tracking_service import utils
 
     uri = env.get("MLFLOW_TRACKING_URI") or ""
     scheme = uri.partition(":")[0]
@@ -271,7 +241,7 @@ def warm_up(env: dict[str, str]) -> list[str]:
     elif scheme == "sqlite" and uri not in _warmed:
         import sqlalchemy.orm
 
-        store = utils._get_store(uri)
+        store = _compat.tracking_store(uri)
         sqlalchemy.orm.configure_mappers()
         if env.get("MLFLOW_RUN_ID"):
             # A read of the call's (ended) run compiles the queries of a rank's attachment to its run into

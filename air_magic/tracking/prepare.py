@@ -1,0 +1,70 @@
+"""In the notebook: MLflow's import and its store's first set-up, done in the background before the first call.
+
+A first call with MLflow on (the default) would otherwise wait for MLflow's
+import (about a second) and, on a fresh local store, for the creation of its
+tables (seconds). `start()`, called when the extension loads, does both on a
+daemon thread while the user types: it imports mlflow, builds the tracking
+store of the URI MLflow would use now (MLflow caches it per URI, so the call's
+client finds it built) and reads the default experiment once. It makes no run
+and no experiment, starts no UI, sends nothing to a remote server, and imports
+nothing that touches CUDA.
+
+The call's listener (listener.py) waits for it with `wait()` before it makes
+its run, so a call made before it finishes simply waits for it (never a second
+set-up of the same store). Failures are kept quiet here: the call then does
+the same work itself and reports what goes wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_imported = threading.Event()  # set once mlflow's import is over (done or failed)
+
+
+def start() -> None:
+    """Start the preparation in this process, once; returns at once."""
+    global _thread
+    with _lock:
+        if _thread is not None:
+            return
+        _thread = threading.Thread(target=_prepare, name="air_magic-mlflow-prepare", daemon=True)
+        _thread.start()
+
+
+def importing() -> bool:
+    """Whether the preparation is importing mlflow right now (mlflow may be in sys.modules half-made)."""
+    return _thread is not None and not _imported.is_set()
+
+
+def wait() -> None:
+    """Block until the preparation (if it was started) is over."""
+    thread = _thread
+    if thread is not None:
+        thread.join()
+
+
+def _prepare() -> None:
+    try:
+        import mlflow  # first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
+    except Exception:  # noqa: BLE001 - the call imports it again and reports why
+        return
+    finally:
+        _imported.set()
+    from .listener import absolute_uri, default_experiment_name, quiet_mlflow_logs
+
+    try:
+        with quiet_mlflow_logs():
+            from mlflow import MlflowClient
+            from mlflow.entities import Param  # noqa: F401 - what the call's run creation imports
+            from mlflow.utils import mlflow_tags  # noqa: F401
+
+            uri = absolute_uri(mlflow.get_tracking_uri())
+            if uri.partition(":")[0] not in ("sqlite", "file"):
+                return  # a server: nothing to set up here, and no request is sent before a call asks
+            client = MlflowClient(uri, absolute_uri(mlflow.get_registry_uri() or uri))
+            client.get_experiment_by_name(default_experiment_name())  # builds the store (tables), compiles queries
+    except Exception:  # noqa: BLE001 - an optimisation: the call sets the store up itself and reports errors
+        return
