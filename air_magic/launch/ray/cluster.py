@@ -13,19 +13,17 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import re
 import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlparse
 
-from ...accelerators import DEFAULT_CPU_WORKERS, _check_count
+from ...accelerators import DEFAULT_CPU_WORKERS, _check_count, parse_gpu_type
 from ...errors import ConfigurationError
 
 #: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (measured: FINDINGS.md).
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-_GPU_TYPE = re.compile(r"^GPU(?:_(\d+)x([A-Za-z0-9]+))?$", re.IGNORECASE)
 _context: Any = None
 
 INSTALL_HINT = "pip install 'air_magic[ray]'"
@@ -137,16 +135,17 @@ def check_shape(num: int | None, accelerator_type: str | None) -> tuple[int, str
         )
     if accelerator_type.strip().upper() == "CPU":
         return num or DEFAULT_CPU_WORKERS, "CPU"
-    m = _GPU_TYPE.match(accelerator_type.strip())
-    if not m:
+    parsed = parse_gpu_type(accelerator_type)
+    if parsed is None:
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} is not understood; write it as 'GPU_<n>x<MODEL>' or 'CPU'."
         )
-    if m.group(1) is not None and num is not None and int(m.group(1)) != num:
+    count, _ = parsed
+    if count is not None and num is not None and count != num:
         raise ConfigurationError(
             f"num_accelerators={num} contradicts accelerator_type {accelerator_type!r}; give one or make them agree."
         )
-    return int(m.group(1) or num or 1), accelerator_type.strip()
+    return count or num or 1, accelerator_type.strip()
 
 
 def alive_nodes(ray: ModuleType) -> list[dict[str, Any]]:
@@ -175,15 +174,14 @@ def resolve(num: int | None, accelerator_type: str | None, num_nodes: int) -> tu
             f"accelerator_type {accelerator_type!r} asks for GPUs, but no node of the Ray cluster has one; "
             "pass accelerator_type='CPU' to run CPU workers with gloo."
         )
-    m = _GPU_TYPE.match(wanted) if accelerator_type is not None else None
-    model = m.group(2) if m else None
+    count, model = (parse_gpu_type(wanted) or (None, None)) if accelerator_type is not None else (None, None)
     models = {_gpu_model(n) for n in gpu_nodes} - {None}
     if model and model.upper() not in {str(x).upper() for x in models}:
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} does not match the GPUs of the Ray cluster "
             f"({', '.join(sorted(map(str, models))) or 'model unknown'})."
         )
-    if num is None and not (m and m.group(1)):
+    if num is None and count is None:
         per_node = int(max(n["Resources"]["GPU"] for n in gpu_nodes))  # every GPU of a node
     name = model or (min(map(str, models)) if len(models) == 1 else None)
     return per_node, f"GPU_{per_node}x{name}" if name else "GPU"

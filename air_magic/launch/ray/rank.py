@@ -63,7 +63,8 @@ class RankActor:
         self.done = threading.Event()
         self.hot = False
         self.calls = 0
-        threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True).start()
+        self.preloading = threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True)
+        self.preloading.start()
 
     # -- placement ---------------------------------------------------------
     def where(self, port: bool = False) -> ActorPlace:
@@ -115,6 +116,9 @@ class RankActor:
 
         assert self.scratch is not None
         code = 70
+        # two threads importing torch at once can abort the process: the call waits for the preload (it would
+        # import the same modules anyway)
+        self.preloading.join()
         try:
             if hot and not self.hot:
                 worker._keep_process_group()
