@@ -281,6 +281,15 @@ def test_a_failed_hot_call_ends_the_hot_actors_and_the_next_call_gets_fresh_ones
     ray_launcher().release_hot()
 
 
+def test_a_call_that_needs_what_idle_hot_ranks_hold_ends_them(cluster):
+    """Idle hot ranks hold one CPU of each node; a call of another world that needs both runs, and they end."""
+    pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
+    result = run(all_reduce, per_node=2).raise_for_status()
+    assert [v["sum"] for v in result.values] == [10.0] * 4
+    assert ray_launcher().hot_worlds() == []
+    assert wait_gone(pids) == []
+
+
 def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
     """Rank 1's node leaves while the hot ranks idle: the next call says so and runs in fresh ranks."""
     values = run(hot_rank_state, keep_alive=120).raise_for_status().values

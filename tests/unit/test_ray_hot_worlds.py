@@ -40,15 +40,16 @@ def test_the_next_call_of_the_same_world_takes_the_idle_hot_world(ended):
     launcher.drop(w)
 
 
-def test_a_call_of_another_world_or_shape_ends_the_idle_ones_and_gets_fresh_ranks(ended):
-    """Another world key, another node count, or no keep_alive: no hot world, and idle ones end (they hold the
-    cluster's resources)."""
+def test_a_call_of_another_world_or_shape_gets_no_hot_world_and_leaves_the_idle_one(ended):
+    """Another world key, another node count, or no keep_alive: no hot world for it; the idle one stays."""
+    launcher = RayLauncher()
+    kept = world(request(), ["a0"])
+    launcher.keep(kept)
     for other in (request(key="other"), request(nodes=1), request(keep_alive=None)):
-        launcher = RayLauncher()
-        launcher.keep(world(request(), ["a0"]))
         assert launcher.take_hot(other) is None
-        assert launcher.hot_worlds() == []
-    assert ended == [["a0"]] * 3
+    assert launcher.hot_worlds() == [kept] and not kept.busy and ended == []
+    launcher.release_hot()
+    assert ended == [["a0"]]
 
 
 def test_an_idle_world_ends_after_keep_alive_but_not_while_a_call_runs_in_it(ended):

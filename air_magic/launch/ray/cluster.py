@@ -70,6 +70,9 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
         `ray start`; "ray://host:10001" connects through Ray Client; "host:6379" joins as a driver.
     ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
 
+    Once connected, every node with CPUs starts a Ray worker for this notebook in the background, so
+    that the first call does not wait for that (AIR_MAGIC_WARM=0 turns this off).
+
     Calling it again is harmless: it returns the context of the connection already made. Returns
     Ray's context; its `dashboard_link` attribute opens the dashboard (through the Jupyter server
     when this kernel runs under one with jupyter-server-proxy and the dashboard is on this machine).
@@ -92,6 +95,9 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
             context = ray.init(address="local", **ray_init_kwargs)
     context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
     _context = context
+    from .launcher import ray_launcher
+
+    ray_launcher().warm_up()  # the nodes start a worker for this notebook while the user types
     return context
 
 

@@ -22,8 +22,9 @@ group stay as a `HotWorld`; the next call of the same world (`world_key`,
 node count) runs in them, with the first call's MASTER_ADDR and MASTER_PORT.
 A hot world ends when it has been idle `keep_alive` s, when a call in it
 fails or is stopped (cancel, timeout, Ctrl-C), on `release_hot()` or
-`shutdown()`, and when a call of another world needs the cluster. One whose
-node or actor was lost meanwhile is ended and the call gets fresh ranks.
+`shutdown()`, and when a call of another world waits for resources (idle
+hot ranks may hold them). One whose node or actor was lost meanwhile is
+ended and the call gets fresh ranks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
 from ..rundir import RunDir, write_private
 from .cluster import alive_nodes, require_connected
-from .rank import RankActor
+from .rank import RankActor, node_ready
 
 _PKG_PARENT = str(Path(__file__).resolve().parents[3])
 #: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
@@ -272,6 +273,8 @@ class RayJob(JobHandle):
         deadline = time.monotonic() + PLACEMENT_WAIT
         ready = self.pg.ready()
         while not self.ray.wait([ready], timeout=0.2)[0]:
+            if self.launcher.hot_worlds():
+                self.launcher.release_hot()  # idle hot ranks may hold what this call needs: it comes first
             if self.stop_asked.is_set():
                 raise _Stopped()
             if time.monotonic() > deadline:
@@ -440,8 +443,10 @@ class RayLauncher(Launcher):
         self._lock = threading.Lock()
         self._actor_class: Any = None
         self._atexit = False
+        self._warming: threading.Thread | None = None
 
     def actor_class(self) -> Any:
+        """RankActor as a Ray actor class (made once: Ray ships it to the nodes at its first use)."""
         if self._actor_class is None:
             import ray
             from ray import cloudpickle
@@ -451,6 +456,35 @@ class RayLauncher(Launcher):
             cloudpickle.register_pickle_by_value(rank)  # the nodes need not import this module (see rank.py)
             self._actor_class = ray.remote(RankActor)
         return self._actor_class
+
+    def warm_up(self) -> None:
+        """In the background: have every node with CPUs start a Ray worker for this notebook, and ship the actor class.
+
+        A node starts its first worker for a notebook (a Ray job) slowly; done here, right after `ray_init`,
+        the first call finds workers started on every node instead of waiting for them. AIR_MAGIC_WARM=0
+        turns it off, as for the local launcher.
+        """
+        from ..local import warm_default
+
+        with self._lock:
+            if self._warming is not None or not warm_default():
+                return
+            self._warming = threading.Thread(target=self._boot_nodes, name="air_magic-ray-warm-up", daemon=True)
+        self._warming.start()
+
+    def _boot_nodes(self) -> None:
+        with contextlib.suppress(Exception):  # a warm-up that fails costs the first call its head start, no more
+            ray = require_connected()
+            from ray.util.placement_group import placement_group  # noqa: F401 - imported now, not in the first call
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            self.actor_class()
+            boot = ray.remote(num_cpus=0, max_retries=0)(node_ready)
+            refs = [
+                boot.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+                for n in alive_nodes(ray) if n.get("Resources", {}).get("CPU", 0) > 0
+            ]
+            ray.wait(refs, num_returns=len(refs), timeout=START_WAIT)
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> RayJob:
         ray = require_connected()
@@ -468,23 +502,17 @@ class RayLauncher(Launcher):
 
     # -- hot worlds ----------------------------------------------------------
     def take_hot(self, request: p.JobRequest) -> HotWorld | None:
-        """An idle hot world for this call, now busy; None (and idle worlds of other calls ended) if there is none.
-
-        Idle hot ranks hold cluster resources that a call of another world may need, so they end before it is placed.
-        """
+        """An idle hot world of this call's world, now busy; None if there is none."""
+        if not request.keep_alive:
+            return None
         key = _world_key(request)
         with self._lock:
-            idle = [w for w in self._worlds if not w.busy]
-            world = next((w for w in idle if w.key == key), None) if request.keep_alive else None
+            world = next((w for w in self._worlds if not w.busy and w.key == key), None)
             if world is not None:
                 world.busy = True
                 if world.timer is not None:
                     world.timer.cancel()
-                return world
-            for w in idle:
-                self._worlds.remove(w)
-        self._end(idle)
-        return None
+            return world
 
     def keep(self, world: HotWorld) -> None:
         """A call in `world` is over and every rank succeeded: it waits `keep_alive` s for the next call."""

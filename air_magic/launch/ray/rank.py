@@ -194,6 +194,11 @@ class RankActor:
         return gone
 
 
+def node_ready() -> int:
+    """A task that makes its node start a Ray worker for the notebook (the launcher's warm-up); its process id."""
+    return os.getpid()
+
+
 def _preload(names: tuple[str, ...]) -> None:
     """Import what the ranks will import anyway while the launcher places them; a module missing here is no error."""
     for name in names:
