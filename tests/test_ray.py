@@ -437,6 +437,25 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
         k.shutdown()
 
 
+def test_hot_ranks_of_a_kernel_over_two_nodes_end_with_the_kernel(cluster, workdir):
+    """`%%distributed --nodes 2 --keep-alive`: the second cell runs in the first cell's actor processes; the kernel's
+    exit leaves every CPU of the cluster free and no actor alive."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    try:
+        k.execute(f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
+                  "%load_ext air_magic").check()
+        cell = ("%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --keep-alive 600 --out pids\n"
+                "import os\nos.getpid()\n")
+        k.execute(cell, timeout=300).check()
+        k.execute("first = list(pids)").check()
+        k.execute(cell, timeout=300).check()
+        same = k.execute("print('SAME', pids == first, len(pids))").check()
+        assert "SAME True 2" in same.stdout, same.stdout
+    finally:
+        k.shutdown()
+    ray_cluster.wait_all_free(60)
+
+
 def test_ports_chosen_for_ray_agents_lie_below_the_ephemeral_range_and_never_repeat():
     """The simulated cluster's agent ports cannot be taken by an outgoing connection before the agent binds them."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -187,6 +187,7 @@ class RayJob(JobHandle):
         try:
             world = self.launcher.take_hot(self.request)
             if world is None or not self._run_hot(world):
+                self._await_warm_up()
                 self._place()
                 self._start_ranks()
             self._watch()
@@ -205,6 +206,15 @@ class RayJob(JobHandle):
                 self._flush_decoder(rank)
                 self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time()))
             self.events.put(p.JobGone(self.job))
+
+    def _await_warm_up(self) -> None:
+        """A warm-up still starting the nodes' workers: wait for it, rather than have the nodes start more at once."""
+        warming = self.launcher.warming()
+        deadline = time.monotonic() + START_WAIT
+        while warming is not None and warming.is_alive() and time.monotonic() < deadline:
+            if self.stop_asked.is_set():
+                raise _Stopped()
+            warming.join(0.05)
 
     def _fail(self, message: str) -> None:
         self.failed = True
@@ -471,6 +481,10 @@ class RayLauncher(Launcher):
                 return
             self._warming = threading.Thread(target=self._boot_nodes, name="air_magic-ray-warm-up", daemon=True)
         self._warming.start()
+
+    def warming(self) -> threading.Thread | None:
+        """The warm-up's thread, if one was started."""
+        return self._warming
 
     def _boot_nodes(self) -> None:
         with contextlib.suppress(Exception):  # a warm-up that fails costs the first call its head start, no more
