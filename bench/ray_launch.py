@@ -95,9 +95,9 @@ def main() -> None:
     t0 = time.perf_counter()
     ray_init(cluster.address, log_to_driver=False)
     join_s = time.perf_counter() - t0
-    from air_magic.launch.ray import ray_launcher
+    from air_magic.launch.ray.cluster import warming as warm_up_thread
 
-    warming = ray_launcher().warming()
+    warming = warm_up_thread()
     if warming is not None and not args.no_wait_warm_up:
         warming.join()
     warm_up_s = time.perf_counter() - t0
@@ -123,6 +123,8 @@ def main() -> None:
                 if key == "hot":
                     hot_pids.append([pid for _, pid in values])
         assert all(pids == hot_pids[0] for pids in hot_pids), f"the hot calls ran in other processes: {hot_pids}"
+
+        from air_magic.launch.ray import ray_launcher
 
         ray_launcher().release_hot()
         ray_cluster.wait_all_free()

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -25,6 +26,7 @@ from ...errors import ConfigurationError
 #: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (measured: FINDINGS.md).
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _context: Any = None
+_warming: threading.Thread | None = None
 
 INSTALL_HINT = "pip install 'air_magic[ray]'"
 
@@ -95,10 +97,48 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
             context = ray.init(address="local", **ray_init_kwargs)
     context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
     _context = context
-    from .launcher import ray_launcher
-
-    ray_launcher().warm_up()  # the nodes start a worker for this notebook while the user types
+    warm_up()  # the nodes start a worker for this notebook while the user types
     return context
+
+
+def warm_up() -> None:
+    """In the background: have every node with CPUs start a Ray worker for this notebook.
+
+    A node starts its first worker for a notebook (a Ray job) slowly; done right after `ray_init`, the
+    first call finds workers started on every node instead of waiting for them (and a call made before
+    this is over waits for it rather than have the nodes start more workers at once). AIR_MAGIC_WARM=0
+    turns it off, as for the local launcher.
+    """
+    global _warming
+    from ..local import warm_default
+
+    if _warming is not None or not warm_default():
+        return
+    _warming = threading.Thread(target=_boot_nodes, name="air_magic-ray-warm-up", daemon=True)
+    _warming.start()
+
+
+def warming() -> threading.Thread | None:
+    """The warm-up's thread, if `ray_init` started one."""
+    return _warming
+
+
+def _boot_nodes() -> None:
+    with contextlib.suppress(Exception):  # a warm-up that fails costs the first call its head start, no more
+        ray = require_connected()
+        from ray import cloudpickle
+        from ray.util.placement_group import placement_group  # noqa: F401 - imported now, not in the first call
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from . import rank
+
+        cloudpickle.register_pickle_by_value(rank)  # the nodes need not import it (see rank.py)
+        boot = ray.remote(num_cpus=0, max_retries=0)(rank.node_ready)
+        refs = [
+            boot.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in alive_nodes(ray) if n.get("Resources", {}).get("CPU", 0) > 0
+        ]
+        ray.wait(refs, num_returns=len(refs), timeout=300)
 
 
 def dashboard_link(url: str | None) -> str | None:

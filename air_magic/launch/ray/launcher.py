@@ -48,7 +48,8 @@ from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
 from ..rundir import RunDir, write_private
 from .cluster import alive_nodes, require_connected
-from .rank import RankActor, node_ready
+from .cluster import warming as cluster_warming
+from .rank import RankActor
 
 _PKG_PARENT = str(Path(__file__).resolve().parents[3])
 #: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
@@ -209,7 +210,7 @@ class RayJob(JobHandle):
 
     def _await_warm_up(self) -> None:
         """A warm-up still starting the nodes' workers: wait for it, rather than have the nodes start more at once."""
-        warming = self.launcher.warming()
+        warming = cluster_warming()
         deadline = time.monotonic() + START_WAIT
         while warming is not None and warming.is_alive() and time.monotonic() < deadline:
             if self.stop_asked.is_set():
@@ -453,7 +454,6 @@ class RayLauncher(Launcher):
         self._lock = threading.Lock()
         self._actor_class: Any = None
         self._atexit = False
-        self._warming: threading.Thread | None = None
 
     def actor_class(self) -> Any:
         """RankActor as a Ray actor class (made once: Ray ships it to the nodes at its first use)."""
@@ -466,39 +466,6 @@ class RayLauncher(Launcher):
             cloudpickle.register_pickle_by_value(rank)  # the nodes need not import this module (see rank.py)
             self._actor_class = ray.remote(RankActor)
         return self._actor_class
-
-    def warm_up(self) -> None:
-        """In the background: have every node with CPUs start a Ray worker for this notebook, and ship the actor class.
-
-        A node starts its first worker for a notebook (a Ray job) slowly; done here, right after `ray_init`,
-        the first call finds workers started on every node instead of waiting for them. AIR_MAGIC_WARM=0
-        turns it off, as for the local launcher.
-        """
-        from ..local import warm_default
-
-        with self._lock:
-            if self._warming is not None or not warm_default():
-                return
-            self._warming = threading.Thread(target=self._boot_nodes, name="air_magic-ray-warm-up", daemon=True)
-        self._warming.start()
-
-    def warming(self) -> threading.Thread | None:
-        """The warm-up's thread, if one was started."""
-        return self._warming
-
-    def _boot_nodes(self) -> None:
-        with contextlib.suppress(Exception):  # a warm-up that fails costs the first call its head start, no more
-            ray = require_connected()
-            from ray.util.placement_group import placement_group  # noqa: F401 - imported now, not in the first call
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            self.actor_class()
-            boot = ray.remote(num_cpus=0, max_retries=0)(node_ready)
-            refs = [
-                boot.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-                for n in alive_nodes(ray) if n.get("Resources", {}).get("CPU", 0) > 0
-            ]
-            ray.wait(refs, num_returns=len(refs), timeout=START_WAIT)
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> RayJob:
         ray = require_connected()
