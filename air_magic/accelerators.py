@@ -20,6 +20,15 @@ from .errors import ConfigurationError
 DEFAULT_CPU_WORKERS = 2
 
 _TYPE_RE = re.compile(r"^GPU(?:_(\d+)x([A-Za-z0-9]+))?$", re.IGNORECASE)
+
+
+def parse_gpu_type(text: str) -> tuple[int | None, str | None] | None:
+    """GPUs per node and model of a type string: 'GPU_2xH100' -> (2, 'H100'), 'GPU' -> (None, None); None if not one."""
+    m = _TYPE_RE.match(text.strip())
+    if m is None:
+        return None
+    return (int(m.group(1)) if m.group(1) is not None else None), m.group(2)
+
 _FORM_FACTOR = re.compile(r"^(\d+GB|SXM\d*|PCIE|HBM\d*e?|NVL|MIG.*)$", re.IGNORECASE)
 
 
@@ -169,8 +178,8 @@ def resolve(num: object, accelerator_type: str | None, node: Node | None = None)
                 f"({node.type_for(node.gpu_count)}); pass num_accelerators={node.gpu_count} or fewer."
             )
         return n, node.type_for(n)
-    m = _TYPE_RE.match(accelerator_type.strip())
-    if not m:
+    parsed = parse_gpu_type(accelerator_type)
+    if parsed is None:
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} is not understood; write it as "
             f"'GPU_<n>x<MODEL>' (this node: {node.type_for(node.gpu_count)!r}) or 'CPU'."
@@ -180,14 +189,13 @@ def resolve(num: object, accelerator_type: str | None, node: Node | None = None)
             f"accelerator_type {accelerator_type!r} asks for GPUs, but none were detected on this node; "
             "pass accelerator_type='CPU' (or leave it out) to run CPU workers with gloo."
         )
-    count_s, model = m.groups()
+    want, model = parsed
     if model and model.upper() != (node.gpu_model or "").upper():
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} does not match this node, which has "
             f"{node.type_for(node.gpu_count)!r}; pass accelerator_type={node.type_for(node.gpu_count)!r} or leave it out."
         )
-    if count_s is not None:
-        want = int(count_s)
+    if want is not None:
         if n is not None and n != want:
             raise ConfigurationError(
                 f"num_accelerators={n} contradicts accelerator_type {accelerator_type!r}; give one or make them agree."

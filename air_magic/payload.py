@@ -1,22 +1,32 @@
 """Serialize what a call runs (function or cell, plus its arguments) for the workers.
 
 cloudpickle pickles notebook functions and classes by value, which plain
-pickle and torch.multiprocessing cannot do. When something does not pickle,
-this module finds which argument or global is to blame and says so, before
-any worker starts. It does not start processes or read results.
+pickle and torch.multiprocessing cannot do. Modules the notebook imported
+that are not installed packages (a `helpers.py` beside the notebook, a
+package folder on a `sys.path` entry outside site-packages and the standard
+library) travel by value too, so a rank runs the notebook's copy even on a
+node where that file is missing or older; installed packages and the
+standard library are imported by name on the rank. When something does not
+pickle, this module finds which argument or global is to blame and says so,
+before any worker starts. It does not start processes or read results.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import inspect
 import io
 import linecache
 import os
 import pickle
+import site
 import sys
+import sysconfig
 import warnings
-from collections.abc import Callable, Iterable
-from types import FrameType
+from collections.abc import Callable, Iterable, Iterator
+from functools import lru_cache
+from types import FrameType, ModuleType
 from typing import Any
 
 import cloudpickle
@@ -151,10 +161,76 @@ def _culprits(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ite
             yield f"global {name!r} ({type(value).__name__}): {exc}"
 
 
-def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """cloudpickle `(target, args, kwargs, cell sources)`, naming the culprit if it cannot be done."""
+@lru_cache(maxsize=1)
+def _installed_roots() -> tuple[str, ...]:
+    """Directories whose modules are installed (site-packages, the standard library, the interpreter's prefixes)."""
+    paths = {*sysconfig.get_paths().values(), *site.getsitepackages(), site.getusersitepackages()}
+    paths |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p and os.path.realpath(p) != os.sep)
+
+
+@lru_cache(maxsize=1)
+def _distributed_names() -> frozenset[str]:
+    """Top-level names that installed distributions provide (editable installs included)."""
+    return frozenset(importlib.metadata.packages_distributions())
+
+
+_OWN_PACKAGE = __name__.split(".")[0]
+#: Top-level module name and file -> whether it travels by value (a file is judged once).
+_judged: dict[tuple[str, str], bool] = {}
+
+
+def _travels_by_value(name: str, module: ModuleType) -> bool:
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str) or name in (_OWN_PACKAGE, "__main__", "__mp_main__"):
+        return False
+    known = _judged.get((name, file))
+    if known is None:
+        real = os.path.realpath(file)
+        known = (
+            real.endswith(".py")  # compiled extensions cannot travel by value
+            and name not in sys.stdlib_module_names
+            and not real.startswith(_installed_roots())
+            and name not in _distributed_names()
+        )
+        _judged[(name, file)] = known
+    return known
+
+
+def notebook_modules() -> list[ModuleType]:
+    """Top-level modules this process imported from files that are not installed packages: they travel by value."""
+    return [m for name, m in list(sys.modules.items()) if "." not in name and m is not None and _travels_by_value(name, m)]
+
+
+@contextlib.contextmanager
+def _by_value(modules: list[ModuleType]) -> Iterator[None]:
+    """While pickling: `modules` (and their submodules) by value; registrations made here are undone after."""
+    registered = set(cloudpickle.list_registry_pickle_by_value())
+    added = [m for m in modules if m.__name__ not in registered]
+    for module in added:
+        cloudpickle.register_pickle_by_value(module)
     try:
-        blob = cloudpickle.dumps((target, args, kwargs, cell_sources(target)), protocol=pickle.HIGHEST_PROTOCOL)
+        yield
+    finally:
+        for module in added:
+            with contextlib.suppress(ValueError):
+                cloudpickle.unregister_pickle_by_value(module)
+
+
+def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """cloudpickle `(target, args, kwargs, cell sources)`, naming the culprit if it cannot be done.
+
+    Notebook modules (see `notebook_modules`) go by value; if one of them holds something that cannot
+    be pickled, the call falls back to importing them by name on the ranks.
+    """
+    call = (target, args, kwargs, cell_sources(target))
+    try:
+        with _by_value(notebook_modules()):
+            blob = cloudpickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - judged again below, with the modules by name
+        blob = b""
+    try:
+        blob = blob or cloudpickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         found = list(_culprits(target, args, kwargs))
         what = "; ".join(found) if found else f"the function itself: {exc}"

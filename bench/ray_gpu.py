@@ -8,8 +8,10 @@ given the Ray launcher explicitly (`num_nodes=1` never uses Ray on its own);
 with two or more the Ray call is `num_nodes=2` over 2 simulated nodes of the
 same machine, each holding half of the GPUs. Prints both calls' losses, which
 must be equal, each rank's node id and CUDA_VISIBLE_DEVICES, the call times,
-and checks that afterwards Ray reports every GPU free and NVML shows the
-GPU memory in use back where it was before.
+cold and then hot (`keep_alive`: three calls, the last two in the first
+one's actors and process group), and checks that after `release_hot()` Ray
+reports every GPU free and NVML shows the GPU memory in use back where it
+was before.
 
     python bench/ray_gpu.py [--out bench/results/ray_gpu.json]
 """
@@ -56,7 +58,7 @@ def train(steps: int = 20) -> dict:
     ray = sys.modules.get("ray")  # imported in a Ray actor; the local launcher's ranks have no Ray
     node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
     return {"losses": losses, "node": node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "device": torch.cuda.get_device_name(), "rank": int(os.environ["RANK"])}
+            "device": torch.cuda.get_device_name(), "rank": int(os.environ["RANK"]), "pid": os.getpid()}
 
 
 def gpu_memory_used_mib() -> list[int]:
@@ -95,18 +97,29 @@ def main() -> None:
         cluster.wait_for_nodes(timeout=90)
         ray_init(cluster.address)
         report["how"] = f"num_nodes=2 over 2 simulated nodes of {gpus // 2} GPU(s) each"
-        call = lambda: distributed(gpus // 2, num_nodes=2, mlflow=False)(train).distributed()
+        call = lambda **kw: distributed(gpus // 2, num_nodes=2, mlflow=False, **kw)(train).distributed()
     else:
         ray_init()
         report["how"] = "1 node of 1 GPU, the Ray launcher given explicitly"
-        spec = Settings(num_accelerators=1, mlflow=False).spec(train, (), {}, "train")
-        call = lambda: runner.run(spec, launcher=ray_launcher()).raise_for_status().values
+
+        def call(**kw):
+            spec = Settings(num_accelerators=1, mlflow=False, **kw).spec(train, (), {}, "train")
+            return runner.run(spec, launcher=ray_launcher()).raise_for_status().values
     import ray
 
     for attempt in ("first", "second"):
         t = time.perf_counter()
         through_ray = call()
         report[f"ray {attempt} call s"] = time.perf_counter() - t
+    hot_pids = []
+    for attempt in ("first (makes the hot ranks)", "second (hot)", "third (hot)"):
+        t = time.perf_counter()
+        hot = call(keep_alive=600)
+        report[f"ray keep_alive {attempt} call s"] = time.perf_counter() - t
+        hot_pids.append([r["pid"] for r in hot])
+        assert [r["losses"] for r in hot] == [r["losses"] for r in local], "a hot call trained differently"
+    report["hot calls in the same processes"] = all(pids == hot_pids[0] for pids in hot_pids)
+    ray_launcher().release_hot()
     report["ranks"] = [{k: r[k] for k in ("rank", "node", "cuda_visible_devices", "device")} for r in through_ray]
     report["same losses"] = [r["losses"] for r in through_ray] == [r["losses"] for r in local]
     report["loss first -> last"] = [through_ray[0]["losses"][0], through_ray[0]["losses"][-1]]
@@ -119,7 +132,7 @@ def main() -> None:
     print(json.dumps(report, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    ok = report["same losses"] and report["ray GPUs free after / total"][0] == gpus and report["GPU MiB used after"] == report["GPU MiB used before"]
+    ok = report["same losses"] and report["hot calls in the same processes"] and report["ray GPUs free after / total"][0] == gpus and report["GPU MiB used after"] == report["GPU MiB used before"]
     sys.exit(0 if ok else 1)
 
 

@@ -3,12 +3,20 @@
 Starts the tests' simulated cluster (a head without CPUs and two 2-CPU
 nodes, all on 127.0.0.1, see tests/ray_cluster.py), joins it with
 `ray_init`, then alternates the same job (init the process group, all-reduce
-one tensor, destroy the group) through the local launcher (one node, warm)
-and through the Ray launcher (`num_nodes=2`), timed from the call to the
-results back, MLflow off. Every Ray call places a placement group, starts
-one actor per rank, imports torch in each and tears it all down again.
+one tensor, destroy the group) through the local launcher (one node, warm),
+the Ray launcher cold (`num_nodes=2`: a placement group and one actor per
+rank, made and torn down by each call) and the Ray launcher hot
+(`keep_alive`: the first call makes the actors, the next ones run in them,
+which is checked by their pids), timed from the call to the results back,
+MLflow off. Then, as the yardstick, Ray Train's `TorchTrainer.fit()` of the
+same job on the same cluster (2 workers of 1 CPU, gloo).
 
-    python bench/ray_launch.py [--per-node 1] [--repeat 3] [--out bench/results/ray_launch.json]
+`ray_init` has every node start a Ray worker for the notebook in the
+background; the calls begin once that is done (as in a notebook where
+`ray_init` is a cell of its own), and its time is reported as
+`ray_init_warm_up_s`; `--no-wait-warm-up` calls at once instead.
+
+    python bench/ray_launch.py [--per-node 1] [--repeat 3] [--trainer-repeat 2] [--out bench/results/ray_launch.json]
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import ray_cluster  # noqa: E402  (sets Ray's loopback variable before Ray is imported)
 
 
-def job() -> float:
+def job() -> tuple[float, int]:
+    import os
+
     import torch
     import torch.distributed as dist
 
@@ -38,13 +48,38 @@ def job() -> float:
     dist.all_reduce(t)
     value = t.item()
     dist.destroy_process_group()
-    return value
+    return value, os.getpid()
+
+
+def trainer_loop() -> None:
+    """The same job in a Ray Train worker (Ray Train made the process group)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+
+
+def fit_trainer(workers: int, storage: str) -> float:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    t0 = time.perf_counter()
+    TorchTrainer(
+        trainer_loop,
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=storage),
+    ).fit()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-node", type=int, default=1, help="ranks on each of the 2 nodes")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-wait-warm-up", action="store_true", help="the first call right after ray_init")
+    parser.add_argument("--trainer-repeat", type=int, default=2, help="TorchTrainer fits after the air_magic calls")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ray_launch.json"))
     args = parser.parse_args()
     os.environ.setdefault("AIR_MAGIC_RUNS_DIR", tempfile.mkdtemp(prefix="ray-bench-"))
@@ -60,19 +95,43 @@ def main() -> None:
     t0 = time.perf_counter()
     ray_init(cluster.address, log_to_driver=False)
     join_s = time.perf_counter() - t0
+    from air_magic.launch.ray.cluster import warming as warm_up_thread
+
+    warming = warm_up_thread()
+    if warming is not None and not args.no_wait_warm_up:
+        warming.join()
+    warm_up_s = time.perf_counter() - t0
     ranks = 2 * args.per_node
     local = distributed(ranks, accelerator_type="CPU", mlflow=False, warm=True)(job)
     on_ray = distributed(args.per_node, accelerator_type="CPU", num_nodes=2, mlflow=False)(job)
+    hot = distributed(args.per_node, accelerator_type="CPU", num_nodes=2, mlflow=False, keep_alive=600)(job)
+    names = {
+        "local": f"local launcher, {ranks} ranks (warm)",
+        "cold": f"Ray launcher, 2 nodes x {args.per_node} rank(s), cold",
+        "hot": f"Ray launcher, 2 nodes x {args.per_node} rank(s), keep_alive (first call cold, then hot)",
+        "trainer": f"Ray Train TorchTrainer.fit, {ranks} workers",
+    }
     timed: dict[str, list[float]] = {}
+    hot_pids: list[list[int]] = []
     try:
         for _ in range(args.repeat):
-            for name, fn in ((f"local launcher, {ranks} ranks (warm)", local),
-                             (f"Ray launcher, 2 nodes x {args.per_node} rank(s)", on_ray)):
+            for key, fn in (("local", local), ("cold", on_ray), ("hot", hot)):
                 t0 = time.perf_counter()
                 values = fn.distributed()
-                timed.setdefault(name, []).append(time.perf_counter() - t0)
-                assert values == [float(ranks)] * ranks, values
-            ray_cluster.wait_all_free()
+                timed.setdefault(names[key], []).append(time.perf_counter() - t0)
+                assert [v for v, _ in values] == [float(ranks)] * ranks, values
+                if key == "hot":
+                    hot_pids.append([pid for _, pid in values])
+        assert all(pids == hot_pids[0] for pids in hot_pids), f"the hot calls ran in other processes: {hot_pids}"
+
+        from air_magic.launch.ray import ray_launcher
+
+        ray_launcher().release_hot()
+        ray_cluster.wait_all_free()
+        storage = tempfile.mkdtemp(prefix="ray-train-")
+        for _ in range(args.trainer_repeat):
+            timed.setdefault(names["trainer"], []).append(fit_trainer(ranks, storage))
+            ray_cluster.wait_all_free(60)
     finally:
         import ray
 
@@ -87,12 +146,15 @@ def main() -> None:
         "load_average_at_end": os.getloadavg(),
         "cluster_start_s": round(cluster_s, 2),
         "ray_init_join_s": round(join_s, 2),
+        "ray_init_warm_up_s": None if args.no_wait_warm_up else round(warm_up_s, 2),
         "seconds": timed,
         "median_s": {k: round(statistics.median(v), 3) for k, v in timed.items()},
         "first_s": {k: round(v[0], 3) for k, v in timed.items()},
+        "hot_median_s_after_first": round(statistics.median(timed[names["hot"]][1:]), 3) if args.repeat > 1 else None,
+        "hot_calls_same_pids": hot_pids,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["median_s"], indent=2), "first:", report["first_s"])
+    print(json.dumps({k: report[k] for k in ("median_s", "first_s", "hot_median_s_after_first")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from air_magic import (
 )
 from air_magic.errors import AirMagicError, RemoteTraceback
 from air_magic.job import JobResult, JobStatus, RankState
+from air_magic.launch.ray import ray_launcher
 
 ray = pytest.importorskip("ray")
 
@@ -218,6 +219,118 @@ def prints_node_and_hangs():
     time.sleep(600)
 
 
+# -- hot ranks on Ray ------------------------------------------------------------------
+def hot_rank_state():
+    """This rank's process, its default process group, and how many calls this process has run."""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    calls = sys.modules.setdefault("hot_rank_calls", type(sys)("hot_rank_calls"))
+    calls.n = getattr(calls, "n", 0) + 1
+    group = id(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    return {"pid": os.getpid(), "group": group, "calls": calls.n, "sum": t.item()}
+
+
+def hot_fails_on_rank_1():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one refuses")
+    return os.getpid()
+
+
+def wait_gone(pids: list[int], limit: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + limit
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def test_hot_calls_run_in_the_same_actors_and_process_group_and_release_frees_every_cpu(cluster):
+    """keep_alive over 2 nodes: the second call runs in the same actor processes, with the same default process
+    group and what the first call left imported; release ends them and Ray reports every CPU free."""
+    first = run(hot_rank_state, keep_alive=120).raise_for_status().values
+    second = run(hot_rank_state, keep_alive=120).raise_for_status().values
+    assert [v["sum"] for v in first + second] == [2.0] * 4
+    assert [v["pid"] for v in second] == [v["pid"] for v in first]
+    assert [v["group"] for v in second] == [v["group"] for v in first]
+    assert [v["calls"] for v in first] == [1, 1] and [v["calls"] for v in second] == [2, 2]
+    assert len(ray_launcher().hot_worlds()) == 1
+    ray_launcher().release_hot()
+    assert ray_launcher().hot_worlds() == []
+    ray_cluster.wait_all_free()
+    assert wait_gone([v["pid"] for v in first]) == []
+
+
+def test_a_failed_hot_call_ends_the_hot_actors_and_the_next_call_gets_fresh_ones(cluster):
+    """A rank that raises in a hot world: its exception, every actor of the world gone; the next call new pids."""
+    pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
+    failed = run(hot_fails_on_rank_1, keep_alive=120)
+    assert isinstance(failed.error, ValueError) and "rank one refuses" in str(failed.error)
+    assert ray_launcher().hot_worlds() == []
+    assert wait_gone(pids) == []
+    fresh = run(hot_rank_state, keep_alive=120).raise_for_status().values
+    assert [v["calls"] for v in fresh] == [1, 1] and not set(pids) & {v["pid"] for v in fresh}
+    ray_launcher().release_hot()
+
+
+def test_a_call_that_needs_what_idle_hot_ranks_hold_ends_them(cluster):
+    """Idle hot ranks hold one CPU of each node; a call of another world that needs both runs, and they end."""
+    pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
+    result = run(all_reduce, per_node=2).raise_for_status()
+    assert [v["sum"] for v in result.values] == [10.0] * 4
+    assert ray_launcher().hot_worlds() == []
+    assert wait_gone(pids) == []
+
+
+def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
+    """Rank 1's node leaves while the hot ranks idle: the next call says so and runs in fresh ranks."""
+    values = run(hot_rank_state, keep_alive=120).raise_for_status().values
+    node_id = ray_launcher().hot_worlds()[0].places[1].node_id
+    cluster.remove_node(ray_cluster.node_of(cluster, node_id), allow_graceful=False)
+    try:
+        deadline = time.monotonic() + 60
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            assert time.monotonic() < deadline, "the removed node is still reported alive"
+            time.sleep(0.5)
+    finally:
+        ray_cluster.add_node(cluster)
+    rec = Recorder()
+    again = run(hot_rank_state, listener=rec, keep_alive=120).raise_for_status().values
+    assert "the hot ranks of this world were lost" in rec.output(0) and "left the Ray cluster" in rec.output(0)
+    assert [v["calls"] for v in again] == [1, 1] and values[1]["pid"] != again[1]["pid"]
+    ray_launcher().release_hot()
+
+
+def test_a_module_the_notebook_imported_travels_by_value_to_ray_and_local_ranks(cluster, tmp_path):
+    """A module imported from a directory of the notebook's, then deleted: Ray ranks and local ranks run the
+    notebook's copy (they could not import it by name)."""
+    name = f"nb_helpers_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("def version():\n    return 'the notebook copy'\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        helpers = __import__(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+    (tmp_path / f"{name}.py").unlink()
+
+    def uses_helpers():
+        return helpers.version()
+
+    assert run(uses_helpers).raise_for_status().values == ["the notebook copy"] * 2
+    local = distributed(2, accelerator_type="CPU", mlflow=False)(uses_helpers)
+    result = runner.run(local.settings.spec(uses_helpers, (), {}, "uses_helpers"), [Recorder()])
+    assert result.raise_for_status().values == ["the notebook copy"] * 2
+    del sys.modules[name]
+
+
 def test_more_than_one_node_without_ray_says_to_call_ray_init(tmp_path):
     """In a notebook that has not joined a cluster, num_nodes=2 is a ConfigurationError that names ray_init;
     num_nodes=1 never imports Ray."""
@@ -322,6 +435,25 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
         assert stopped.ename == "KeyboardInterrupt", stopped.traceback
     finally:
         k.shutdown()
+
+
+def test_hot_ranks_of_a_kernel_over_two_nodes_end_with_the_kernel(cluster, workdir):
+    """`%%distributed --nodes 2 --keep-alive`: the second cell runs in the first cell's actor processes; the kernel's
+    exit leaves every CPU of the cluster free and no actor alive."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    try:
+        k.execute(f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
+                  "%load_ext air_magic").check()
+        cell = ("%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --keep-alive 600 --out pids\n"
+                "import os\nos.getpid()\n")
+        k.execute(cell, timeout=300).check()
+        k.execute("first = list(pids)").check()
+        k.execute(cell, timeout=300).check()
+        same = k.execute("print('SAME', pids == first, len(pids))").check()
+        assert "SAME True 2" in same.stdout, same.stdout
+    finally:
+        k.shutdown()
+    ray_cluster.wait_all_free(60)
 
 
 def test_ports_chosen_for_ray_agents_lie_below_the_ephemeral_range_and_never_repeat():

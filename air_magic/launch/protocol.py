@@ -232,3 +232,52 @@ def decode(line: bytes | str) -> Message:
     if cls is None:
         raise ValueError(f"not a message: {line!r}")
     return cls(**data)
+
+
+# -- the Ray rank actor's calls (Ray launcher only) ------------------------------------
+@dataclass(frozen=True)
+class ActorPlace:
+    """Where a rank's Ray actor runs: its answer to `where`."""
+
+    node_id: str
+    ip: str
+    pid: int
+    #: The GPUs Ray gave the actor.
+    gpus: list[str]
+    host: str
+    #: A port free on `ip` when it was asked for (rank 0's: MASTER_PORT), else 0.
+    free_port: int = 0
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """What a rank's actor needs to run one call, besides the payload that travels beside it."""
+
+    rank: int
+    job: JobFile
+    #: The rank's whole environment for this call (torchrun variables included).
+    env: dict[str, str]
+    #: Hot: the actor, its imports and its default process group stay for the next call of the same world.
+    hot: bool = False
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """What a rank's actor reports once its call is over: the exit code and the files the rank left."""
+
+    code: int | None
+    result: bytes | None = None
+    error: bytes | None = None
+    error_pickle: bytes | None = None
+    #: Wall time the error file was written.
+    error_at: float | None = None
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """An actor's answer to `poll`: output and relayed metric lines from the offsets asked on, and the
+    call's files once it is over and everything it wrote has been read."""
+
+    output: bytes
+    metrics: bytes
+    done: RankFiles | None = None

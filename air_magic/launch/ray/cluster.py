@@ -13,20 +13,20 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import re
 import sys
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlparse
 
-from ...accelerators import DEFAULT_CPU_WORKERS, _check_count
+from ...accelerators import DEFAULT_CPU_WORKERS, _check_count, parse_gpu_type
 from ...errors import ConfigurationError
 
 #: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (measured: FINDINGS.md).
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-_GPU_TYPE = re.compile(r"^GPU(?:_(\d+)x([A-Za-z0-9]+))?$", re.IGNORECASE)
 _context: Any = None
+_warming: threading.Thread | None = None
 
 INSTALL_HINT = "pip install 'air_magic[ray]'"
 
@@ -72,6 +72,9 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
         `ray start`; "ray://host:10001" connects through Ray Client; "host:6379" joins as a driver.
     ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
 
+    Once connected, every node with CPUs starts a Ray worker for this notebook in the background, so
+    that the first call does not wait for that (AIR_MAGIC_WARM=0 turns this off).
+
     Calling it again is harmless: it returns the context of the connection already made. Returns
     Ray's context; its `dashboard_link` attribute opens the dashboard (through the Jupyter server
     when this kernel runs under one with jupyter-server-proxy and the dashboard is on this machine).
@@ -94,7 +97,48 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
             context = ray.init(address="local", **ray_init_kwargs)
     context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
     _context = context
+    warm_up()  # the nodes start a worker for this notebook while the user types
     return context
+
+
+def warm_up() -> None:
+    """In the background: have every node with CPUs start a Ray worker for this notebook.
+
+    A node starts its first worker for a notebook (a Ray job) slowly; done right after `ray_init`, the
+    first call finds workers started on every node instead of waiting for them (and a call made before
+    this is over waits for it rather than have the nodes start more workers at once). AIR_MAGIC_WARM=0
+    turns it off, as for the local launcher.
+    """
+    global _warming
+    from ..local import warm_default
+
+    if _warming is not None or not warm_default():
+        return
+    _warming = threading.Thread(target=_boot_nodes, name="air_magic-ray-warm-up", daemon=True)
+    _warming.start()
+
+
+def warming() -> threading.Thread | None:
+    """The warm-up's thread, if `ray_init` started one."""
+    return _warming
+
+
+def _boot_nodes() -> None:
+    with contextlib.suppress(Exception):  # a warm-up that fails costs the first call its head start, no more
+        ray = require_connected()
+        from ray import cloudpickle
+        from ray.util.placement_group import placement_group  # noqa: F401 - imported now, not in the first call
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from . import rank
+
+        cloudpickle.register_pickle_by_value(rank)  # the nodes need not import it (see rank.py)
+        boot = ray.remote(num_cpus=0, max_retries=0)(rank.node_ready)
+        refs = [
+            boot.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in alive_nodes(ray) if n.get("Resources", {}).get("CPU", 0) > 0
+        ]
+        ray.wait(refs, num_returns=len(refs), timeout=300)
 
 
 def dashboard_link(url: str | None) -> str | None:
@@ -137,16 +181,17 @@ def check_shape(num: int | None, accelerator_type: str | None) -> tuple[int, str
         )
     if accelerator_type.strip().upper() == "CPU":
         return num or DEFAULT_CPU_WORKERS, "CPU"
-    m = _GPU_TYPE.match(accelerator_type.strip())
-    if not m:
+    parsed = parse_gpu_type(accelerator_type)
+    if parsed is None:
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} is not understood; write it as 'GPU_<n>x<MODEL>' or 'CPU'."
         )
-    if m.group(1) is not None and num is not None and int(m.group(1)) != num:
+    count, _ = parsed
+    if count is not None and num is not None and count != num:
         raise ConfigurationError(
             f"num_accelerators={num} contradicts accelerator_type {accelerator_type!r}; give one or make them agree."
         )
-    return int(m.group(1) or num or 1), accelerator_type.strip()
+    return count or num or 1, accelerator_type.strip()
 
 
 def alive_nodes(ray: ModuleType) -> list[dict[str, Any]]:
@@ -175,15 +220,14 @@ def resolve(num: int | None, accelerator_type: str | None, num_nodes: int) -> tu
             f"accelerator_type {accelerator_type!r} asks for GPUs, but no node of the Ray cluster has one; "
             "pass accelerator_type='CPU' to run CPU workers with gloo."
         )
-    m = _GPU_TYPE.match(wanted) if accelerator_type is not None else None
-    model = m.group(2) if m else None
+    count, model = (parse_gpu_type(wanted) or (None, None)) if accelerator_type is not None else (None, None)
     models = {_gpu_model(n) for n in gpu_nodes} - {None}
     if model and model.upper() not in {str(x).upper() for x in models}:
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} does not match the GPUs of the Ray cluster "
             f"({', '.join(sorted(map(str, models))) or 'model unknown'})."
         )
-    if num is None and not (m and m.group(1)):
+    if num is None and count is None:
         per_node = int(max(n["Resources"]["GPU"] for n in gpu_nodes))  # every GPU of a node
     name = model or (min(map(str, models)) if len(models) == 1 else None)
     return per_node, f"GPU_{per_node}x{name}" if name else "GPU"

@@ -1,13 +1,20 @@
 """What runs inside one rank's Ray actor, on whichever node Ray placed it.
 
-Each rank is one actor in a process of its own. `start` receives the pickled
-call through Ray (no shared filesystem), points the process's file
-descriptors 1 and 2 at a log file in a private scratch directory on its node
-(so C and CUDA writes are caught too), sets the rank's environment and runs
-the call in a thread through worker.run, exactly as a local rank does. The
-launcher then long-polls `poll` for new output and, at the end, for the
-result or error files. `terminate` ends every process the rank started and
-removes the scratch directory; the launcher then kills the actor itself.
+Each rank is one actor in a process of its own. While it is placed it
+imports the preload modules (torch) in a thread, so that import overlaps
+the launcher's own work. `start` receives the pickled call through Ray (no
+shared filesystem), points the process's file descriptors 1 and 2 at a log
+file in a private scratch directory on its node (so C and CUDA writes are
+caught too), sets the rank's environment and runs the call in a thread
+through worker.run, exactly as a local rank does. The launcher then
+long-polls `poll` for new output and, at the end, for the result or error
+files. `terminate` ends every process the rank started and removes the
+scratch directory; the launcher then kills the actor itself.
+
+A hot actor (`RankCall.hot`) serves one call after another of the same
+world, as a local hot rank does: `init_process_group()` returns the group
+that exists and `destroy_process_group()` keeps it (worker.py), hooks are
+reset between calls, and each call has a scratch directory of its own.
 
 The function runs inside the actor process (not a subprocess) so that Ray's
 own API works in it: `ray.get_runtime_context().get_node_id()` names the
@@ -23,6 +30,8 @@ same version, as for any library used with Ray.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import shutil
 import socket
@@ -33,81 +42,96 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from air_magic.launch.protocol import JobFile
+    from air_magic.launch.protocol import ActorPlace, RankCall, RankFiles, RankReport
     from air_magic.launch.rundir import RunDir
 
 _CHUNK = 1 << 20
+#: While a call runs, how often `poll` looks for new output (the call's end is seen at once).
+_OUTPUT_EVERY = 0.05
 
 
 class RankActor:
-    """One rank of a job (wrapped with `ray.remote` by the launcher)."""
+    """One rank of a job, or of every call of a hot world (wrapped with `ray.remote` by the launcher)."""
 
-    def __init__(self, package_parent: str) -> None:
+    def __init__(self, package_parent: str, preload: tuple[str, ...] = ()) -> None:
         if os.path.isdir(os.path.join(package_parent, "air_magic")) and package_parent not in sys.path:
             sys.path.insert(0, package_parent)
+        self.node_path = list(sys.path)  # where this node finds ray and air_magic
         self.scratch: RunDir | None = None
         self.rank = 0
         self.code: int | None = None
         self.done = threading.Event()
+        self.hot = False
+        self.calls = 0
+        self.preloading = threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True)
+        self.preloading.start()
 
     # -- placement ---------------------------------------------------------
-    def where(self) -> dict[str, Any]:
-        """This actor's node id and address, process id and the GPUs Ray gave it."""
+    def where(self, port: bool = False) -> ActorPlace:
+        """This actor's node id and address, process id, the GPUs Ray gave it, and a free port there if asked."""
         import ray
 
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpus": [str(g) for g in ray.get_gpu_ids()],
-            "host": socket.gethostname(),
-        }
+        from air_magic.launch.protocol import ActorPlace
 
-    def free_port(self, ip: str) -> int:
-        """A port free on this node's address right now (MASTER_PORT, taken by rank 0's TCPStore)."""
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            return int(s.getsockname()[1])
+        ip = ray.util.get_node_ip_address()
+        return ActorPlace(
+            node_id=ray.get_runtime_context().get_node_id(), ip=ip, pid=os.getpid(),
+            gpus=[str(g) for g in ray.get_gpu_ids()], host=socket.gethostname(), free_port=_free_port(ip) if port else 0,
+        )
 
     # -- the rank ----------------------------------------------------------
-    def start(self, rank: int, payload: bytes, job: JobFile, env: dict[str, str]) -> int:
-        """Run the call as rank `rank` in a thread; returns at once with this process's id."""
+    def start(self, call: RankCall, payload: bytes) -> int:
+        """Run the call as rank `call.rank` in a thread; returns at once with this process's id."""
         import dataclasses
 
         from air_magic.launch.rundir import RunDir, write_private
 
-        self.rank = rank
-        scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{rank}")
+        if not self.done.is_set() and self.calls:
+            raise RuntimeError("this rank's actor is still running a call")
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch.path, ignore_errors=True)  # the last call's, already reported
+        job = call.job
+        self.rank, self.code, self.calls = call.rank, None, self.calls + 1
+        self.done.clear()
+        scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{call.rank}")
         write_private(scratch.payload, payload)
-        here = [p for p in sys.path if p not in job.sys_path]  # where this node finds ray and air_magic
+        here = [p for p in self.node_path if p not in job.sys_path]
         cwd = job.cwd if os.path.isdir(job.cwd) else str(scratch.path)
         spec = dataclasses.replace(job, sys_path=[*job.sys_path, *here], cwd=cwd)
         write_private(scratch.job, spec.to_bytes())
-        write_private(scratch.log(rank), b"")
-        scratch.reserve_error_record(rank)
+        write_private(scratch.log(call.rank), b"")
+        scratch.reserve_error_record(call.rank)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        fd = os.open(scratch.log(rank), os.O_WRONLY | os.O_APPEND)
+        fd = os.open(scratch.log(call.rank), os.O_WRONLY | os.O_APPEND)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        os.environ.update(env, AIR_MAGIC_RUN_DIR=str(scratch.path))  # on this node, the scratch is the run directory
-        threading.Thread(target=self._run, name="air_magic-rank", daemon=True).start()
+        os.environ.update(call.env, AIR_MAGIC_RUN_DIR=str(scratch.path))  # on this node, the scratch is the run dir
+        threading.Thread(target=self._run, args=(call.hot, self.calls), name="air_magic-rank", daemon=True).start()
         return os.getpid()
 
-    def _run(self) -> None:
+    def _run(self, hot: bool, call: int) -> None:
         from air_magic.launch import worker
 
         assert self.scratch is not None
         code = 70
+        # two threads importing torch at once can abort the process: the call waits for the preload (it would
+        # import the same modules anyway)
+        self.preloading.join()
         try:
+            if hot and not self.hot:
+                worker._keep_process_group()
+                self.hot = True
             code = worker.run(self.scratch.path, self.rank)
         except BaseException:  # noqa: BLE001 - air_magic's own failure: into the rank's log
             traceback.print_exc()
         finally:
             try:
-                worker.flush_hooks()
+                if hot:
+                    worker._end_call()  # hooks send what they hold and let go of this call's run
+                else:
+                    worker.flush_hooks()
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
             for stream in (sys.stdout, sys.stderr):
@@ -117,10 +141,21 @@ class RankActor:
                     pass
             self.code = code
             self.done.set()
+        if hot and code == 0:
+            # no next call right away: tidy up while waiting, so that a quick re-run does not wait for it
+            threading.Timer(worker._TIDY_AFTER, self._tidy, args=(call,)).start()
 
-    def poll(self, offset: int, metrics_offset: int, wait: float) -> tuple[bytes, bytes, dict[str, Any] | None]:
+    def _tidy(self, call: int) -> None:
+        if self.calls == call:
+            from air_magic.launch import worker
+
+            worker._tidy()
+
+    def poll(self, offset: int, metrics_offset: int, wait: float) -> RankReport:
         """Output and relayed MLflow lines from the given byte offsets on (waiting up to `wait` s for output),
-        and the outcome once the rank is done and everything it wrote has been read."""
+        and the call's files once the rank is done and everything it wrote has been read."""
+        from air_magic.launch.protocol import RankReport
+
         assert self.scratch is not None
         deadline = time.monotonic() + wait
         while True:
@@ -128,27 +163,24 @@ class RankActor:
             data = _read(self.scratch.log(self.rank), offset)
             metrics = _read(self.scratch.metrics(self.rank), metrics_offset)
             if finished and len(data) < _CHUNK and len(metrics) < _CHUNK:
-                return data, metrics, self.outcome()
+                return RankReport(data, metrics, self.outcome())
             if data or metrics or time.monotonic() >= deadline:
-                return data, metrics, None
-            self.done.wait(0.05)
+                return RankReport(data, metrics)
+            self.done.wait(_OUTPUT_EVERY)  # the end of the call wakes this at once
 
-    def outcome(self) -> dict[str, Any]:
+    def outcome(self) -> RankFiles:
         """The exit code and the bytes of the result or error files the rank left."""
+        from air_magic.launch.protocol import RankFiles
+
         assert self.scratch is not None
-        out: dict[str, Any] = {"code": self.code}
-        for key, path in (
-            ("result", self.scratch.result(self.rank)),
-            ("error", self.scratch.error(self.rank)),
-            ("error_pickle", self.scratch.error_pickle(self.rank)),
-        ):
-            try:
-                out[key] = path.read_bytes()
-                if key == "error":
-                    out["error_at"] = path.stat().st_mtime_ns / 1e9
-            except OSError:
-                out[key] = None
-        return out
+        rd, rank = self.scratch, self.rank
+        error_at = None
+        with contextlib.suppress(OSError):
+            error_at = rd.error(rank).stat().st_mtime_ns / 1e9
+        return RankFiles(
+            code=self.code, result=_read_all(rd.result(rank)), error=_read_all(rd.error(rank)),
+            error_pickle=_read_all(rd.error_pickle(rank)), error_at=error_at,
+        )
 
     def terminate(self, grace: float) -> bool:
         """End every process the rank started (SIGTERM, `grace` s, SIGKILL) and remove the scratch directory."""
@@ -160,6 +192,34 @@ class RankActor:
         if self.scratch is not None:
             shutil.rmtree(self.scratch.path, ignore_errors=True)
         return gone
+
+
+def node_ready() -> int:
+    """A task that makes its node start a Ray worker for the notebook (the launcher's warm-up); its process id."""
+    return os.getpid()
+
+
+def _preload(names: tuple[str, ...]) -> None:
+    """Import what the ranks will import anyway while the launcher places them; a module missing here is no error."""
+    for name in names:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def _free_port(ip: str) -> int:
+    """A port free on this node's address right now (MASTER_PORT, taken by rank 0's TCPStore)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+def _read_all(path: Any) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _read(path: Any, offset: int) -> bytes:

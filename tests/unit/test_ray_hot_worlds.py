@@ -1,0 +1,82 @@
+"""RayLauncher's hot worlds as plain objects: which call takes one, when one ends (no Ray, no processes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from air_magic.launch import protocol as p
+from air_magic.launch.ray import launcher as ray_launcher_module
+from air_magic.launch.ray.launcher import HotWorld, RayLauncher, _world_key
+
+
+@pytest.fixture
+def ended(monkeypatch):
+    """The actors of every hot world ended, instead of asking Ray to end them."""
+    gone: list[list[str]] = []
+    monkeypatch.setattr(ray_launcher_module, "require_connected", lambda: None)
+    monkeypatch.setattr(ray_launcher_module, "end_actors", lambda ray, actors, pg, grace: gone.append(actors))
+    return gone
+
+
+def request(key: str = "k", keep_alive: float | None = 30.0, nodes: int = 2) -> p.JobRequest:
+    return p.JobRequest(job_id="j", name="f", world_size=2 * nodes, payload=b"", env={}, sys_path=[], cwd="/",
+                        keep_alive=keep_alive, world_key=key, num_nodes=nodes)
+
+
+def world(req: p.JobRequest, actors: list[str], keep_alive: float = 30.0) -> HotWorld:
+    return HotWorld(_world_key(req), actors, None, [], "127.0.0.1", 1234, keep_alive)
+
+
+def test_the_next_call_of_the_same_world_takes_the_idle_hot_world(ended):
+    """Same world key and shape: the kept world, now busy; a second call meanwhile gets none."""
+    launcher = RayLauncher()
+    w = world(request(), ["a0", "a1"])
+    launcher.keep(w)
+    assert launcher.take_hot(request()) is w and w.busy
+    assert launcher.take_hot(request()) is None
+    assert ended == []
+    launcher.drop(w)
+
+
+def test_a_call_of_another_world_or_shape_gets_no_hot_world_and_leaves_the_idle_one(ended):
+    """Another world key, another node count, or no keep_alive: no hot world for it; the idle one stays."""
+    launcher = RayLauncher()
+    kept = world(request(), ["a0"])
+    launcher.keep(kept)
+    for other in (request(key="other"), request(nodes=1), request(keep_alive=None)):
+        assert launcher.take_hot(other) is None
+    assert launcher.hot_worlds() == [kept] and not kept.busy and ended == []
+    launcher.release_hot()
+    assert ended == [["a0"]]
+
+
+def test_an_idle_world_ends_after_keep_alive_but_not_while_a_call_runs_in_it(ended):
+    """Idle `keep_alive` s ends it; taken before that, its timer does nothing."""
+    launcher = RayLauncher()
+    busy = world(request(key="busy"), ["b"], keep_alive=0.2)
+    launcher.keep(busy)
+    assert launcher.take_hot(request(key="busy")) is busy
+    idle = world(request(), ["i"], keep_alive=0.2)
+    launcher.keep(idle)
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert ended == [["i"]]
+    assert launcher.hot_worlds() == [busy]
+    launcher.drop(busy)
+
+
+def test_release_ends_idle_worlds_and_shutdown_ends_every_world(ended):
+    """release_hot leaves a world a call runs in; shutdown ends it too."""
+    launcher = RayLauncher()
+    launcher.keep(world(request(key="idle"), ["i"]))
+    running = world(request(key="running"), ["r"])
+    launcher.keep(running)
+    launcher.take_hot(request(key="running"))
+    launcher.release_hot()
+    assert ended == [["i"]] and launcher.hot_worlds() == [running]
+    launcher.shutdown()
+    assert ended == [["i"], ["r"]] and launcher.hot_worlds() == []
