@@ -342,10 +342,9 @@ class _Run:
         first = min(failed)
         cause = failed[first]
         reason = f"{type(cause).__name__}: {cause}".rstrip(". ")
-        whose = (
-            f"the return value of rank {first}" if len(failed) == 1
-            else f"the return values of ranks {', '.join(map(str, failed))} (rank {first}'s error shown)"
-        )
+        whose = f"the return value of rank {first}"
+        if len(failed) > 1:
+            whose, reason = f"the return values of ranks {', '.join(map(str, failed))}", f"rank {first}: {reason}"
         error = SerializationError(
             f"{whose} could not be rebuilt in this process ({reason}); return plain data "
             "(numbers, lists, dicts, tensors) whose types this notebook can import, such as a model's "
