@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -155,3 +156,59 @@ def test_a_multi_node_call_is_not_sampled(tmp_path: Path):
     time.sleep(0.3)
     sampler.on_end(JobResult(ctx.spec, tmp_path, []))
     assert sampler.count == 0 and sampler.latest() == {} and sampler.peaks() == {}
+
+
+class FakeNvml:
+    """Stands in for nvidia-ml-py where no GPU exists: two 80 GiB devices, by index and by UUID."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.used = {"dev0": 10 * GiB, "dev1": 70 * GiB}
+        self.calls: list[str] = []
+
+    def nvmlInit(self) -> None:
+        self.calls.append("init")
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return f"dev{index}"
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        if uuid != "GPU-one":
+            raise self.NVMLError(uuid)
+        return "dev1"
+
+    def nvmlDeviceGetMemoryInfo(self, handle: str) -> object:
+        return type("Memory", (), {"used": self.used[handle], "total": 80 * GiB})()
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> object:
+        return type("Rates", (), {"gpu": 87 if handle == "dev1" else 3})()
+
+
+def test_each_rank_reads_its_own_gpu_through_nvml(tmp_path: Path, monkeypatch):
+    """With NVML (a stand-in here; the GPU tests run the real one), rank 0 reads GPU 0 by index and rank 1 its
+    UUID's device; their memory, utilization and peaks reach the sample, the metrics and the record's words."""
+    nvml = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    ctx = RunContext(spec(2, "GPU_2xH100", CUDA_VISIBLE_DEVICES="0,GPU-one"), tmp_path, [])
+    ctx.pids.update({0: os.getpid(), 1: os.getpid()})
+    sampler = ResourceSampler(period=0.05)
+    sampler.on_start(ctx)
+    deadline = time.monotonic() + 10
+    while len(sampler.latest()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    nvml.used["dev1"] = 20 * GiB  # lower than before: the peak keeps the 70 GiB
+    seen = sampler.count
+    while sampler.count < seen + 2:
+        time.sleep(0.02)
+    sampler.on_end(JobResult(ctx.spec, tmp_path, []))
+    latest = sampler.latest()
+    assert (latest[0].gpu, latest[0].gpu_percent, latest[0].gpu_memory) == ("0", 3.0, 10 * GiB)
+    assert (latest[1].gpu, latest[1].gpu_percent, latest[1].gpu_memory) == ("GPU-one", 87.0, 20 * GiB)
+    assert peak_text(sampler.peaks()[1]).endswith("GPU memory peak 70.0 GiB")
+    assert metrics(latest)["system/rank_1/gpu_memory_mib"] == 20 * 1024
+    assert nvml.calls == ["init", "shutdown"]
