@@ -43,6 +43,8 @@ from .job import JobResult, JobSpec
 
 #: Seconds between two samples.
 PERIOD = 1.0
+#: Seconds between two looks for the ranks' processes until the first of them is sampled.
+FIRST = 0.2
 #: Seconds between two samples handed to the sinks (MLflow): sampled, not one per training step.
 LOG_EVERY = 5.0
 #: Fraction of a device's (or the node's) memory in use from which the panel warns.
@@ -274,7 +276,8 @@ class ResourceSampler(Listener):
     def _loop(self) -> None:
         self._nvml = _Nvml(set(self._gpus.values()))
         next_log = 0.0
-        while not self._stop.wait(self.period):
+        # Until the first figures, look more often: a call of a second still gets a reading.
+        while not self._stop.wait(self.period if self.count and self._peaks else min(self.period, FIRST)):
             try:
                 self.sample()
             except Exception:  # noqa: BLE001, S112 - a figure missed now is read again a second later
