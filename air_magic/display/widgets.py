@@ -194,7 +194,7 @@ class Panel(Listener):
         self.phase = "starting"
         self.launched_phase = f"starting: {n} rank(s)"
         self.logs = [w.HTML(value=self._log_html(r), layout=w.Layout(width="100%")) for r in range(n)]
-        shown = None if self.resources is not None else "none"
+        shown = None if self.resources is not None and spec.num_nodes == 1 else "none"  # see resources.py
         self.usages = [w.HTML(layout=w.Layout(width="100%", display=shown)) for _ in range(n)]
         for usage in self.usages:
             usage.add_class("air-magic-usage")
