@@ -25,22 +25,20 @@ from __future__ import annotations
 
 import html
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ipywidgets as w
 from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
+from ..resources import ResourceSampler, header_text, peak_text, usage_text
 from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
 from .record import ended_as, record_bundle, short_link_text
 from .starting import waiting_for
 from .tail import TailBuffer
-
-if TYPE_CHECKING:
-    from ..resources import ResourceSampler
 
 #: Seconds between two refreshes of a rank's tab (the browser sees at most this rate).
 REFRESH = 0.1
@@ -267,8 +265,6 @@ class Panel(Listener):
 
     def _show_usage(self) -> None:
         """Redraw each rank's usage line and the header's figure from the sampler's newest sample."""
-        from ..resources import header_text, peak_text, usage_text
-
         assert self.resources is not None
         if self.resources.count == self.usage_seen:
             return
