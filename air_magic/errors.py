@@ -47,6 +47,10 @@ class JobCancelledError(AirMagicError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class ResultSizeWarning(UserWarning):
+    """A rank returned a large value; every byte of it is copied into the notebook's memory."""
+
+
 class ListenerWarning(RuntimeWarning):
     """A display or tracking listener failed; the call itself went on unchanged."""
 

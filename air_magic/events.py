@@ -27,6 +27,8 @@ class RunContext:
     #: (phase, seconds since the call started) in the order the call's start went through them:
     #: "creating the MLflow run", "starting the helper", "ranks starting", "running".
     phases: list[tuple[str, float]] = field(default_factory=list)
+    #: rank -> pid of its process as the launcher reported it (a process of this machine unless num_nodes > 1).
+    pids: dict[int, int] = field(default_factory=dict)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

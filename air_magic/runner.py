@@ -27,6 +27,7 @@ from .errors import (
     DistributedTimeoutError,
     JobCancelledError,
     ListenerWarning,
+    ResultSizeWarning,
     RunDirectoryFullError,
     SerializationError,
     WorkerDiedError,
@@ -41,10 +42,13 @@ from .launch import used
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir
 from .launch.stopper import STOP_GRACE
+from .payload import _user_stacklevel as user_stacklevel
 
 _POLL = 0.05
 #: With less free space than this under the run directory, a failed write is put down to a full disk.
 DISK_FULL_BYTES = 1 << 20
+#: A rank's pickled return value above this many MiB gets a ResultSizeWarning; $AIR_MAGIC_LARGE_RESULT_MIB overrides.
+LARGE_RESULT_MIB = 256
 __all__ = ["STOP_GRACE", "default_listeners", "run"]
 
 
@@ -155,7 +159,7 @@ class _Run:
         if isinstance(event, p.RankOutput):
             self.notify("on_output", event.rank, event.text)
         elif isinstance(event, p.RankStarted):
-            self.result.ranks[event.rank].pid = event.pid
+            self.result.ranks[event.rank].pid = self.ctx.pids[event.rank] = event.pid
             self.set_state(event.rank, RankState.RUNNING)
             if all(r.pid is not None for r in self.result.ranks):
                 self.enter_phase("running")
@@ -322,23 +326,58 @@ class _Run:
             return first
         if self.launch_error:
             return AirMagicError(f"air_magic could not run the job: {self.launch_error}. {where}")
+        return self.rebuild_results()
+
+    def rebuild_results(self) -> BaseException | None:
+        """Unpickle every rank's return value into the result; warn about large ones; an error naming the ranks."""
         import cloudpickle
 
+        where = f"Logs of every rank are in {self.run_dir.path}."
         for rank in self.result.ranks:
-            blob = self.outcomes.get(rank.rank, p.RankOutcome()).value
-            if blob is None:
+            if self.outcomes.get(rank.rank, p.RankOutcome()).value is None:
                 return AirMagicError(f"rank {rank.rank} ended without leaving a result. {where}")
+        self.warn_large_results()
+        failed: dict[int, Exception] = {}
+        for rank in self.result.ranks:
             try:
-                rank.value = cloudpickle.loads(blob)
+                rank.value = cloudpickle.loads(self.outcomes[rank.rank].value or b"")
             except Exception as exc:  # noqa: BLE001 - it pickled there but does not rebuild here
-                error = SerializationError(
-                    f"the return value of rank {rank.rank} could not be rebuilt in this process: "
-                    f"{type(exc).__name__}: {exc}. Return plain data (numbers, lists, dicts, tensors) "
-                    f"whose types this notebook can import. Logs of every rank are in {self.run_dir.path}."
-                )
-                error.__cause__ = exc
-                return error
-        return None
+                failed[rank.rank] = exc
+        if not failed:
+            return None
+        first = min(failed)
+        cause = failed[first]
+        reason = f"{type(cause).__name__}: {cause}".rstrip(". ")
+        whose = f"the return value of rank {first}"
+        if len(failed) > 1:
+            whose, reason = f"the return values of ranks {', '.join(map(str, failed))}", f"rank {first}: {reason}"
+        error = SerializationError(
+            f"{whose} could not be rebuilt in this process ({reason}); return plain data "
+            "(numbers, lists, dicts, tensors) whose types this notebook can import, such as a model's "
+            f"state_dict() rather than the model. Rank {first}'s log: {self.logs[first]}"
+        )
+        error.__cause__ = cause
+        return error
+
+    def warn_large_results(self) -> None:
+        """A ResultSizeWarning naming each rank whose pickled return value is over the limit, and what to do instead."""
+        try:
+            limit = float(os.environ.get("AIR_MAGIC_LARGE_RESULT_MIB", LARGE_RESULT_MIB)) * 2**20
+        except ValueError:
+            limit = LARGE_RESULT_MIB * 2**20
+        sizes = {r: len(o.value) for r, o in sorted(self.outcomes.items()) if o.value is not None}
+        large = {r: n for r, n in sizes.items() if n > limit}
+        if not large:
+            return
+        which = ", ".join(f"rank {r} returned {n / 2**20:,.0f} MiB" for r, n in large.items())
+        warnings.warn(
+            f"{self.spec.name}: {which} (pickled), and all of it is copied into this notebook's memory. "
+            "Return large values from rank 0 only (`return model.state_dict() if rank == 0 else None`), or save a "
+            "checkpoint to a file inside the function and return its path. (Warns above "
+            f"{limit / 2**20:g} MiB per rank; set AIR_MAGIC_LARGE_RESULT_MIB to change that.)",
+            ResultSizeWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def check_supported(spec: JobSpec, launcher: Launcher) -> None:
@@ -356,17 +395,24 @@ def check_supported(spec: JobSpec, launcher: Launcher) -> None:
 
 
 def default_listeners(spec: JobSpec) -> list[Listener]:
-    """Tracking first (it makes the run link), then the display that shows it."""
-    from .display import make_display
+    """The resource sampler, tracking (it makes the run link), then the display that shows both.
 
-    listeners: list[Listener] = []
+    The sampler comes first so that it has logged its last sample to the run before the tracker ends it.
+    """
+    from .display import make_display
+    from .resources import ResourceSampler
+
+    sampler = ResourceSampler()
+    listeners: list[Listener] = [sampler]
     if spec.mlflow:
-        from .tracking.listener import make_tracker
+        from .tracking.listener import MlflowTracker, make_tracker
 
         tracker = make_tracker(spec)
         if tracker is not None:
             listeners.append(tracker)
-    listeners.append(make_display(spec))
+            if isinstance(tracker, MlflowTracker):
+                sampler.sinks.append(tracker.log_system_metrics)
+    listeners.append(make_display(spec, sampler))
     return listeners
 
 

@@ -75,6 +75,57 @@ hello.distributed()
     assert "finished" in record["data"]["text/plain"] and "/runs/" in record["data"]["text/plain"]
 
 
+def _mib(text: str) -> float:
+    """'412 MiB' or '1.28 GiB' as MiB."""
+    number, unit = text.split()
+    return float(number) * (1024 if unit == "GiB" else 1)
+
+
+PEAK = re.compile(r"rank (\d): done · peak memory ([\d.]+ [MG]iB)")
+
+
+@pytest.mark.slow
+def test_each_rank_s_tab_shows_what_it_uses_live_and_the_record_keeps_each_peak(lab_kernel):
+    """While the call runs each tab shows its rank's CPU % and memory, the header the ranks' memory; the record
+    keeps each rank's peak, rank 0's at least the 300 MiB it allocated more than rank 1."""
+    mirror = WidgetMirror()
+    seen: dict[str, list[str]] = {"usages": [], "status": []}
+
+    def watch(m: WidgetMirror) -> None:
+        if m.of_model("TabModel"):
+            panel = m.panel()
+            if all("CPU" in u for u in panel["usages"]):
+                seen["usages"] = panel["usages"]
+                seen["status"].append(panel["status"])
+
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def holds():
+    import os, time
+    block = bytearray(300 * 2**20 if os.environ["RANK"] == "0" else 1)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    time.sleep(4)
+    return len(block)
+holds.distributed()
+""",
+        mirror,
+        while_running=watch,
+    ).check()
+    assert out.result == f"[{300 * 2**20}, 1]"
+    assert seen["usages"], "no usage line was shown while the ranks ran"
+    for usage in seen["usages"]:
+        assert re.search(r"CPU \d+% · memory [\d.]+ [MG]iB", usage), usage
+    assert any("air-magic-resources" in s and "memory" in s for s in seen["status"])
+    record = out.displays[-1]["data"]
+    peaks = {int(r): _mib(v) for r, v in PEAK.findall(record["text/html"])}
+    assert set(peaks) == {0, 1}, record["text/html"][:2000]
+    assert peaks[0] >= peaks[1] + 280, peaks
+    assert {int(r): _mib(v) for r, v in PEAK.findall(record["text/plain"])} == peaks
+
+
 def test_cancel_click_while_the_cell_runs_stops_every_process_and_the_kernel_stays_usable(lab_kernel):
     """A Button click sent while the cell is busy ends every worker and child within 5 s with a one-line 'cancelled' error."""
     mirror = WidgetMirror()

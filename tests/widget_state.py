@@ -37,16 +37,23 @@ class WidgetMirror:
         return [(cid, s) for cid, s in self.models.items() if s.get("_model_name") == name]
 
     def panel(self) -> dict[str, Any]:
-        """The last panel shown: its tab titles, each tab's HTML, its status and link text, its button id."""
+        """The last panel shown: its tab titles, each tab's log and usage HTML, its status and link text, its button id."""
         tabs = self.of_model("TabModel")
         assert tabs, "no panel was displayed"
         _, tab = tabs[-1]
-        logs = [self.models[ref.removeprefix("IPY_MODEL_")]["value"] for ref in tab["children"]]
+        pages = [self.models[ref.removeprefix("IPY_MODEL_")] for ref in tab["children"]]
+        # a tab holds the rank's usage line over its log (or, in a panel without usage, the log alone)
+        parts = [[self.models[r.removeprefix("IPY_MODEL_")] for r in p["children"]] if "children" in p else [p]
+                 for p in pages]
+        logs = [next(m["value"] for m in part if "air-magic-usage" not in m.get("_dom_classes", ())) for part in parts]
+        usages = [next((m["value"] for m in part if "air-magic-usage" in m.get("_dom_classes", ())), "")
+                  for part in parts]
         buttons = self.of_model("ButtonModel")
         htmls = [s["value"] for _, s in self.of_model("HTMLModel")]
         return {
             "titles": list(tab["titles"]),
             "logs": logs,
+            "usages": usages,
             "button": buttons[-1][0] if buttons else None,
             "button_state": buttons[-1][1] if buttons else None,
             "status": next((h for h in reversed(htmls) if "rank(s)" in h), ""),

@@ -12,10 +12,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigurationError
 from ..events import Listener
 from ..job import JobSpec
+
+if TYPE_CHECKING:
+    from ..resources import ResourceSampler
 
 _MODES = ("auto", "panel", "text")
 
@@ -41,8 +45,11 @@ def display_mode() -> str:
     return mode
 
 
-def make_display(spec: JobSpec) -> Listener:
-    """The panel inside a Jupyter kernel that can show widgets, the plain-text display otherwise."""
+def make_display(spec: JobSpec, resources: ResourceSampler | None = None) -> Listener:
+    """The panel inside a Jupyter kernel that can show widgets, the plain-text display otherwise.
+
+    With `resources`, the panel shows what each rank uses and the record keeps each rank's peak.
+    """
     mode = display_mode()
     if mode == "panel" or (mode == "auto" and in_widget_kernel()):
         from . import busy
@@ -53,7 +60,7 @@ def make_display(spec: JobSpec) -> Listener:
         starting = StartingLine(spec)  # on screen at once: importing ipywidgets takes a while the first time
         from .widgets import Panel
 
-        return Panel(starting)
+        return Panel(starting, resources=resources)
     from .text import TextDisplay
 
     return TextDisplay()

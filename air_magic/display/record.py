@@ -3,8 +3,9 @@
 The live panel is a widget: saved, converted or reopened without its kernel it
 shows nothing. So when a call ends the panel's output is replaced by this
 record: how it ended, how long it took, the MLflow link, each rank's last
-lines (bounded, with a note of what was left out and where the full log is)
-and the metric charts. It uses only HTML that JupyterLab keeps in untrusted
+lines (bounded, with a note of what was left out and where the full log is),
+each rank's peak memory (and GPU memory) when they were sampled, and the
+metric charts. It uses only HTML that JupyterLab keeps in untrusted
 notebooks (no scripts, no data attributes), and a text/plain twin for
 nbconvert's text exporters and terminals. Knows nothing about widgets.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
+from ..resources import Peak, peak_text
 from .charts import MetricsTail, charts_html, charts_text
 from .tail import TailBuffer
 
@@ -68,8 +70,9 @@ def record_bundle(
     log_paths: list[Path],
     link: str | None,
     metrics: MetricsTail | None = None,
+    peaks: dict[int, Peak] | None = None,
 ) -> dict[str, str]:
-    """The record as a MIME bundle: {'text/html': ..., 'text/plain': ...}."""
+    """The record as a MIME bundle: {'text/html': ..., 'text/plain': ...}; `peaks`: what each rank used at most."""
     spec = result.spec
     how = ended_as(result)
     color = {"finished": "#2e7d32", "failed": "#c62828"}.get(how, "#b35900")
@@ -102,15 +105,18 @@ def record_bundle(
         note = (
             f"… {small.omitted:,} earlier line(s) not shown; full log: {log}" if small.omitted else f"log: {log}"
         )
+        title = f"rank {rank.rank}: {rank.state.value}"
+        if peaks and rank.rank in peaks:
+            title += f" · {peak_text(peaks[rank.rank])}"
         parts.append(
             f'<details class="air-magic-record-rank" open style="margin:2px 0">'
-            f'<summary style="cursor:pointer">rank {rank.rank}: {rank.state.value}</summary>'
+            f'<summary style="cursor:pointer">{html.escape(title)}</summary>'
             f'<div class="air-magic-record-note" style="color:#777;font-style:italic;font-size:12px">'
             f"{html.escape(note)}</div>"
             f'<pre class="air-magic-record-log" style="{_PRE}">{html.escape(small.text())}</pre></details>'
         )
         body = small.text()
-        text.append(f"--- rank {rank.rank}: {rank.state.value} ({note})")
+        text.append(f"--- {title} ({note})")
         text.extend(f"[rank {rank.rank}] {line}" for line in body.split("\n") if body)
     parts.append("</div>")
     return {"text/html": "".join(parts), "text/plain": "\n".join(text)}

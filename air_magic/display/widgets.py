@@ -8,7 +8,10 @@ a flooding rank cannot drown the kernel or the browser; the full log stays
 in the run directory. Metrics the ranks log are read from their files in the
 run directory (display/charts.py) and drawn as small charts. The Cancel click
 is recognized on the kernel's shell-channel thread (display/cancel_route.py)
-and only sets the call's cancel flag.
+and only sets the call's cancel flag. What each rank uses (CPU, memory, its
+GPU) is read from the call's ResourceSampler (resources.py) once a second:
+a line at the top of each rank's tab, and the fullest GPU's memory (or the
+ranks' memory) in the header, coloured when it nears the limit.
 
 The panel takes the place of the starting line that make_display() shows
 the moment a call begins, and appears before the MLflow run exists or any
@@ -29,6 +32,7 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
+from ..resources import ResourceSampler, header_text, peak_text, usage_text
 from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
@@ -42,6 +46,8 @@ REFRESH = 0.1
 CLOCK = 0.5
 #: Seconds between two redraws of the metric charts.
 CHARTS = 0.5
+#: Seconds between two redraws of what the ranks use (the sampler takes a sample about as often).
+USAGE = 0.5
 
 _LOG_STYLE = (
     "max-height:22em;overflow-y:auto;display:flex;flex-direction:column-reverse;"
@@ -49,6 +55,7 @@ _LOG_STYLE = (
     "padding:4px 6px;background:var(--jp-layout-color1,#fff)"
 )
 _NOWRAP = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis"
+_USAGE_STYLE = "font-size:12px;color:var(--jp-ui-font-color2,#616161);padding:2px 6px;" + _NOWRAP
 
 
 def _title(rank: int, state: RankState) -> str:
@@ -71,12 +78,17 @@ class Panel(Listener):
     last_flush: float
     last_clock: float
     last_charts: float
+    last_usage: float
+    usages: list[w.HTML]
     metrics: MetricsTail | None
     handle: Any
 
-    def __init__(self, starting: Any = None, refresh: float = REFRESH) -> None:
+    def __init__(self, starting: Any = None, refresh: float = REFRESH, resources: ResourceSampler | None = None) -> None:
         self.starting = starting  # display.StartingLine whose place the panel takes, if one was shown
         self.refresh = refresh
+        self.resources = resources
+        self.usage_seen = -1  # the sampler's sample count last drawn
+        self.usage_header = ""
         self.spec: JobSpec | None = None
         self.ctx: RunContext | None = None
         self.phase = "starting"
@@ -133,6 +145,9 @@ class Panel(Listener):
             self._show_status()
         elif now - self.last_clock >= CLOCK:
             self._show_status()
+        if self.resources is not None and now - self.last_usage >= USAGE:
+            self.last_usage = now
+            self._show_usage()
         self._show_link()
 
     def on_end(self, result: JobResult) -> None:
@@ -145,6 +160,7 @@ class Panel(Listener):
             self.tabs.set_title(rank.rank, _title(rank.rank, rank.state))
         self.phase = ended_as(result)
         self.cancel_button.disabled = True
+        self.usage_header = ""
         if self.phase == "cancelled":
             self.cancel_button.description = "Cancelled"
         else:
@@ -152,7 +168,8 @@ class Panel(Listener):
         self._show_status(result.elapsed)
         self._show_link()
         bundle = record_bundle(
-            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics
+            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics,
+            peaks=self.resources.peaks() if self.resources is not None else None,
         )
         # The widget's output becomes the static record: a saved or converted notebook keeps it.
         try:
@@ -170,11 +187,17 @@ class Panel(Listener):
         self.last_flush = 0.0
         self.last_clock = 0.0
         self.last_charts = 0.0
+        self.last_usage = 0.0
         self.metrics = None
         self.started = time.monotonic()
         self.phase = "starting"
         self.logs = [w.HTML(value=self._log_html(r), layout=w.Layout(width="100%")) for r in range(n)]
-        self.tabs = w.Tab(children=self.logs, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
+        shown = None if self.resources is not None and spec.num_nodes == 1 else "none"  # see resources.py
+        self.usages = [w.HTML(layout=w.Layout(width="100%", display=shown)) for _ in range(n)]
+        for usage in self.usages:
+            usage.add_class("air-magic-usage")
+        pages = [w.VBox([usage, log]) for usage, log in zip(self.usages, self.logs)]
+        self.tabs = w.Tab(children=pages, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
         self.status = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", overflow="hidden"))
         self.status.add_class("air-magic-status")
         self.link = w.HTML(layout=w.Layout(flex="0 0 auto"))
@@ -195,8 +218,8 @@ class Panel(Listener):
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.box = w.VBox([header, self.charts, self.tabs])
         self.box.add_class("air-magic-panel")
-        self._widgets: list[Any] = [self.box, header, self.charts, self.tabs, *self.logs, self.status, self.link,
-                                    self.cancel_button, self.cancel_hint]
+        self._widgets: list[Any] = [self.box, header, self.charts, self.tabs, *pages, *self.usages, *self.logs,
+                                    self.status, self.link, self.cancel_button, self.cancel_hint]
         for widget in self._widgets:
             if widget is not self.cancel_button:
                 keep_on_main_shell(widget)
@@ -237,8 +260,32 @@ class Panel(Listener):
         self.status.value = (
             f'<div style="{_NOWRAP}" title="{html.escape(spec.name, quote=True)} · {phase}">'
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
-            f' · <span class="air-magic-phase">{phase}</span> · {elapsed:.0f} s</div>'
+            f' · <span class="air-magic-phase">{phase}</span> · {elapsed:.0f} s{self.usage_header}</div>'
         )
+
+    def _show_usage(self) -> None:
+        """Redraw each rank's usage line and the header's figure from the sampler's newest sample."""
+        assert self.resources is not None
+        if self.resources.count == self.usage_seen:
+            return
+        self.usage_seen = self.resources.count
+        latest, peaks = self.resources.latest(), self.resources.peaks()
+        for rank, widget in enumerate(self.usages):
+            if rank in latest:
+                text = usage_text(latest[rank])
+            elif rank in peaks:
+                text = f"exited · {peak_text(peaks[rank])}"
+            else:
+                continue
+            value = f'<div style="{_USAGE_STYLE}">{html.escape(text)}</div>'
+            if widget.value != value:
+                widget.value = value
+        words, near = header_text(latest, self.resources.node_memory_percent)
+        color = "#c62828" if near else "inherit"
+        header = f' · <span class="air-magic-resources" style="color:{color}">{html.escape(words)}</span>' if words else ""
+        if header != self.usage_header:
+            self.usage_header = header
+            self._show_status()
 
     def _show_link(self) -> None:
         url = self.ctx.links.get("mlflow") if self.ctx is not None else None

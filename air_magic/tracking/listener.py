@@ -315,6 +315,18 @@ class MlflowTracker(Listener):
                 except Exception as exc:  # noqa: BLE001 - one bad line (a param logged twice) must not stop the rest
                     self.relay_errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
 
+    # -- what the ranks use (fed by resources.ResourceSampler) --------------------
+    def log_system_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log one sample of the ranks' CPU, memory and GPU (`system/rank_N/...`) to the run; any thread may call it."""
+        if getattr(self, "starting", True) is not None or self.run_id is None:
+            return  # the run is still being made, or could not be
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True
+        )
+
     # -- on end ------------------------------------------------------------
     def on_end(self, result: JobResult) -> None:
         self._started()
