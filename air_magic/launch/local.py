@@ -34,11 +34,14 @@ _READ_CHUNK = 1 << 20
 
 
 class LogTail:
-    """Follows one rank's log file and yields decoded text as it grows."""
+    """Follows one rank's log file from its end when made (what an earlier attempt wrote is not read again)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.offset = 0
+        try:
+            self.offset = path.stat().st_size
+        except OSError:
+            self.offset = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def read(self, final: bool = False) -> str:
@@ -265,6 +268,7 @@ class LocalLauncher(Launcher):
             job=request.job_id, world_size=request.world_size, fork=request.warm, executable=sys.executable,
             sys_path=request.sys_path, run_dir=str(run_dir.path), env=request.env, package_parent=_PKG_PARENT,
             keep_alive=request.keep_alive, world_key=request.world_key,
+            restart_count=request.restart_count, max_restarts=request.max_restarts,
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:

@@ -47,6 +47,10 @@ class JobRequest:
     num_nodes: int = 1
     #: Each rank gets a GPU of its own (where the launcher places ranks itself).
     use_gpu: bool = False
+    #: Which start of the call's world this is (0 the first; TORCHELASTIC_RESTART_COUNT), and how many it may
+    #: take beyond the first (TORCHELASTIC_MAX_RESTARTS). Each attempt is a job of its own.
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 # -- files a rank reads --------------------------------------------------------------
@@ -102,6 +106,8 @@ class LaunchJob(Message):
     package_parent: str
     keep_alive: float | None = None
     world_key: str = ""
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)

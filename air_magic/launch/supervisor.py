@@ -379,7 +379,7 @@ class Supervisor:
         for rank in range(job.world_size):
             rank_env = dict(env, **torchrun_env(
                 rank=rank, world_size=job.world_size, local_rank=rank, local_world_size=job.world_size,
-                master_port=port, agent_store=store,
+                master_port=port, agent_store=store, restart_count=msg.restart_count, max_restarts=msg.max_restarts,
             ))
             log = str(RunDir(Path(msg.run_dir)).log(rank))
             if pool is not None:
@@ -444,7 +444,7 @@ class Supervisor:
         for rank, pid in pool.pids.items():
             rank_env = dict(env, **torchrun_env(
                 rank=rank, world_size=job.world_size, local_rank=rank, local_world_size=job.world_size,
-                master_port=pool.port,
+                master_port=pool.port, restart_count=msg.restart_count, max_restarts=msg.max_restarts,
             ))
             rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")
             line = p.encode(p.HotCall(msg.run_dir, rank_env))
