@@ -1,0 +1,181 @@
+"""max_restarts: a call whose rank fails starts its whole world again, driven from a real Jupyter kernel."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from faults_common import alive, here_runs, run_dirs, run_here  # noqa: F401 - here_runs is a fixture
+from helpers import leftover_processes, run_id_of
+
+from air_magic.launch.local import local_launcher
+
+pytestmark = pytest.mark.slow
+
+SETUP = """
+import os, time
+from air_magic import distributed
+
+class TrainingDiverged(ValueError):
+    pass
+
+@distributed(2, accelerator_type="CPU", timeout=120, max_restarts=1)
+def killed_once():
+    import os, signal, time
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {os.environ['RANK']} in attempt {attempt}", flush=True)
+    if attempt == 0:
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    return (int(os.environ["RANK"]), attempt, os.environ["TORCHELASTIC_MAX_RESTARTS"])
+
+@distributed(2, accelerator_type="CPU", timeout=120, max_restarts=2)
+def always_diverges():
+    import os, time
+    if os.environ["RANK"] == "1":
+        raise TrainingDiverged(f"loss is nan in attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+    time.sleep(120)
+"""
+
+MLFLOW_RUN = """
+from mlflow import MlflowClient
+_run = MlflowClient().get_run({run_id!r})
+_same_dir = MlflowClient().search_runs([_run.info.experiment_id], "tags.`air_magic.run_dir` = '{run_dir}'")
+print(_run.info.status, _run.data.tags.get("air_magic.restarts"), len(_same_dir), _run.data.params.get("max_restarts"))
+"""
+
+
+@pytest.fixture(scope="module")
+def nb(kernel):
+    kernel.execute(SETUP).check()
+    return kernel
+
+
+def mlflow_run(nb, stdout: str) -> str:
+    """'<status> <restarts tag> <runs made for this call> <max_restarts param>' of the call's MLflow run."""
+    [run_dir] = run_dirs(stdout)
+    return nb.execute(MLFLOW_RUN.format(run_id=run_id_of(stdout), run_dir=run_dir)).check().stdout.strip()
+
+
+def test_a_rank_killed_in_the_first_attempt_restarts_the_call_which_returns_the_second_attempts_results(nb):
+    """SIGKILL of rank 1 with max_restarts=1: every rank starts again and the call returns attempt 1's values."""
+    out = nb.execute("result = killed_once.run()\nprint(result.values, result.attempts, result.status.value)", timeout=180).check()
+    assert "[(0, 1, '1'), (1, 1, '1')] 2 FINISHED" in out.stdout
+    assert "attempt 2 of 2, every rank starts again after: rank 1 was killed by signal 9 (SIGKILL)" in out.stdout
+    [run_dir] = run_dirs(out.stdout)
+    log = (run_dir / "rank-0.log").read_text()
+    marker = "===== air_magic: attempt 2 of 2; every rank starts again after: rank 1 was killed by signal 9 (SIGKILL)"
+    assert log.index("rank 0 in attempt 0") < log.index(marker) < log.index("rank 0 in attempt 1")
+    assert out.stdout.count("[rank 0] rank 0 in attempt 0") == 1, "the second attempt's tail read the first one again"
+    assert (run_dir / "attempt-0" / "payload.pkl").exists() and (run_dir / "rank-1.result.pkl").exists()
+    assert mlflow_run(nb, out.stdout) == "FINISHED 1 1 1"
+
+
+def test_the_same_rank_killed_without_restarts_is_a_worker_died_error(nb):
+    """With max_restarts=0 the killed rank ends the call at once, as before: WorkerDiedError naming it."""
+    err = nb.execute("killed_once.with_overrides(max_restarts=0).distributed()", timeout=180)
+    assert err.ename == "WorkerDiedError", err.traceback
+    assert "rank 1 was killed by signal 9 (SIGKILL)" in err.traceback and "earlier attempts" not in err.traceback
+
+
+def test_a_rank_that_always_raises_gets_three_attempts_then_its_exception_lists_the_earlier_ones(nb):
+    """max_restarts=2: three attempts, then the rank's own exception type and traceback, noting attempts 1 and 2."""
+    msg = nb.send("always_diverges.distributed()")
+    out = nb.collect(msg, timeout=180)
+    assert out.ename == "TrainingDiverged", out.traceback
+    assert "loss is nan in attempt 2" in out.traceback and "raise TrainingDiverged" in out.traceback
+    assert "attempt 1: rank 1 raised TrainingDiverged: loss is nan in attempt 0" in out.traceback
+    assert "attempt 2: rank 1 raised TrainingDiverged: loss is nan in attempt 1" in out.traceback
+    assert "this is attempt 3" in out.traceback and "failed after 3 attempts" in out.stdout
+    assert mlflow_run(nb, out.stdout) == "FAILED 2 1 2"
+
+
+def test_the_cell_magic_takes_max_restarts_from_its_option_or_the_configured_default(nb):
+    """%%distributed --max-restarts 1 restarts a killed rank; so does c.DistributedMagics.default_max_restarts; -1 is refused."""
+    nb.execute("%load_ext air_magic").check()
+    cell = (
+        "import os, signal, time\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '0':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "int(os.environ['TORCHELASTIC_RESTART_COUNT'])"
+    )
+    assert nb.execute(f"%%distributed --gpus 2 --no-mlflow --max-restarts 1\n{cell}", timeout=180).check().result == "[1, 1]"
+    err = nb.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180)
+    assert err.ename == "WorkerDiedError"
+    nb.execute("%config DistributedMagics.default_max_restarts = 1").check()
+    try:
+        assert nb.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180).check().result == "[1, 1]"
+        bad = nb.execute("%config DistributedMagics.default_max_restarts = -1")
+        assert "default_max_restarts" in bad.traceback + bad.stderr
+    finally:
+        nb.execute("%config DistributedMagics.default_max_restarts = 0").check()
+    out = nb.execute("%%distributed --max-restarts -1\n1")
+    assert "UsageError" in out.stderr and "0 or more" in out.stderr
+
+
+def test_an_interrupt_with_restarts_left_ends_the_call_without_a_restart(nb):
+    """Ctrl-C during a call with max_restarts=3 stops every rank and raises KeyboardInterrupt; no attempt 2 starts."""
+    nb.execute(
+        "@distributed(2, accelerator_type='CPU', timeout=None, max_restarts=3, mlflow=False)\n"
+        "def sleeps():\n    import os, time\n    print('asleep', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True)\n"
+        "    time.sleep(300)"
+    ).check()
+    msg = nb.send("sleeps.distributed()")
+    out = nb.collect(msg, timeout=60, interrupt_when=lambda o: o.stdout.count("asleep 0") == 2)
+    assert out.ename == "KeyboardInterrupt", out.traceback
+    assert "attempt 2" not in out.stdout and "asleep 1" not in out.stdout
+    [run_dir] = run_dirs(out.stdout)
+    assert not (run_dir / "attempt-0").exists() and "=====" not in (run_dir / "rank-0.log").read_text()
+    left = leftover_processes(set(), wait=5, kind="job")
+    assert left == [], [(p.pid, p.cmdline()) for p in left]
+
+
+def killed_once_hot():
+    import os
+    import signal
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"PID {os.getpid()} attempt {attempt}", flush=True)
+    if attempt == 0 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+    return os.getpid()
+
+
+@pytest.mark.usefixtures("here_runs")
+def test_hot_ranks_that_fail_end_and_the_restart_runs_in_fresh_ranks():
+    """keep_alive with a killed rank: the failed attempt's hot ranks are ended, the restart gets new processes."""
+    try:
+        result = run_here(killed_once_hot, keep_alive=60, max_restarts=1)
+        text = (result.run_dir / "rank-0.log").read_text()
+        first = [int(pid) for pid in re.findall(r"PID (\d+) attempt 0", text)]
+        assert result.attempts == 2 and len(first) == 1
+        assert first[0] not in result.values
+        deadline = time.monotonic() + 15
+        while alive(first) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(first) == [], "the failed attempt's hot rank 0 is still alive"
+    finally:
+        local_launcher().release_hot()
+
+
+def test_the_log_and_the_record_keep_every_attempt(nb):
+    """The static record (text/plain twin) shows 'attempt 2 of 2' and the earlier failure; each log keeps both attempts."""
+    out = nb.execute(
+        "from air_magic.display.record import record_bundle\n"
+        "from air_magic.display.tail import TailBuffer\n"
+        "r = killed_once.with_overrides(mlflow=False).run()\n"
+        "tails = [TailBuffer() for _ in r.ranks]\n"
+        "[t.feed(p.log_path.read_text()) for t, p in zip(tails, r.ranks)]\n"
+        "print(record_bundle(r, tails, [p.log_path for p in r.ranks], None)['text/plain'])",
+        timeout=180,
+    ).check()
+    assert "finished on attempt 2 of 2" in out.stdout
+    assert "earlier attempt 1: rank 1 was killed by signal 9 (SIGKILL)" in out.stdout
+    assert "[rank 1] rank 1 in attempt 0" in out.stdout and "[rank 1] rank 1 in attempt 1" in out.stdout
