@@ -7,7 +7,8 @@ import time
 
 import pytest
 from faults_common import alive, here_runs, run_dirs, run_here  # noqa: F401 - here_runs is a fixture
-from helpers import leftover_processes, run_id_of
+from helpers import Kernel, leftover_processes, run_id_of
+from widget_state import WidgetMirror, run_cell
 
 from air_magic.launch.local import local_launcher
 
@@ -179,3 +180,26 @@ def test_the_log_and_the_record_keep_every_attempt(nb):
     assert "finished on attempt 2 of 2" in out.stdout
     assert "earlier attempt 1: rank 1 was killed by signal 9 (SIGKILL)" in out.stdout
     assert "[rank 1] rank 1 in attempt 0" in out.stdout and "[rank 1] rank 1 in attempt 1" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def panel_kernel(workdir):
+    """A real ipykernel that shows the live panel (its default display mode)."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
+    run_cell(k, SETUP, WidgetMirror()).check()
+    yield k
+    k.shutdown()
+
+
+def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):
+    """After a restart the panel's status says 'attempt 2 of 2' and why attempt 1 ended; each tab keeps both attempts."""
+    mirror = WidgetMirror()
+    out = run_cell(panel_kernel, "killed_once.with_overrides(mlflow=False).distributed()", mirror).check()
+    assert out.result == "[(0, 1, '1'), (1, 1, '1')]"
+    panel = mirror.panel()
+    assert "attempt 2 of 2 (after: rank 1 was killed by signal 9 (SIGKILL))" in panel["status"]
+    assert panel["titles"] == ["rank 0: done", "rank 1: done"]
+    log = panel["logs"][1]
+    assert log.index("rank 1 in attempt 0") < log.index("===== air_magic: attempt 2 of 2") < log.index("rank 1 in attempt 1")
+    record = out.displays[-1]["data"]
+    assert "attempt 2 of 2" in record["text/html"] and "attempt 1: rank 1 was killed" in record["text/plain"]
