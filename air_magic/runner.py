@@ -324,7 +324,7 @@ class _Run:
     def first_failure(self, error: BaseException) -> str:
         """One line for how this attempt ended: its first failed rank and what it raised or how it died."""
         if not self.failures:
-            return one_line(error)
+            return one_line(AirMagicError(self.launch_error)) if self.launch_error else one_line(error)
         rank = min(self.failures, key=self.failed_at)
         raised = self.outcomes.get(rank, p.RankOutcome()).error
         if raised is None:

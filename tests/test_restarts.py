@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import sqlite3
 import time
 
 import pytest
@@ -203,3 +205,31 @@ def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):
     assert log.index("rank 1 in attempt 0") < log.index("===== air_magic: attempt 2 of 2") < log.index("rank 1 in attempt 1")
     record = out.displays[-1]["data"]
     assert "attempt 2 of 2" in record["text/html"] and "attempt 1: rank 1 was killed" in record["text/plain"]
+
+
+@pytest.mark.timeout(900)
+def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_once_per_epoch(tmp_path):
+    """restarts.ipynb: rank 1 SIGKILLed at step 11, the call restarts from step 10 and every file counts once per epoch."""
+    from test_demos import DEMOS, PROBE, demo_run
+
+    (tmp_path / "runs").mkdir()
+    probe = '{"results": results, "attempts": result.attempts, "earlier": result.earlier_failures, "exactly_once": exactly_once}'
+    run = demo_run.execute(
+        DEMOS / "restarts.ipynb", workdir=tmp_path, output=tmp_path / "restarts.ipynb", timeout=600,
+        env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
+        append=[f"import json as _json\nprint({PROBE!r} + _json.dumps({probe}))"],
+    )
+    assert run.error is None, f"restarts.ipynb failed:\n{run.error}"
+    line = next(ln for ln in demo_run.cell_text(run.notebook.cells[-1]).splitlines() if ln.startswith(PROBE))
+    got = json.loads(line[len(PROBE):])
+    assert got["attempts"] == 2 and got["earlier"] == ["rank 1 was killed by signal 9 (SIGKILL)"]
+    assert [(r["attempt"], r["last_step"]) for r in got["results"]] == [(1, 24), (1, 24)]
+    assert all(r["resumed_from"].endswith("/step-00010") for r in got["results"])
+    assert got["exactly_once"] == {"0": True, "1": True, "2": True}
+    [run_dir] = run.run_dirs
+    log = (run_dir / "rank-1.log").read_text()
+    assert log.index("killed at step 11") < log.index("===== air_magic: attempt 2 of 3") < log.index("resumed from step-00010")
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        rows = db.execute("SELECT r.status, t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                          "WHERE t.key = 'air_magic.restarts'").fetchall()
+    assert rows == [("FINISHED", "1")]
