@@ -3,18 +3,18 @@
 The runner serializes the call, makes its run directory, starts it through a
 `Launcher` (launch/interface.py), hands every event to the listeners (display,
 tracking), enforces the timeout, turns Ctrl-C and Cancel into a stop, and
-turns what the ranks left into a `JobResult`.
-
-Restarts are its policy too: when a rank of an attempt fails (raises, dies,
-is killed, loses its node) and the call has `max_restarts` left, every rank
-of that attempt is stopped and the launcher is asked for a new job, the same
-call with the next TORCHELASTIC_RESTART_COUNT, in the same run directory.
-Cancel, Ctrl-C, the timeout (which covers every attempt) and an attempt in
-which no rank started are never restarted. It does not raise for a failed
+turns what the ranks left into a `JobResult`. It does not raise for a failed
 call: the result carries the exception, and the front doors raise it. It
 knows no process, file layout of a rank, widget or tracking store: those
 belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
+
+Restarts are its policy too: when a rank of an attempt fails (raises, dies,
+is killed, loses its node) and the call has `max_restarts` left, every rank
+of that attempt is stopped and the launcher is asked for a new job, the same
+call with the next TORCHELASTIC_RESTART_COUNT, in the same run directory
+(`RunDir.begin_attempt`). Cancel, Ctrl-C, the timeout (which covers every
+attempt) and an attempt in which no rank started are never restarted.
 """
 
 from __future__ import annotations

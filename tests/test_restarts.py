@@ -233,3 +233,67 @@ def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_on
         rows = db.execute("SELECT r.status, t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
                           "WHERE t.key = 'air_magic.restarts'").fetchall()
     assert rows == [("FINISHED", "1")]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster_of_three(tmp_path_factory):
+    """A simulated Ray cluster with three 2-CPU worker nodes (one spare), this process joined to it."""
+    import sys
+
+    import ray_cluster  # first: it keeps every Ray process on 127.0.0.1, which must be set before Ray is imported
+
+    pytest.importorskip("ray")
+    import cloudpickle
+    import ray
+
+    from air_magic import ray_init
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cluster = ray_cluster.start_cluster(nodes=3)
+    ray_init(cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    patch.undo()
+
+
+def hangs_on_its_node_in_the_first_attempt():
+    import os
+    import time
+
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    print("NODE", node, flush=True)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        time.sleep(600)
+    return node
+
+
+@pytest.mark.timeout(600)
+def test_a_ray_node_removed_mid_run_restarts_the_call_on_the_nodes_left(ray_cluster_of_three):
+    """Rank 1's node leaves the cluster: with a restart allowed, the call runs again on the nodes left and succeeds."""
+    import ray_cluster
+    from faults_common import Recorder
+
+    from air_magic import distributed, runner
+
+    cluster = ray_cluster_of_three
+    removed: dict[str, str] = {}
+
+    class RemoveRank1Node(Recorder):
+        def poll(self) -> None:
+            found = re.search(r"NODE (\w+)\n", self.output(1))
+            if found and not removed and self.ctx.attempt == 0:
+                removed["node"] = found.group(1)
+                cluster.remove_node(ray_cluster.node_of(cluster, removed["node"]), allow_graceful=False)
+
+    func = hangs_on_its_node_in_the_first_attempt
+    spec = distributed(1, accelerator_type="CPU", num_nodes=2, mlflow=False, max_restarts=1, timeout=300)(func)
+    result = runner.run(spec.settings.spec(func, (), {}, func.__name__), [RemoveRank1Node()])
+    assert result.error is None, repr(result.error)
+    assert result.attempts == 2 and removed["node"] not in result.values and len(set(result.values)) == 2
+    assert "rank 1 was lost" in result.earlier_failures[0] and "left the Ray cluster" in result.earlier_failures[0]
+    ray_cluster.wait_all_free()
