@@ -54,6 +54,16 @@ def check_keep_alive(seconds: object) -> float | None:
     return float(seconds)
 
 
+def check_max_restarts(count: object) -> int:
+    """Restarts of the whole world after a rank fails: a whole number, 0 or more."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ConfigurationError(
+            f"max_restarts must be a whole number of restarts, 0 or more, got {count!r}; "
+            "for example max_restarts=2 starts every rank again up to twice after a rank fails (0: never)."
+        )
+    return count
+
+
 @dataclass(frozen=True)
 class Settings:
     """How to run: the arguments of `distributed(...)` and the options of `%%distributed`."""
@@ -67,9 +77,12 @@ class Settings:
     keep_alive: float | None = None
     #: Machines of a Ray cluster to run on, `num_accelerators` ranks on each; 1 = this node, without Ray.
     num_nodes: int = 1
+    #: Times every rank starts again after a rank fails; 0 = the call fails with the first failure.
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
+        check_max_restarts(self.max_restarts)
         object.__setattr__(self, "keep_alive", check_keep_alive(self.keep_alive))
         if self.num_accelerators is not None:
             accelerators._check_count(self.num_accelerators, "num_accelerators")
@@ -107,7 +120,7 @@ class Settings:
             target=target, args=args, kwargs=kwargs, name=name, world_size=per_node * self.num_nodes,
             accelerator_type=acc_type, timeout=self.timeout, mlflow=self.mlflow,
             warm=self.warm, extra_env=dict(self.env), origin=origin, keep_alive=self.keep_alive,
-            num_nodes=self.num_nodes,
+            num_nodes=self.num_nodes, max_restarts=self.max_restarts,
         )
 
 
@@ -189,6 +202,7 @@ def distributed(
     env: dict[str, str] | None = None,
     keep_alive: float | None = None,
     num_nodes: int = 1,
+    max_restarts: int = 0,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
 
@@ -202,6 +216,9 @@ def distributed(
         (CUDA context, process group and imports kept); None = they end with each call.
     num_nodes: machines of the Ray cluster joined with `ray_init()`, `num_accelerators` ranks on each;
         1 (the default) runs on this node without Ray.
+    max_restarts: when a rank fails (raises, dies, is killed, loses its node), stop every rank and start the
+        whole world again, up to this many times; each rank reads TORCHELASTIC_RESTART_COUNT (0 the first
+        time) to resume from its own checkpoint. Cancel, Ctrl-C and the timeout (over all attempts) never restart.
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
@@ -210,7 +227,7 @@ def distributed(
     )
     settings = Settings(
         timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), keep_alive=keep_alive, num_nodes=num_nodes,
-        **given,
+        max_restarts=max_restarts, **given,
     )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration
 

@@ -29,6 +29,10 @@ class RunContext:
     phases: list[tuple[str, float]] = field(default_factory=list)
     #: rank -> pid of its process as the launcher reported it (a process of this machine unless num_nodes > 1).
     pids: dict[int, int] = field(default_factory=dict)
+    #: The attempt running now, from 0; more than 0 after a restart (see `Listener.on_attempt`).
+    attempt: int = 0
+    #: How each earlier attempt ended (its first failure), one line each, oldest first.
+    earlier_failures: list[str] = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -42,6 +46,11 @@ class RunContext:
     @property
     def elapsed(self) -> float:
         return time.monotonic() - self.started_at
+
+    @property
+    def attempts_allowed(self) -> int:
+        """Attempts the call may take: 1 plus its `max_restarts`."""
+        return 1 + self.spec.max_restarts
 
     @property
     def phase(self) -> str | None:
@@ -74,6 +83,11 @@ class Listener:
 
     def on_rank_state(self, rank: int, state: RankState) -> None:
         """A rank changed state."""
+
+    def on_attempt(self, attempt: int, why: str) -> None:
+        """Every process of the last attempt is gone and the whole world starts again, as attempt `attempt`
+        (from 0; `ctx.attempts_allowed` in all); `why`: how the last one ended, one line. The ranks' states
+        are back to pending, and their logs go on in the same files after a marker line."""
 
     def poll(self) -> None:
         """Called about every 50 ms while the call runs (refresh clocks, handle clicks)."""

@@ -24,6 +24,21 @@ class RankState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+class StopReason(str, enum.Enum):
+    """Why the runner stopped the ranks of an attempt; the value is the word the launcher is told."""
+
+    RANK_FAILED = "a rank failed"
+    LAUNCH_FAILED = "launch failed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+    TIMEOUT = "timeout"
+
+    @property
+    def by_caller(self) -> bool:
+        """The user (Cancel, Ctrl-C) or the time limit ended the call: it ends KILLED and is never restarted."""
+        return self in (StopReason.CANCELLED, StopReason.INTERRUPTED, StopReason.TIMEOUT)
+
+
 class JobStatus(str, enum.Enum):
     """How a call ended; the names are MLflow's run statuses."""
 
@@ -52,6 +67,8 @@ class JobSpec:
     keep_alive: float | None = None
     #: Machines the ranks are spread over; `world_size` counts every rank of every node.
     num_nodes: int = 1
+    #: Times the whole world may start again after a rank fails (raises, dies, is killed, loses its node).
+    max_restarts: int = 0
 
     @property
     def uses_gpu(self) -> bool:
@@ -86,6 +103,10 @@ class JobResult:
     status: JobStatus = JobStatus.FINISHED
     error: BaseException | None = None
     elapsed: float = 0.0
+    #: Attempts that ran: 1, plus one per restart; `ranks` are the last attempt's.
+    attempts: int = 1
+    #: How each earlier attempt ended (its first failure), one line each, oldest first.
+    earlier_failures: list[str] = field(default_factory=list)
 
     @property
     def values(self) -> list[Any]:

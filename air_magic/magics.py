@@ -21,7 +21,7 @@ from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
 from . import launch, runner
 from .cell import CellProgram, ends_with_semicolon
-from .decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_timeout
+from .decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_max_restarts, check_timeout
 from .errors import ConfigurationError
 from .job import JobResult
 
@@ -72,6 +72,13 @@ def _keep_alive(text: str) -> float | None:
         return check_keep_alive(float(text))
     except (ValueError, ConfigurationError):
         raise argparse.ArgumentTypeError(f"expected seconds more than 0 such as 600, got {text!r}") from None
+
+
+def _restarts(text: str) -> int:
+    try:
+        return check_max_restarts(int(text))
+    except (ValueError, ConfigurationError):
+        raise argparse.ArgumentTypeError(f"expected a whole number of restarts, 0 or more, such as 2, got {text!r}") from None
 
 
 def _identifier(text: str) -> str:
@@ -135,6 +142,12 @@ class DistributedMagics(Magics):
         "gives no --keep-alive. None: ranks end with each cell.",
     ).tag(config=True)
 
+    default_max_restarts = Integer(
+        0,
+        help="Times every rank of a cell starts again after a rank fails, when the cell gives no --max-restarts. "
+        "0: the cell fails with the first failure.",
+    ).tag(config=True)
+
     #: The JobResult of the last cell that finished (run directory, exit codes, timing).
     last_result: JobResult | None = None
 
@@ -151,6 +164,13 @@ class DistributedMagics(Magics):
             return check_keep_alive(proposal["value"])
         except ConfigurationError as exc:
             raise TraitError(f"c.DistributedMagics.default_keep_alive: {exc}") from None
+
+    @validate("default_max_restarts")
+    def _valid_max_restarts(self, proposal: dict[str, Any]) -> int:
+        try:
+            return check_max_restarts(proposal["value"])
+        except ConfigurationError as exc:
+            raise TraitError(f"c.DistributedMagics.default_max_restarts: {exc}") from None
 
     @validate("default_num_accelerators")
     def _valid_count(self, proposal: dict[str, Any]) -> int | None:
@@ -172,6 +192,7 @@ class DistributedMagics(Magics):
             mlflow=self.mlflow and not args.no_mlflow,
             keep_alive=_given(args.keep_alive, self.default_keep_alive),
             num_nodes=args.nodes,
+            max_restarts=_given(args.max_restarts, self.default_max_restarts),
         )
 
     @magic_arguments()
@@ -217,6 +238,16 @@ class DistributedMagics(Magics):
         metavar="S",
         help="Hot ranks: keep the ranks alive S seconds after the cell, so the next cell of the same world starts "
         "in them at once (CUDA context, process group and imports kept). %%distributed_release ends them.",
+    )
+    @argument(
+        "--max-restarts",
+        dest="max_restarts",
+        type=_restarts,
+        default=_DEFAULT,
+        metavar="N",
+        help="When a rank fails, stop every rank and start the cell again on all of them, up to N times "
+        "(TORCHELASTIC_RESTART_COUNT tells the ranks which attempt it is). Default: 0, "
+        "or c.DistributedMagics.default_max_restarts.",
     )
     @argument(
         "--out",

@@ -8,10 +8,18 @@ call: the result carries the exception, and the front doors raise it. It
 knows no process, file layout of a rank, widget or tracking store: those
 belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
+
+Restarts are its policy too: when a rank of an attempt fails (raises, dies,
+is killed, loses its node) and the call has `max_restarts` left, every rank
+of that attempt is stopped and the launcher is asked for a new job, the same
+call with the next TORCHELASTIC_RESTART_COUNT, in the same run directory
+(`RunDir.begin_attempt`). Cancel, Ctrl-C, the timeout (which covers every
+attempt) and an attempt in which no rank started are never restarted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -36,15 +44,17 @@ from .errors import (
     tail_text,
 )
 from .events import Listener, RunContext
-from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
+from .job import JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
 from .launch import protocol as p
 from .launch import used
 from .launch.interface import JobHandle, Launcher
-from .launch.rundir import RunDir
+from .launch.rundir import RunDir, attempt_marker
 from .launch.stopper import STOP_GRACE
 from .payload import _user_stacklevel as user_stacklevel
 
 _POLL = 0.05
+#: Characters of an earlier attempt's failure kept in the note of the call's error.
+FAILURE_LINE_CHARS = 300
 #: With less free space than this under the run directory, a failed write is put down to a full disk.
 DISK_FULL_BYTES = 1 << 20
 #: A rank's pickled return value above this many MiB gets a ResultSizeWarning; $AIR_MAGIC_LARGE_RESULT_MIB overrides.
@@ -58,8 +68,15 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, bounded: how an earlier attempt's failure is listed."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= FAILURE_LINE_CHARS else text[: FAILURE_LINE_CHARS - 1] + "…"
+
+
 class _Run:
-    """State of one call between launch and result."""
+    """State of one call between launch and result; the attempt-level fields are reset by `begin_attempt`."""
 
     def __init__(self, spec: JobSpec, listeners: list[Listener], launcher: Launcher) -> None:
         self.spec = spec
@@ -72,13 +89,20 @@ class _Run:
         self.result = JobResult(
             spec, self.run_dir.path, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
         )
+        self.launcher_phase: str | None = None
+        self.attempt = 0
+        self.reset_attempt()
+
+    def reset_attempt(self) -> None:
+        """Forget what the last attempt's ranks did: a new attempt is judged on its own."""
         self.outcomes: dict[int, p.RankOutcome] = {}
-        self.stop_reason: str | None = None
+        self.stop_reason: StopReason | None = None
         self.failures: list[int] = []  # ranks in the order their exits were seen
         self.exited_at: dict[int, float] = {}  # rank -> wall time its exit was seen
         self.launch_error: str | None = None
         self.handle: JobHandle | None = None
-        self.launcher_phase: str | None = None
+        self.started: set[int] = set()  # ranks of this attempt that started
+        self.gone = False  # the launcher said every process of this attempt is gone
 
     # -- listeners ---------------------------------------------------------
     def notify(self, hook: str, *args: Any) -> None:
@@ -132,7 +156,7 @@ class _Run:
             job_id=uuid.uuid4().hex, name=self.spec.name, world_size=self.spec.world_size, payload=self.blob,
             env=env, sys_path=list(sys.path), cwd=os.getcwd(), hooks=tuple(hooks),
             warm=self.spec.warm, keep_alive=self.spec.keep_alive, world_key=self.world_key(),
-            num_nodes=self.spec.num_nodes, use_gpu=self.spec.uses_gpu,
+            num_nodes=self.spec.num_nodes, use_gpu=self.spec.uses_gpu, max_restarts=self.spec.max_restarts,
         )
 
     def world_key(self) -> str:
@@ -146,11 +170,11 @@ class _Run:
         }
         return hashlib.sha256(json.dumps(world).encode()).hexdigest()
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: StopReason) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
             if self.handle is not None:
-                self.handle.stop(reason, STOP_GRACE)
+                self.handle.stop(reason.value, STOP_GRACE)
 
     def on_event(self, event: p.Event) -> bool:
         """Apply one launcher event; True when every process of the job is gone."""
@@ -159,6 +183,7 @@ class _Run:
         if isinstance(event, p.RankOutput):
             self.notify("on_output", event.rank, event.text)
         elif isinstance(event, p.RankStarted):
+            self.started.add(event.rank)
             self.result.ranks[event.rank].pid = self.ctx.pids[event.rank] = event.pid
             self.set_state(event.rank, RankState.RUNNING)
             if all(r.pid is not None for r in self.result.ranks):
@@ -173,19 +198,19 @@ class _Run:
             elif self.stop_reason is None or event.outcome.error is not None:
                 self.failures.append(rank)
                 self.set_state(rank, RankState.FAILED)
-                self.stop(f"rank {rank} failed")
+                self.stop(StopReason.RANK_FAILED)
             else:
                 self.set_state(rank, RankState.STOPPED)
         elif isinstance(event, p.LaunchFailed):
             self.launch_error = event.message
             if self.stop_reason is None:
-                self.stop("launch failed")
+                self.stop(StopReason.LAUNCH_FAILED)
         elif isinstance(event, p.LauncherDied):
             self.launch_error = event.message
-            return True
+            self.gone = True
         elif isinstance(event, p.JobGone):
-            return True
-        return False
+            self.gone = True
+        return self.gone
 
     def wait(self) -> None:
         assert self.handle is not None
@@ -196,9 +221,9 @@ class _Run:
                     return
             self.notify("poll")
             if self.ctx.cancelled:
-                self.stop("cancelled")
+                self.stop(StopReason.CANCELLED)
             if deadline is not None and time.monotonic() > deadline:
-                self.stop("timeout")
+                self.stop(StopReason.TIMEOUT)
 
     def all_returned(self) -> bool:
         """Every rank exited with success and left its outcome: the results are complete, whatever still exits."""
@@ -222,42 +247,109 @@ class _Run:
 
     def execute(self) -> JobResult:
         self.launcher_phase = self.launcher.prepare()  # e.g. a helper starts (imports torch) while listeners start
+        error: BaseException | None = None
         try:
             # Ctrl-C while listeners start or the launcher starts still ends the call properly: the
             # display shows it stopped, and the MLflow run ends KILLED.
             self.start_listeners()
             request = self.request()
             self.enter_phase(self.launcher_phase or "ranks starting")
-            self.handle = self.launcher.start(request, self.run_dir)
-            self.wait()
+            while True:
+                self.run_attempt(dataclasses.replace(request, job_id=uuid.uuid4().hex, restart_count=self.attempt))
+                error = self.outcome_error()
+                if not self.restartable(error):
+                    break
+                assert error is not None
+                self.begin_attempt(error)
         except KeyboardInterrupt:
-            self.stop("interrupted")
-            if self.handle is not None:
+            self.stop(StopReason.INTERRUPTED)
+            if self.handle is not None and not self.gone:
                 self.wait_stopped()
+            error = self.outcome_error()
         except AirMagicError as exc:  # nothing could start (a full disk, a launcher that is gone)
             self.launch_error = str(exc)
+            error = self.outcome_error()
         finally:
             if self.handle is not None:
                 self.handle.close()
-        return self.finish()
+        return self.finish(error)
+
+    def run_attempt(self, request: p.JobRequest) -> None:
+        """Start every rank of one attempt and follow it until all its processes are gone."""
+        self.handle = self.launcher.start(request, self.run_dir)
+        self.wait()
+        self.handle.close()
+
+    def restartable(self, error: BaseException | None) -> bool:
+        """A rank of this attempt failed after it started, and the call may and can start its world again."""
+        deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
+        return (
+            error is not None
+            and self.attempt < self.spec.max_restarts
+            and bool(self.started)  # what failed before any rank ran (placement, a full disk) would fail again
+            and bool(self.failures or self.launch_error)  # not a rank that returned a value that cannot be read
+            and not (self.stop_reason is not None and self.stop_reason.by_caller)
+            and not self.ctx.cancelled
+            and not isinstance(error, RunDirectoryFullError)
+            and (deadline is None or time.monotonic() < deadline)
+        )
+
+    def begin_attempt(self, error: BaseException) -> None:
+        """Every process of the failed attempt is gone: get the run directory, ranks and listeners ready for the next."""
+        why = self.first_failure(error)
+        self.result.earlier_failures.append(why)
+        self.attempt += 1
+        self.result.attempts = self.attempt + 1
+        self.ctx.attempt = self.attempt
+        self.ctx.earlier_failures.append(why)
+        self.reset_attempt()
+        marker = attempt_marker(self.attempt, self.ctx.attempts_allowed, why)
+        self.run_dir.begin_attempt(self.attempt, self.spec.world_size, marker)
+        for rank in self.result.ranks:
+            rank.pid = rank.returncode = rank.exited_at = None
+            rank.value = None
+            self.set_state(rank.rank, RankState.PENDING)
+        self.notify("on_attempt", self.attempt, why)
 
     # -- outcome -----------------------------------------------------------
-    def finish(self) -> JobResult:
+    def finish(self, error: BaseException | None) -> JobResult:
+        """`error`: the last attempt's, from outcome_error() (a full disk is judged as the ranks left it)."""
         self.result.elapsed = self.ctx.elapsed
         for rank in self.result.ranks:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
                 rank.state = RankState.STOPPED
-        error = self.outcome_error()
-        self.run_dir.release_reserves()  # after outcome_error: a full disk is judged as the ranks left it
+        self.run_dir.release_reserves()
         if error is None:
             self.result.status = JobStatus.FINISHED
-        elif self.stop_reason in ("interrupted", "cancelled", "timeout"):
+        elif self.stop_reason is not None and self.stop_reason.by_caller:
             self.result.status = JobStatus.KILLED
         else:
             self.result.status = JobStatus.FAILED
+        if error is not None and self.result.earlier_failures:
+            annotate(error, self.earlier_note())
         self.result.error = error
         self.notify("on_end", self.result)
         return self.result
+
+    def first_failure(self, error: BaseException) -> str:
+        """One line for how this attempt ended: its first failed rank and what it raised or how it died."""
+        if not self.failures:
+            return one_line(AirMagicError(self.launch_error)) if self.launch_error else one_line(error)
+        rank = min(self.failures, key=self.failed_at)
+        raised = self.outcomes.get(rank, p.RankOutcome()).error
+        if raised is None:
+            return f"rank {rank} {describe_returncode(self.result.ranks[rank].returncode or 0)}"
+        text = one_line(raised)
+        head = f"{type(raised).__name__}: rank {rank} "
+        return text[len(type(raised).__name__) + 2:] if text.startswith(head) else f"rank {rank} raised {text}"
+
+    def earlier_note(self) -> str:
+        """What each earlier attempt's first failure was: the note under the last attempt's error."""
+        lines = [f"  attempt {n + 1}: {why}" for n, why in enumerate(self.result.earlier_failures)]
+        return (
+            f"air_magic started every rank again {len(lines)} time(s) (max_restarts={self.spec.max_restarts}); "
+            f"this is attempt {self.attempt + 1}. The earlier attempts ended with:\n" + "\n".join(lines)
+        )
 
     def failed_at(self, rank: int) -> float:
         """When a rank failed: when it recorded its error, else when its exit was seen."""
@@ -300,15 +392,15 @@ class _Run:
 
     def outcome_error(self) -> BaseException | None:
         where = f"Logs of every rank are in {self.run_dir.path}."
-        if self.stop_reason == "interrupted":
+        if self.stop_reason == StopReason.INTERRUPTED:
             return KeyboardInterrupt()
-        if self.stop_reason == "timeout":
+        if self.stop_reason == StopReason.TIMEOUT:
             return DistributedTimeoutError(
                 f"{self.spec.name} ran longer than its timeout of {human_seconds(self.spec.timeout or 0)} "
                 f"and every worker was stopped. Pass a larger timeout=... (seconds, or None for no limit) "
                 f"to distributed(...), or --timeout S to %%distributed. {where}"
             )
-        if self.stop_reason == "cancelled":
+        if self.stop_reason == StopReason.CANCELLED:
             return JobCancelledError(f"{self.spec.name} was cancelled; every worker was stopped. {where}")
         full = self.disk_full_error()
         if full is not None:

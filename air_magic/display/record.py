@@ -4,8 +4,9 @@ The live panel is a widget: saved, converted or reopened without its kernel it
 shows nothing. So when a call ends the panel's output is replaced by this
 record: how it ended, how long it took, the MLflow link, each rank's last
 lines (bounded, with a note of what was left out and where the full log is),
-each rank's peak memory (and GPU memory) when they were sampled, and the
-metric charts. It uses only HTML that JupyterLab keeps in untrusted
+each rank's peak memory (and GPU memory) when they were sampled, the metric
+charts, and after restarts the attempt it ended on and how each earlier one
+ended. It uses only HTML that JupyterLab keeps in untrusted
 notebooks (no scripts, no data attributes), and a text/plain twin for
 nbconvert's text exporters and terminals. Knows nothing about widgets.
 """
@@ -80,6 +81,9 @@ def record_bundle(
         f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)} · "
         f'<b style="color:{color}">{how}</b> in {result.elapsed:.1f} s'
     )
+    attempts = f"attempt {result.attempts} of {1 + spec.max_restarts}" if result.attempts > 1 else ""
+    if attempts:
+        head += f' · <span class="air-magic-record-attempt">{attempts}</span>'
     if link:
         head += (
             f' · <a href="{html.escape(link, quote=True)}" target="_blank" title="{html.escape(link, quote=True)}">'
@@ -88,11 +92,19 @@ def record_bundle(
     parts = [
         '<div class="air-magic-record" style="font-family:var(--jp-ui-font-family,sans-serif);font-size:13px">',
         f'<div class="air-magic-record-head" style="margin-bottom:4px">{head}</div>',
-        charts_html(metrics),
     ]
+    earlier = [f"attempt {n + 1}: {why}" for n, why in enumerate(result.earlier_failures)]
+    if earlier:
+        parts.append(
+            '<div class="air-magic-record-attempts" style="color:#777;font-size:12px;margin-bottom:4px">'
+            "earlier attempts ended with: " + "; ".join(html.escape(line) for line in earlier) + "</div>"
+        )
+    parts.append(charts_html(metrics))
     text = [
-        f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}: {how} in {result.elapsed:.1f} s",
+        f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}: {how}"
+        + (f" on {attempts}" if attempts else "") + f" in {result.elapsed:.1f} s",
     ]
+    text += [f"earlier {line}" for line in earlier]
     if link:
         text.append(f"MLflow run: {link}")
     text.append(f"logs: {result.run_dir}")

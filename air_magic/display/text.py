@@ -49,6 +49,15 @@ class TextDisplay(Listener):
             self.out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
             self.out.flush()
 
+    def on_attempt(self, attempt: int, why: str) -> None:
+        for rank in list(self.partial):
+            self.flush_rank(rank)
+        self.out.write(
+            f"air_magic: {self.ctx.spec.name}: attempt {attempt + 1} of {self.ctx.attempts_allowed}, "
+            f"every rank starts again after: {why}\n"
+        )
+        self.out.flush()
+
     def on_rank_state(self, rank: int, state: RankState) -> None:
         if state in (RankState.FAILED,):
             self.flush_rank(rank)
@@ -62,5 +71,8 @@ class TextDisplay(Listener):
         for rank in list(self.partial):
             self.flush_rank(rank)
         self.show_link()
-        self.out.write(f"air_magic: {result.spec.name} {result.status.value.lower()} in {result.elapsed:.1f} s\n")
+        attempts = f" after {result.attempts} attempts" if result.attempts > 1 else ""
+        self.out.write(
+            f"air_magic: {result.spec.name} {result.status.value.lower()}{attempts} in {result.elapsed:.1f} s\n"
+        )
         self.out.flush()

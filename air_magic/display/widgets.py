@@ -32,6 +32,7 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
+from ..launch.rundir import attempt_marker
 from ..resources import ResourceSampler, header_text, peak_text, usage_text
 from . import busy
 from .cancel_route import keep_on_main_shell
@@ -126,6 +127,15 @@ class Panel(Listener):
             self.phase = "running"
             self._show_status()
         self.tabs.set_title(rank, _title(rank, state))
+
+    def on_attempt(self, attempt: int, why: str) -> None:
+        assert self.ctx is not None
+        marker = attempt_marker(attempt, self.ctx.attempts_allowed, why)
+        for rank, tail in enumerate(self.tails):
+            tail.feed(("" if not tail.partial else "\n") + marker)  # as the rank's log file has it
+            self.dirty.add(rank)
+        self.phase = "starting again"
+        self._show_status()
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -258,9 +268,9 @@ class Panel(Listener):
         self.last_clock = time.monotonic()
         phase = html.escape(self.phase)
         self.status.value = (
-            f'<div style="{_NOWRAP}" title="{html.escape(spec.name, quote=True)} · {phase}">'
+            f'<div style="{_NOWRAP}" title="{html.escape(spec.name, quote=True)} · {phase}{html.escape(self._attempt_text(), quote=True)}">'
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
-            f' · <span class="air-magic-phase">{phase}</span> · {elapsed:.0f} s{self.usage_header}</div>'
+            f' · <span class="air-magic-phase">{phase}</span>{self._attempt_html()} · {elapsed:.0f} s{self.usage_header}</div>'
         )
 
     def _show_usage(self) -> None:
@@ -286,6 +296,17 @@ class Panel(Listener):
         if header != self.usage_header:
             self.usage_header = header
             self._show_status()
+
+    def _attempt_text(self) -> str:
+        """' · attempt 2 of 3 (after: why the last one ended)' once the call has restarted, else ''."""
+        ctx = self.ctx
+        if ctx is None or not ctx.attempt:
+            return ""
+        return f" · attempt {ctx.attempt + 1} of {ctx.attempts_allowed} (after: {ctx.earlier_failures[-1]})"
+
+    def _attempt_html(self) -> str:
+        text = self._attempt_text()
+        return f'<span class="air-magic-attempt">{html.escape(text)}</span>' if text else ""
 
     def _show_link(self) -> None:
         url = self.ctx.links.get("mlflow") if self.ctx is not None else None

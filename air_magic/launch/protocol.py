@@ -48,6 +48,10 @@ class JobRequest:
     num_nodes: int = 1
     #: Each rank gets a GPU of its own (where the launcher places ranks itself).
     use_gpu: bool = False
+    #: Which start of the call's world this is (0 the first; TORCHELASTIC_RESTART_COUNT), and how many it may
+    #: take beyond the first (TORCHELASTIC_MAX_RESTARTS). Each attempt is a job of its own.
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 # -- files a rank reads --------------------------------------------------------------
@@ -105,6 +109,8 @@ class LaunchJob(Message):
     world_key: str = ""
     #: The call's hook modules (JobRequest.hooks): the supervisor runs each one's `warm_up(env)`, if any, while idle.
     hooks: list[str] = field(default_factory=list)
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ record of everything it wrote), its pickled result and its error record, plus
 the call's payload and job description. Files are created 0600 and never
 follow a name another user could have planted.
 
+A call that restarts (max_restarts) runs every attempt in the same directory:
+each log goes on after a marker line (`attempt_marker`), and what the earlier
+attempt left (results, error records, payload, job description) is moved to
+`attempt-N/` so that it is never read as the new attempt's (`begin_attempt`).
+
 Room for each rank's error record is set aside when the directory is made
 (`rank-N.error.reserved`): a rank that fails because the disk filled up can
 still say why, and a disk already full stops the call before anything starts.
@@ -63,6 +68,11 @@ def write_private(path: Path, data: bytes, exclusive: bool = True) -> None:
     fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def attempt_marker(attempt: int, allowed: int, why: str) -> str:
+    """The line that starts attempt `attempt` (from 0, of `allowed`) in every rank's log; `why` the last one ended."""
+    return f"===== air_magic: attempt {attempt + 1} of {allowed}; every rank starts again after: {why} =====\n"
 
 
 def helper_log(kind: str, *tags: object) -> Path:
@@ -133,6 +143,37 @@ class RunDir:
         """Give back the room set aside for error records that no rank used (it returned, was stopped, or ran elsewhere)."""
         for reserve in self.path.glob("rank-*.error.reserved"):
             reserve.unlink(missing_ok=True)
+
+    def attempt(self, attempt: int) -> Path:
+        """Where what attempt `attempt` (from 0) left is kept once a later attempt starts."""
+        return self.path / f"attempt-{attempt}"
+
+    def begin_attempt(self, attempt: int, world_size: int, marker: str) -> None:
+        """Make the directory ready for attempt `attempt` (1 or more) of the same call.
+
+        The last attempt's results, error records, payload and job description move to `attempt(attempt - 1)`,
+        room for each rank's error record is set aside again, and each log gets `marker` on a line of its own.
+        """
+        kept = self.attempt(attempt - 1)
+        try:
+            kept.mkdir(mode=0o700)
+            for rank in range(world_size):
+                for path in (self.result(rank), self.error(rank), self.error_pickle(rank)):
+                    if path.exists():
+                        path.rename(kept / path.name)
+                self.error_reserve(rank).unlink(missing_ok=True)
+                self.reserve_error_record(rank)
+                with open(self.log(rank), "ab+") as log:
+                    ends_mid_line = log.seek(0, os.SEEK_END) > 0 and log.seek(-1, os.SEEK_END) >= 0 and log.read(1) != b"\n"
+                    log.write((b"\n" if ends_mid_line else b"") + marker.encode())
+            for path in (self.payload, self.job):
+                if path.exists():
+                    path.rename(kept / path.name)
+        except OSError as exc:
+            raise AirMagicError(
+                f"could not make the run directory {self.path} ready for attempt {attempt + 1}: "
+                f"{exc.strerror or exc}; the call was not started again."
+            ) from exc
 
     def error_pickle(self, rank: int) -> Path:
         """The rank's exception itself, when it pickles."""

@@ -247,6 +247,8 @@ class MlflowTracker(Listener):
         }
         if spec.num_nodes > 1:
             params["num_nodes"] = spec.num_nodes
+        if spec.max_restarts:
+            params["max_restarts"] = spec.max_restarts
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
         self.run_id = run_id
         self.url = ui.run_url(self.tracking_uri, experiment_id, run_id)
@@ -326,6 +328,14 @@ class MlflowTracker(Listener):
         self.client.log_batch(
             self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True
         )
+    def on_attempt(self, attempt: int, why: str) -> None:
+        """The call restarts in the same run: tag how many times (`air_magic.restarts`) and why each time."""
+        self._started()
+        if self.run_id is None:
+            return
+        with quiet_mlflow_logs():
+            self.client.set_tag(self.run_id, "air_magic.restarts", str(attempt), synchronous=True)
+            self.client.set_tag(self.run_id, f"air_magic.attempt_{attempt}_failure", why[:5000], synchronous=True)
 
     # -- on end ------------------------------------------------------------
     def on_end(self, result: JobResult) -> None:

@@ -40,11 +40,14 @@ ENDING_LIMIT = STOP_GRACE + 10
 
 
 class LogTail:
-    """Follows one rank's log file and yields decoded text as it grows."""
+    """Follows one rank's log file from its end when made (what an earlier attempt wrote is not read again)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.offset = 0
+        try:
+            self.offset = path.stat().st_size
+        except OSError:
+            self.offset = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def read(self, final: bool = False) -> str:
@@ -312,6 +315,8 @@ class LocalLauncher(Launcher):
             keep_alive=request.keep_alive,
             world_key=request.world_key,
             hooks=list(request.hooks),
+            restart_count=request.restart_count,
+            max_restarts=request.max_restarts,
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:

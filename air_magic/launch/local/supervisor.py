@@ -149,6 +149,8 @@ class Supervisor:
                     local_world_size=job.world_size,
                     master_port=port,
                     agent_store=store,
+                    restart_count=msg.restart_count,
+                    max_restarts=msg.max_restarts,
                 ),
             )
             log = str(RunDir(Path(msg.run_dir)).log(rank))
@@ -188,6 +190,8 @@ class Supervisor:
                     local_rank=rank,
                     local_world_size=job.world_size,
                     master_port=pool.port,
+                    restart_count=msg.restart_count,
+                    max_restarts=msg.max_restarts,
                 ),
             )
             rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")

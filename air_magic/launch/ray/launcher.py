@@ -333,6 +333,7 @@ class RayJob(JobHandle):
             env.update(torchrun_env(
                 rank=rank, world_size=req.world_size, local_rank=local, local_world_size=k, node_rank=node,
                 master_addr=master, master_port=port, agent_store=False,
+                restart_count=req.restart_count, max_restarts=req.max_restarts,
             ))
             if req.use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(
