@@ -39,6 +39,7 @@ from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
 from .launch import protocol as p
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir
+from .launch.stacks import flight_recorder_env, where_ranks_were
 from .launch.stopper import STOP_GRACE
 
 _POLL = 0.05
@@ -116,6 +117,8 @@ class _Run:
             env.update(self.guarded(listener, "worker_env") or {})
             hooks += [h for h in self.guarded(listener, "worker_hooks") or () if h not in hooks]
         env.update(self.spec.extra_env)
+        if self.spec.uses_gpu:
+            env.update(flight_recorder_env(self.run_dir.path, env))  # NCCL's, dumped on its watchdog's timeout
         env["PYTHONUNBUFFERED"] = "1"
         env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir.path)
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
@@ -194,6 +197,8 @@ class _Run:
                 if self.on_event(event):
                     return
             self.notify("poll")
+            if self.ctx.take_stacks_request():
+                self.handle.dump_stacks()
             if self.ctx.cancelled:
                 self.stop("cancelled")
             if deadline is not None and time.monotonic() > deadline:
@@ -290,8 +295,12 @@ class _Run:
 
     def outcome_error(self) -> BaseException | None:
         where = f"Logs of every rank are in {self.run_dir.path}."
+        stopped = self.stop_reason in ("interrupted", "timeout", "cancelled")
+        stacks = where_ranks_were(self.logs) if stopped else None  # what each rank wrote as it was stopped
+        if stacks:
+            where = f"{where}\n{stacks}"
         if self.stop_reason == "interrupted":
-            return KeyboardInterrupt()
+            return annotate(KeyboardInterrupt(), stacks) if stacks else KeyboardInterrupt()
         if self.stop_reason == "timeout":
             return DistributedTimeoutError(
                 f"{self.spec.name} ran longer than its timeout of {human_seconds(self.spec.timeout or 0)} "

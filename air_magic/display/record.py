@@ -3,8 +3,9 @@
 The live panel is a widget: saved, converted or reopened without its kernel it
 shows nothing. So when a call ends the panel's output is replaced by this
 record: how it ended, how long it took, the MLflow link, each rank's last
-lines (bounded, with a note of what was left out and where the full log is)
-and the metric charts. It uses only HTML that JupyterLab keeps in untrusted
+lines (bounded, with a note of what was left out and where the full log is),
+the stacks a rank wrote when it was stopped (launch/stacks.py), and the
+metric charts. It uses only HTML that JupyterLab keeps in untrusted
 notebooks (no scripts, no data attributes), and a text/plain twin for
 nbconvert's text exporters and terminals. Knows nothing about widgets.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
+from ..launch.stacks import STOPPING, Dump
 from .charts import MetricsTail, charts_html, charts_text
 from .tail import TailBuffer
 
@@ -68,6 +70,7 @@ def record_bundle(
     log_paths: list[Path],
     link: str | None,
     metrics: MetricsTail | None = None,
+    dumps: dict[int, list[Dump]] | None = None,
 ) -> dict[str, str]:
     """The record as a MIME bundle: {'text/html': ..., 'text/plain': ...}."""
     spec = result.spec
@@ -102,15 +105,23 @@ def record_bundle(
         note = (
             f"… {small.omitted:,} earlier line(s) not shown; full log: {log}" if small.omitted else f"log: {log}"
         )
+        stopped = [d for d in (dumps or {}).get(rank.rank, []) if d.why == STOPPING]
+        stack_html = "".join(
+            f'<details class="air-magic-record-stacks" style="margin:2px 0 2px 1em"><summary style="cursor:pointer">'
+            f"{html.escape(d.summary())}</summary><pre style=\"{_PRE}\">{html.escape(d.text())}</pre></details>"
+            for d in stopped
+        )
         parts.append(
             f'<details class="air-magic-record-rank" open style="margin:2px 0">'
             f'<summary style="cursor:pointer">rank {rank.rank}: {rank.state.value}</summary>'
             f'<div class="air-magic-record-note" style="color:#777;font-style:italic;font-size:12px">'
-            f"{html.escape(note)}</div>"
+            f"{html.escape(note)}</div>{stack_html}"
             f'<pre class="air-magic-record-log" style="{_PRE}">{html.escape(small.text())}</pre></details>'
         )
         body = small.text()
         text.append(f"--- rank {rank.rank}: {rank.state.value} ({note})")
+        for dump in stopped:
+            text.extend(f"[rank {rank.rank} stacks] {line}" for line in dump.text().split("\n"))
         text.extend(f"[rank {rank.rank}] {line}" for line in body.split("\n") if body)
     parts.append("</div>")
     return {"text/html": "".join(parts), "text/plain": "\n".join(text)}

@@ -8,7 +8,11 @@ a flooding rank cannot drown the kernel or the browser; the full log stays
 in the run directory. Metrics the ranks log are read from their files in the
 run directory (display/charts.py) and drawn as small charts. The Cancel click
 is recognized on the kernel's shell-channel thread (display/cancel_route.py)
-and only sets the call's cancel flag.
+and only sets the call's cancel flag; the Stacks click, the same way, only
+asks the runner for every rank's stacks. Those arrive in the ranks' output
+(launch/stacks.py): each rank's tab shows one line in their place, and the
+stacks view under the header shows them, innermost frame last. A running rank
+that has printed nothing for QUIET seconds is marked quiet in its tab's title.
 
 The panel takes the place of the starting line that make_display() shows
 the moment a call begins, and appears before the MLflow run exists or any
@@ -29,6 +33,7 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
+from ..launch.stacks import Dump, StackScanner
 from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
@@ -42,6 +47,8 @@ REFRESH = 0.1
 CLOCK = 0.5
 #: Seconds between two redraws of the metric charts.
 CHARTS = 0.5
+#: A running rank that has printed nothing for this many seconds is marked quiet.
+QUIET = 60.0
 
 _LOG_STYLE = (
     "max-height:22em;overflow-y:auto;display:flex;flex-direction:column-reverse;"
@@ -49,10 +56,33 @@ _LOG_STYLE = (
     "padding:4px 6px;background:var(--jp-layout-color1,#fff)"
 )
 _NOWRAP = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis"
+_STACK_STYLE = (
+    "margin:0;padding:4px 6px;white-space:pre;overflow-x:auto;max-height:24em;overflow-y:auto;font-size:12px;"
+    "line-height:1.35;background:var(--jp-layout-color2,#f7f7f7)"
+)
 
 
-def _title(rank: int, state: RankState) -> str:
+def _title(rank: int, state: RankState, quiet: float | None = None) -> str:
+    if quiet is not None and state == RankState.RUNNING:
+        return f"rank {rank}: {state.value} · quiet {quiet:.0f} s"
     return f"rank {rank}: {state.value}"
+
+
+def stacks_html(dumps: dict[int, list[Dump]]) -> str:
+    """Each rank's newest stacks (its own process, then its children): where it is, then every thread."""
+    parts = ['<div class="air-magic-stacks">']
+    for rank in sorted(dumps):
+        for dump in dumps[rank]:
+            frame = dump.user_frame()
+            where = f"in {frame.where()}" if frame is not None else "in no user code"
+            who = "" if dump.of_rank else f" · pid {dump.pid}, {dump.role}"
+            parts.append(
+                f'<details class="air-magic-stacks-rank" style="margin:2px 0"><summary style="cursor:pointer">'
+                f"rank {rank}{html.escape(who)}: {html.escape(where)} · {html.escape(dump.why)} at {dump.clock}"
+                f'</summary><pre style="{_STACK_STYLE}">{html.escape(dump.text())}</pre></details>'
+            )
+    parts.append("</div>")
+    return "".join(parts)
 
 
 class Panel(Listener):
@@ -66,6 +96,14 @@ class Panel(Listener):
     charts: w.HTML
     cancel_button: w.Button
     cancel_hint: w.HTML
+    stacks_button: w.Button
+    stacks_view: w.HTML
+    scanners: list[StackScanner]
+    dumps: dict[int, list[Dump]]
+    stacks_dirty: bool
+    states: list[RankState]
+    last_output: list[float]
+    quiet: list[float | None]
     tails: list[TailBuffer]
     dirty: set[int]
     last_flush: float
@@ -102,14 +140,41 @@ class Panel(Listener):
             self.handle = display(self.box, display_id=True)
 
     def on_output(self, rank: int, text: str) -> None:
-        self.tails[rank].feed(text)
-        self.dirty.add(rank)
+        text, dumps = self.scanners[rank].feed(text)
+        if dumps:
+            self._take_dumps(rank, dumps)
+        if text:
+            self.tails[rank].feed(text)
+            self.dirty.add(rank)
+            if text.strip() and not dumps:
+                self.last_output[rank] = time.monotonic()
 
     def on_rank_state(self, rank: int, state: RankState) -> None:
         if self.phase.startswith("starting") and state == RankState.RUNNING:
             self.phase = "running"
             self._show_status()
+        self.states[rank] = state
+        self.last_output[rank] = time.monotonic()
+        self.quiet[rank] = None
         self.tabs.set_title(rank, _title(rank, state))
+
+    def _take_dumps(self, rank: int, dumps: list[Dump]) -> None:
+        """Keep the newest stacks of each process of the rank: its own first, then its children's."""
+        kept = {d.pid: d for d in self.dumps.get(rank, [])}
+        for dump in dumps:
+            if dump.of_rank:
+                kept = {}  # a new request: children not heard from again are gone
+            kept[dump.pid] = dump
+        self.dumps[rank] = sorted(kept.values(), key=lambda d: not d.of_rank)
+        self.stacks_dirty = True
+
+    def _mark_quiet(self, now: float) -> None:
+        for rank, state in enumerate(self.states):
+            silent = now - self.last_output[rank]
+            quiet = silent if state == RankState.RUNNING and silent >= QUIET else None
+            if (quiet is None) != (self.quiet[rank] is None) or (quiet or 0) // 10 != (self.quiet[rank] or 0) // 10:
+                self.quiet[rank] = quiet
+                self.tabs.set_title(rank, _title(rank, state, quiet))
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -119,6 +184,10 @@ class Panel(Listener):
         if self.dirty and now - self.last_flush >= self.refresh:
             self._flush()
             self.last_flush = now
+        if self.stacks_dirty:
+            self.stacks_dirty = False
+            self.stacks_view.value = stacks_html(self.dumps)
+            self.stacks_view.layout.display = None
         if self.metrics is not None and now - self.last_charts >= CHARTS:
             self.last_charts = now
             if self.metrics.poll():
@@ -132,10 +201,17 @@ class Panel(Listener):
             self._show_status()
         elif now - self.last_clock >= CLOCK:
             self._show_status()
+            self._mark_quiet(now)
         self._show_link()
 
     def on_end(self, result: JobResult) -> None:
         assert self.ctx is not None
+        for r, scanner in enumerate(self.scanners):
+            text, dumps = scanner.feed("", final=True)
+            if dumps:
+                self._take_dumps(r, dumps)
+            if text:
+                self.tails[r].feed(text)
         self.dirty.update(range(len(self.tails)))
         self._flush()
         if self.metrics is not None:
@@ -144,6 +220,7 @@ class Panel(Listener):
             self.tabs.set_title(rank.rank, _title(rank.rank, rank.state))
         self.phase = ended_as(result)
         self.cancel_button.disabled = True
+        self.stacks_button.disabled = True
         if self.phase == "cancelled":
             self.cancel_button.description = "Cancelled"
         else:
@@ -151,7 +228,7 @@ class Panel(Listener):
         self._show_status(result.elapsed)
         self._show_link()
         bundle = record_bundle(
-            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics
+            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics, self.dumps
         )
         # The widget's output becomes the static record: a saved or converted notebook keeps it.
         try:
@@ -165,6 +242,12 @@ class Panel(Listener):
     def _build(self, spec: JobSpec) -> None:
         n = spec.world_size
         self.tails = [TailBuffer() for _ in range(n)]
+        self.scanners = [StackScanner() for _ in range(n)]
+        self.dumps = {}
+        self.stacks_dirty = False
+        self.states = [RankState.PENDING] * n
+        self.last_output = [time.monotonic()] * n
+        self.quiet = [None] * n
         self.dirty = set()
         self.last_flush = 0.0
         self.last_clock = 0.0
@@ -179,6 +262,14 @@ class Panel(Listener):
         self.status.add_class("air-magic-status")
         self.link = w.HTML(layout=w.Layout(flex="0 0 auto"))
         self.link.add_class("air-magic-link")
+        # made before Cancel: a frontend lists buttons in the order they were made, Cancel stays the last
+        self.stacks_button = w.Button(
+            description="Stacks", icon="search", tooltip="Show where every rank is now, stopping nothing",
+            layout=w.Layout(width="auto", flex="0 0 auto"),
+        )
+        self.stacks_button.add_class("air-magic-stacks-button")
+        self.stacks_button.on_click(self._stacks_clicked)
+        self.stacks_view = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.cancel_button = w.Button(
             description="Cancel", icon="stop", button_style="danger", tooltip="Stop every rank of this call",
             # wide enough for "Cancelling…" with its icon, and never squeezed by the row
@@ -188,18 +279,20 @@ class Panel(Listener):
         self.cancel_button.on_click(self._clicked)
         self.cancel_hint = w.HTML(layout=w.Layout(flex="0 1 auto"))
         header = w.HBox(
-            [self.status, self.link, self.cancel_button, self.cancel_hint],
+            [self.status, self.link, self.stacks_button, self.cancel_button, self.cancel_hint],
             layout=w.Layout(align_items="center", width="100%", flex_flow="row nowrap", grid_gap="8px"),
         )
         header.add_class("air-magic-header")
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
-        self.box = w.VBox([header, self.charts, self.tabs])
+        self.box = w.VBox([header, self.charts, self.stacks_view, self.tabs])
         self.box.add_class("air-magic-panel")
-        self._widgets: list[Any] = [self.box, header, self.charts, self.tabs, *self.logs, self.status, self.link,
-                                    self.cancel_button, self.cancel_hint]
+        self._widgets: list[Any] = [self.box, header, self.charts, self.stacks_view, self.tabs, *self.logs,
+                                    self.status, self.link, self.stacks_button, self.cancel_button, self.cancel_hint]
         for widget in self._widgets:
-            if widget is not self.cancel_button:
+            if widget not in (self.cancel_button, self.stacks_button):
                 keep_on_main_shell(widget)
+        if not keep_on_main_shell(self.stacks_button, self._stacks_now):
+            self.stacks_button.layout.display = "none"  # a click would only arrive after the call
         if not keep_on_main_shell(self.cancel_button, self._cancel_now):
             self.cancel_button.layout.display = "none"
             self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
@@ -212,6 +305,14 @@ class Panel(Listener):
 
     def _clicked(self, _button: w.Button) -> None:
         self._cancel_now()
+
+    def _stacks_now(self) -> None:
+        # On the shell-channel thread, like a cancel: only ask; the stacks arrive as the ranks' output.
+        if self.ctx is not None:
+            self.ctx.ask_stacks()
+
+    def _stacks_clicked(self, _button: w.Button) -> None:
+        self._stacks_now()
 
     def _log_html(self, rank: int) -> str:
         tail = self.tails[rank]

@@ -229,3 +229,10 @@ def decode(line: bytes | str) -> Message:
     if cls is None:
         raise ValueError(f"not a message: {line!r}")
     return cls(**data)
+
+
+@dataclass(frozen=True)
+class DumpStacks(Message):
+    """Have every process of a job that answers STACKS_SIGNAL write its threads' stacks to its log; nothing stops."""
+
+    job: str

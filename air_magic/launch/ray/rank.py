@@ -6,8 +6,9 @@ descriptors 1 and 2 at a log file in a private scratch directory on its node
 (so C and CUDA writes are caught too), sets the rank's environment and runs
 the call in a thread through worker.run, exactly as a local rank does. The
 launcher then long-polls `poll` for new output and, at the end, for the
-result or error files. `terminate` ends every process the rank started and
-removes the scratch directory; the launcher then kills the actor itself.
+result or error files. `dump_stacks` has the rank write where it is to its
+log. `terminate` ends every process the rank started and removes the scratch
+directory; the launcher then kills the actor itself.
 
 The function runs inside the actor process (not a subprocess) so that Ray's
 own API works in it: `ray.get_runtime_context().get_node_id()` names the
@@ -149,6 +150,14 @@ class RankActor:
             except OSError:
                 out[key] = None
         return out
+
+    def dump_stacks(self, why: str) -> int:
+        """This process and its children write their threads' stacks to the rank's log (launch/stacks.py)."""
+        import psutil
+
+        from air_magic.launch.stacks import request
+
+        return request([os.getpid()], [c.pid for c in psutil.Process().children(recursive=True)], why=why)
 
     def terminate(self, grace: float) -> bool:
         """End every process the rank started (SIGTERM, `grace` s, SIGKILL) and remove the scratch directory."""
