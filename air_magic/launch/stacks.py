@@ -55,6 +55,7 @@ _HEADER = "air_magic: stacks of pid {pid} ({role}), {why} at {clock}, most recen
 _HEADER_RE = re.compile(r"^air_magic: stacks of pid (\d+) \((.*)\), (.*) at (\d\d:\d\d:\d\d), most recent call first:$")
 _HEADER_START = "air_magic: stacks of pid "
 _TRAILER = "air_magic: end of the stacks of pid {pid}"
+_MARKS = (_HEADER_START, "air_magic: end of the stacks of pid ")
 _TRAILER_RE = re.compile(r"^air_magic: end of the stacks of pid (\d+)$")
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) (?:\[(.*)\] )?\(most recent call first\):$")
 _FRAME_RE = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')
@@ -349,7 +350,7 @@ class StackScanner:
             if cut < 0:
                 if final:
                     out.append(self._line(data, done, partial=True))
-                elif self.dump is not None or _HEADER_START.startswith(data) or data.startswith(_HEADER_START):
+                elif self.dump is not None or any(m.startswith(data) or data.startswith(m) for m in _MARKS):
                     self.pending = data
                 else:
                     out.append(data)
@@ -357,7 +358,7 @@ class StackScanner:
             line, data = data[:cut], data[cut + 1 :]
             out.append(self._line(line, done))
         if final and self.dump is not None:
-            done.append(self._close())
+            out.append(self._close(done))
         self.dumps += done
         return "".join(out), done
 
@@ -365,15 +366,12 @@ class StackScanner:
         """Consume one line; what of it to pass on (with its newline unless `partial`)."""
         end = "" if partial else "\n"
         if _TRAILER_RE.match(line):
-            if self.dump is not None:
-                done.append(self._close())
-            return ""  # also when output came between the dump and its trailer
+            return self._close(done) if self.dump is not None else ""  # after output that came in between too
         head = _HEADER_RE.match(line)
         if head is not None:
-            if self.dump is not None:
-                done.append(self._close())
+            closed = self._close(done) if self.dump is not None else ""
             self.dump = Dump(int(head[1]), head[2], head[3], head[4])
-            return ""
+            return closed
         if self.dump is not None:
             thread = _THREAD_RE.match(line)
             if thread is not None:
@@ -386,16 +384,16 @@ class StackScanner:
                 return ""
             if line in _OTHER_DUMP_LINES:
                 return ""
-            dump = self._close()
-            done.append(dump)
-            return f"[{dump.summary()}; every thread in the log]\n{line}{end}"
+            return self._close(done) + line + end
         return line + end
 
-    def _close(self) -> Dump:
+    def _close(self, done: list[Dump]) -> str:
+        """End the dump being read; the line shown in its place."""
         assert self.dump is not None
         dump = _finish(self.dump, self.threads)
         self.dump, self.threads = None, []
-        return dump
+        done.append(dump)
+        return f"[{dump.summary()}; every thread in the log]\n"
 
 
 def parse(text: str) -> list[Dump]:

@@ -1,0 +1,163 @@
+"""When ranks hang: where every rank is, in the timeout and cancel errors, the logs, the record, and live in the panel."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import Kernel
+from widget_state import WidgetMirror, click, run_cell
+
+pytestmark = pytest.mark.slow
+
+SETUP = """
+import json, os, sys, time
+from air_magic import distributed
+"""
+
+#: Rank 0 is stuck in data loading, rank 1 waits for it in a collective: the hang the stacks must explain.
+HANG = """
+@distributed(num_accelerators=2, accelerator_type="CPU", timeout={timeout}, mlflow=False)
+def train():
+    import os, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+
+    def stuck_in_data_loading():
+        time.sleep(600)
+
+    def waiting_for_the_slow_rank():
+        dist.barrier()
+
+    print("training", flush=True)
+    if dist.get_rank() == 0:
+        stuck_in_data_loading()
+    else:
+        waiting_for_the_slow_rank()
+"""
+
+
+def _run_dir(text: str) -> Path:
+    return Path(re.findall(r"Logs of every rank are in (\S+?)\.?$", text, re.M)[0])
+
+
+def test_a_timeout_names_the_innermost_user_frame_of_each_rank_and_logs_every_stack(kernel):
+    """The DistributedTimeoutError names stuck_in_data_loading on rank 0 and waiting_for_the_slow_rank on rank 1, the
+    logs hold every thread's stack, and the stop takes no longer than the timeout plus the usual grace."""
+    kernel.execute(SETUP).check()
+    out = kernel.execute(
+        HANG.format(timeout=15)
+        + """
+started = time.monotonic()
+try:
+    train.distributed()
+except Exception as exc:
+    print("REPORT " + json.dumps({"type": type(exc).__name__, "message": str(exc), "took": time.monotonic() - started}))
+""",
+        timeout=120,
+    ).check()
+    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    message = report["message"]
+    assert report["type"] == "DistributedTimeoutError", message
+    assert re.search(r"rank 0: in stuck_in_data_loading \(.+, line \d+\)", message), message
+    assert re.search(r"rank 1: in waiting_for_the_slow_rank \(.+, line \d+\)", message), message
+    assert report["took"] < 15 + 6, report  # the timeout, plus the stop (stacks take well under a second)
+    run_dir = _run_dir(message)
+    logs = [(run_dir / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert "in stuck_in_data_loading" in logs[0] and "air_magic: stacks of pid" in logs[0]
+    assert "in waiting_for_the_slow_rank" in logs[1] and "distributed_c10d.py" in logs[1], logs[1]
+
+
+@pytest.fixture(scope="module")
+def lab_kernel(workdir):
+    """A real ipykernel showing the panel, with air_magic importable."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
+    run_cell(k, SETUP + "import air_magic.display.widgets as W\nW.QUIET = 3\n", WidgetMirror()).check()
+    yield k
+    kids = psutil.Process(k.pid).children(recursive=True) if psutil.pid_exists(k.pid) else []
+    k.shutdown()
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    for p in alive:
+        p.kill()
+
+
+def _button(m: WidgetMirror, description: str) -> str:
+    return next(cid for cid, s in reversed(m.of_model("ButtonModel")) if s.get("description") == description)
+
+
+def _stacks_view(m: WidgetMirror) -> str:
+    return next((s["value"] for _, s in reversed(m.of_model("HTMLModel")) if "air-magic-stacks" in s["value"]), "")
+
+
+def test_stacks_during_a_healthy_call_show_where_it_is_and_change_nothing_in_its_results(lab_kernel):
+    """Stacks asked for again and again while the ranks exchange tensors: the panel shows their function, the results
+    are exactly those of an undisturbed call."""
+    clicks: list[float] = []
+
+    def ask_for_stacks(m: WidgetMirror) -> None:
+        if not m.of_model("TabModel") or not all("summing" in log for log in m.panel()["logs"]):
+            return
+        if len(clicks) < 20 and (not clicks or time.monotonic() - clicks[-1] > 0.3):
+            click(lab_kernel, _button(m, "Stacks"))
+            clicks.append(time.monotonic())
+
+    mirror = WidgetMirror()
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def summing():
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print("summing", flush=True)
+    total = torch.zeros(1, dtype=torch.float64)
+    for i in range(60):
+        t = torch.full((1,), float(i + rank), dtype=torch.float64)
+        dist.all_reduce(t)
+        total += t
+        time.sleep(0.1)
+    return total.item()
+summing.distributed()
+""",
+        mirror,
+        while_running=ask_for_stacks,
+    ).check()
+    assert clicks, "the panel never showed both ranks summing"
+    assert out.result == "[3600.0, 3600.0]"  # sum over i of (i + 0) + (i + 1)
+    view = _stacks_view(mirror)
+    assert "rank 0" in view and "rank 1" in view and "in summing" in view, view
+
+
+def test_cancel_keeps_every_ranks_stacks_and_a_silent_rank_is_marked_quiet(lab_kernel):
+    """While the hang runs, Stacks shows both ranks' frames and the tabs say quiet; Cancel's error names both frames
+    and the static record keeps the stacks."""
+    seen: dict[str, float] = {}
+
+    def drive(m: WidgetMirror) -> None:
+        if not m.of_model("TabModel") or not all("training" in log for log in m.panel()["logs"]):
+            return
+        view = _stacks_view(m)
+        if "stacks" not in seen:
+            click(lab_kernel, _button(m, "Stacks"))
+            seen["stacks"] = time.monotonic()
+        elif "cancel" not in seen and "waiting_for_the_slow_rank" in view and "stuck_in_data_loading" in view:
+            if all("quiet" in title for title in m.panel()["titles"]):
+                click(lab_kernel, m.panel()["button"])
+                seen["cancel"] = time.monotonic()
+
+    mirror = WidgetMirror()
+    out = run_cell(lab_kernel, HANG.format(timeout=90) + "train.distributed()\n", mirror, while_running=drive)
+    assert "cancel" in seen, f"never saw both stacks and both quiet tabs: {mirror.panel()['titles']}"
+    assert out.ename == "JobCancelledError", out.traceback
+    assert re.search(r"rank 0: in stuck_in_data_loading \(", out.traceback), out.traceback
+    assert re.search(r"rank 1: in waiting_for_the_slow_rank \(", out.traceback), out.traceback
+    record = out.displays[-1]["data"]
+    assert "cancelled" in record["text/plain"]
+    assert "[rank 0 stacks]" in record["text/plain"] and "stuck_in_data_loading" in record["text/html"]
+    assert "waiting_for_the_slow_rank" in record["text/html"]
+    assert mirror.panel()["titles"] == ["rank 0: stopped", "rank 1: stopped"]
