@@ -42,7 +42,7 @@ def train():
 
 
 def _run_dir(text: str) -> Path:
-    return Path(re.findall(r"Logs of every rank are in (\S+?)\.?$", text, re.M)[0])
+    return Path(re.findall(r"Logs of every rank are in (\S+?)\.?$", text, re.MULTILINE)[0])
 
 
 def test_a_timeout_names_the_innermost_user_frame_of_each_rank_and_logs_every_stack(kernel):
@@ -145,10 +145,12 @@ def test_cancel_keeps_every_ranks_stacks_and_a_silent_rank_is_marked_quiet(lab_k
         if "stacks" not in seen:
             click(lab_kernel, _button(m, "Stacks"))
             seen["stacks"] = time.monotonic()
-        elif "cancel" not in seen and "waiting_for_the_slow_rank" in view and "stuck_in_data_loading" in view:
-            if all("quiet" in title for title in m.panel()["titles"]):
-                click(lab_kernel, m.panel()["button"])
-                seen["cancel"] = time.monotonic()
+        elif (
+            "cancel" not in seen and "waiting_for_the_slow_rank" in view and "stuck_in_data_loading" in view
+            and all("quiet" in title for title in m.panel()["titles"])
+        ):
+            click(lab_kernel, m.panel()["button"])
+            seen["cancel"] = time.monotonic()
 
     mirror = WidgetMirror()
     out = run_cell(lab_kernel, HANG.format(timeout=90) + "train.distributed()\n", mirror, while_running=drive)
