@@ -163,3 +163,39 @@ def test_cancel_keeps_every_ranks_stacks_and_a_silent_rank_is_marked_quiet(lab_k
     assert "[rank 0 stacks]" in record["text/plain"] and "stuck_in_data_loading" in record["text/html"]
     assert "waiting_for_the_slow_rank" in record["text/html"]
     assert mirror.panel()["titles"] == ["rank 0: stopped", "rank 1: stopped"]
+
+
+def test_hot_ranks_answer_in_every_call_and_write_nothing_while_idle(kernel):
+    """A hang in the second call of hot ranks is named like a cold one; the first call's logs get no stacks, even when
+    the idle ranks are released."""
+    kernel.execute(SETUP).check()
+    out = kernel.execute(
+        HANG.format(timeout=15).replace("mlflow=False", "mlflow=False, keep_alive=60")
+        + """
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False, keep_alive=60)
+def where():
+    return os.getpid()
+first = where.distributed()
+try:
+    train.distributed()
+except Exception as exc:
+    print("REPORT " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+""",
+        timeout=120,
+    ).check()
+    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    assert report["type"] == "DistributedTimeoutError", report
+    assert "rank 0: in stuck_in_data_loading" in report["message"], report["message"]
+    assert "rank 1: in waiting_for_the_slow_rank" in report["message"], report["message"]
+    for r in (0, 1):
+        log = (_run_dir(report["message"]) / f"rank-{r}.log").read_text()
+        assert log.count("air_magic: stacks of pid") == 1, log  # the stop, not again as the stopped pool is released
+    out = kernel.execute("%load_ext air_magic\nprint('PIDS', json.dumps(where.distributed()))\n%distributed_release").check()
+    pids = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PIDS "))[5:])
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)
+    assert not alive
+    runs = sorted((Path(kernel.value("os.environ['AIR_MAGIC_RUNS_DIR']").strip("'"))).glob("*-where-*"))
+    assert len(runs) == 2
+    for run in runs:
+        for r in (0, 1):
+            assert "air_magic: stacks" not in (run / f"rank-{r}.log").read_text()
