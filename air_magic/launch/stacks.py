@@ -47,7 +47,8 @@ REQUEST_LIMIT = 0.6
 _SETTLED = 0.015
 #: One process gets at most this long to write its dump, in seconds.
 _ONE_LIMIT = 0.25
-#: Dumps of one process closer together than this are one request heard twice (a stop that also releases).
+#: Dumps of one process for the same reason closer together than this are one request heard twice (a stop that
+#: also releases the hot ranks it stops).
 _AGAIN_AFTER = 2.0
 _POLL = 0.003
 
@@ -65,7 +66,7 @@ _OTHER_DUMP_LINES = ("  <no Python frame>", "  ...", "  <truncated rest of calls
 RANK_ROLE = "the rank"
 #: Why a dump was asked for, as the header says, when its process is about to be stopped.
 STOPPING = "before stopping it"
-_recent: dict[int, float] = {}
+_recent: dict[tuple[int, str], float] = {}  # (pid, why) -> when it was asked
 _installed = False
 
 
@@ -153,20 +154,20 @@ def _size(fd: int) -> int:
 def request(ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request", limit: float = REQUEST_LIMIT) -> int:
     """Have the processes `ranks` (each a rank's own process) and `others` (their descendants) write their stacks.
 
-    Only processes that catch STACKS_SIGNAL are asked, and none twice within a couple of seconds.
+    Only processes that catch STACKS_SIGNAL are asked, and none twice for the same `why` within a couple of seconds.
     Returns after the dumps are written, or after `limit` s; the number of processes asked.
     """
     if STACKS_SIGNAL is None:
         return 0
     now = time.monotonic()
-    for pid, at in list(_recent.items()):
+    for key, at in list(_recent.items()):
         if now - at > _AGAIN_AFTER:
-            del _recent[pid]
+            del _recent[key]
     rank_pids = list(dict.fromkeys(ranks))
     other_pids = [p for p in dict.fromkeys(others) if p not in rank_pids]
     queues: dict[tuple[int, int], list[_Target]] = {}
     for pid in [*rank_pids, *sorted(other_pids)]:
-        if pid in _recent or not catches(pid):
+        if (pid, why) in _recent or not catches(pid):
             continue
         role = RANK_ROLE if pid in rank_pids else f"a child of pid {_parent(pid)}"
         target = _open_target(pid, role)
@@ -201,7 +202,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
             os.close(target.fd)
             target.fd = None
             continue
-        _recent[target.pid] = time.monotonic()
+        _recent[target.pid, why] = time.monotonic()
         sizes[target.fd] = _size(target.fd)
         asked += 1
     waiting = {fd: (size, time.monotonic()) for fd, size in sizes.items()}

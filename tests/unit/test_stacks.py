@@ -165,7 +165,8 @@ def _start(tmp_path: Path, install: bool, fork: bool = False) -> tuple[subproces
 
 @pytest.mark.skipif(stacks.STACKS_SIGNAL is None, reason="no real-time signals here")
 def test_a_request_writes_the_stacks_of_a_process_and_its_forked_child_in_turn(tmp_path):
-    """A rank blocked in time.sleep and the child it forked each write a whole dump to the shared log; both live on."""
+    """A rank blocked in time.sleep and the child it forked each write a whole dump to the shared log; both live on;
+    a second request for the same reason right away is not sent, one for another reason is."""
     proc, log = _start(tmp_path, install=True, fork=True)
     try:
         import psutil
@@ -179,6 +180,8 @@ def test_a_request_writes_the_stacks_of_a_process_and_its_forked_child_in_turn(t
         assert dumps[0].user_frame().function == "stuck_in_data_loading"
         assert dumps[1].user_frame().function == "in_a_forked_child" and f"child of pid {proc.pid}" in dumps[1].role
         assert proc.poll() is None and all(psutil.pid_exists(c) for c in children)
+        assert stacks.request([proc.pid], why=STOPPING) == 0, "the same request heard twice is answered once"
+        assert stacks.request([proc.pid], why="on request") == 1
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
