@@ -190,22 +190,22 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
     """Header and signal to each target (each writes to a different log), then wait until every log settles."""
     assert STACKS_SIGNAL is not None
     clock = time.strftime("%H:%M:%S")
-    sizes: dict[int, int] = {}
+    waiting: dict[int, tuple[int, float]] = {}  # fd -> (its size when last seen to change, when)
     asked = 0
     for target in turn:
         assert target.fd is not None
-        header = _HEADER.format(pid=target.pid, role=target.role, why=why, clock=clock)
+        header = f"\n{_HEADER.format(pid=target.pid, role=target.role, why=why, clock=clock)}\n".encode()
         try:
-            os.write(target.fd, f"\n{header}\n".encode())
+            before = _size(target.fd)
+            os.write(target.fd, header)
             os.kill(target.pid, STACKS_SIGNAL)
         except OSError:
             os.close(target.fd)
             target.fd = None
             continue
         _recent[target.pid, why] = time.monotonic()
-        sizes[target.fd] = _size(target.fd)
+        waiting[target.fd] = (before + len(header), time.monotonic())  # past this size, the dump has begun
         asked += 1
-    waiting = {fd: (size, time.monotonic()) for fd, size in sizes.items()}
     grown: set[int] = set()
     while waiting and time.monotonic() < deadline:
         time.sleep(_POLL)
