@@ -320,6 +320,9 @@ class Dump:
 
 
 def _finish(dump: Dump, threads: list[ThreadStack]) -> Dump:
+    # A rank that asks itself (a Ray rank's actor) sees its own asking thread in the dump: not worth showing.
+    threads = [t for t in threads if not any(f.function == "request" and f.file.endswith(_SELF) for f in t.frames)]
+
     def order(t: ThreadStack) -> int:
         user = t.user_frame() is not None
         return 0 if t.runs_the_call else 1 if user and t.current else 2 if user else 3 if t.current else 4
@@ -434,6 +437,7 @@ def where_ranks_were(logs: list[Path]) -> str | None:
 
 # -- which frames are the user's -------------------------------------------------------
 _PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
+_SELF = os.path.join("air_magic", "launch", "stacks.py")
 _LIBRARY_DIRS = tuple(
     {p + os.sep for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")) if p}
 )

@@ -52,6 +52,18 @@ def test_a_dump_reads_innermost_frame_last_with_the_thread_running_the_call_firs
     assert "waiting_for_the_slow_rank   <- innermost user frame" in text
 
 
+def test_the_thread_that_asked_for_the_dump_is_left_out():
+    """A rank that asks itself (a Ray rank) does not show its own asking thread."""
+    asking = f"""
+Thread 0x00007f0000000003 (most recent call first):
+  File "{ROOT / 'air_magic' / 'launch' / 'stacks.py'}", line 199 in _dump_round
+  File "{ROOT / 'air_magic' / 'launch' / 'stacks.py'}", line 180 in request
+  File "/home/me/proj/actor.py", line 3 in dump_stacks
+"""
+    [dump] = parse(DUMP.replace("\nThread 0x00007f0000000001", asking + "\nThread 0x00007f0000000001"))
+    assert [t.ident for t in dump.threads] == ["0x00007f0000000002", "0x00007f0000000001"]
+
+
 def test_the_scanner_finds_the_same_dump_however_the_output_is_cut_and_passes_the_rest_through():
     """Fed one character at a time, the scanner returns the text around the dump, a line in its place, and the dump once."""
     scanner = StackScanner()
