@@ -199,3 +199,48 @@ except Exception as exc:
     for run in runs:
         for r in (0, 1):
             assert "air_magic: stacks" not in (run / f"rank-{r}.log").read_text()
+
+
+def test_a_rank_waiting_on_its_dataloader_worker_shows_both_stacks(kernel):
+    """Rank 0 blocks in the DataLoader's queue while its forked worker sleeps in the dataset: the timeout names the
+    rank's loop, and the log holds the worker's stack too, each dump whole."""
+    kernel.execute(SETUP).check()
+    out = kernel.execute(
+        """
+@distributed(num_accelerators=1, accelerator_type="CPU", timeout=15, mlflow=False)
+def load():
+    import time, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return slow_item(i)
+
+    def slow_item(i):
+        time.sleep(600)
+        return torch.zeros(1)
+
+    def read_batches():
+        for batch in DataLoader(Slow(), num_workers=1, multiprocessing_context="fork"):
+            print(batch)
+
+    print("loading", flush=True)
+    read_batches()
+try:
+    load.distributed()
+except Exception as exc:
+    print("REPORT " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+""",
+        timeout=120,
+    ).check()
+    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    assert report["type"] == "DistributedTimeoutError", report
+    assert "rank 0: in read_batches (" in report["message"], report["message"]
+    from air_magic.launch.stacks import parse
+
+    dumps = parse((_run_dir(report["message"]) / "rank-0.log").read_text())
+    worker = [d for d in dumps if not d.of_rank]
+    assert worker and worker[-1].user_frame().function == "slow_item", [d.text() for d in dumps]
