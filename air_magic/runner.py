@@ -39,7 +39,7 @@ from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
 from .launch import protocol as p
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir
-from .launch.stacks import flight_recorder_env, where_ranks_were
+from .launch.stacks import flight_recorder_env, flight_recorder_note, where_ranks_were
 from .launch.stopper import STOP_GRACE
 
 _POLL = 0.05
@@ -243,6 +243,9 @@ class _Run:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
                 rank.state = RankState.STOPPED
         error = self.outcome_error()
+        recorded = flight_recorder_note(self.run_dir.path) if self.spec.uses_gpu else None
+        if error is not None and recorded:
+            annotate(error, recorded)
         self.run_dir.release_reserves()  # after outcome_error: a full disk is judged as the ranks left it
         if error is None:
             self.result.status = JobStatus.FINISHED

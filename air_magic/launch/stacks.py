@@ -478,3 +478,18 @@ def flight_recorder_env(run_dir: Path, env: dict[str, str]) -> dict[str, str]:
             return out
         out["TORCH_FR_DUMP_TEMP_FILE"] = out["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(where / "rank_")
     return out
+
+
+def flight_recorder_note(run_dir: Path) -> str | None:
+    """Where NCCL's flight recorder dumps of a call are and how to read them; None if there are none."""
+    where = run_dir / "flight_recorder"
+    try:
+        dumps = sorted(p.name for p in where.iterdir() if p.name.startswith("rank_"))
+    except OSError:
+        return None
+    if not dumps:
+        return None
+    return (
+        f"NCCL's flight recorder dumped what the collectives were doing ({', '.join(dumps)}) into {where}; read them "
+        f"with: torchfrtrace {where} --prefix rank_ --allow-incomplete-ranks"
+    )

@@ -135,7 +135,8 @@ def test_where_ranks_were_names_each_ranks_last_stop_dump(tmp_path):
 
 
 def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
-    """The flight recorder is turned on with dumps into the run directory, unless the user chose otherwise."""
+    """The flight recorder is turned on with dumps into the run directory, unless the user chose otherwise, and a
+    dump there is named with the command that reads it."""
     env = flight_recorder_env(tmp_path, {})
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == str(stacks.FLIGHT_RECORDER_ENTRIES)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -143,6 +144,9 @@ def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
     assert (tmp_path / "flight_recorder").is_dir()
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/"}
     assert flight_recorder_env(tmp_path, mine) == {}
+    assert stacks.flight_recorder_note(tmp_path) is None
+    (tmp_path / "flight_recorder" / "rank_0").write_bytes(b"pickle")
+    assert f"torchfrtrace {tmp_path / 'flight_recorder'}" in (stacks.flight_recorder_note(tmp_path) or "")
 
 
 _CHILD = """
