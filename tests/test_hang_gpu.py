@@ -19,7 +19,7 @@ KERNEL_ENV = REAL_NODE
 
 def test_a_collective_only_one_rank_enters_leaves_the_flight_recorder_dump_with_the_logs(kernel):
     """Rank 0 waits in an all_reduce rank 1 never joins: NCCL's watchdog (10 s here) dumps each rank's flight recorder
-    into the run directory's flight_recorder/, and the ranks saw the recorder's settings."""
+    into the run directory's flight_recorder/, the ranks saw the recorder's settings, and the error says how to read it."""
     out = kernel.execute(
         """
 import json
@@ -41,7 +41,7 @@ def lonely_all_reduce():
 try:
     lonely_all_reduce.distributed()
 except BaseException as exc:
-    print("REPORT " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+    print("REPORT " + json.dumps({"type": type(exc).__name__, "notes": getattr(exc, "__notes__", [])}))
 """,
         timeout=240,
     ).check()
@@ -51,3 +51,4 @@ except BaseException as exc:
     run_dir = Path(logs[-1].split("logs in ", 1)[1].split()[0])
     dumps = sorted((run_dir / "flight_recorder").glob("rank_*"))
     assert dumps and dumps[0].stat().st_size > 0, (report, sorted(run_dir.iterdir()))
+    assert any("torchfrtrace" in note for note in report["notes"]), report
