@@ -97,10 +97,12 @@ def test_stacks_during_a_healthy_call_show_where_it_is_and_change_nothing_in_its
     """Stacks asked for again and again while the ranks exchange tensors: the panel shows their function, the results
     are exactly those of an undisturbed call."""
     clicks: list[float] = []
+    views: set[str] = set()
 
     def ask_for_stacks(m: WidgetMirror) -> None:
         if not m.of_model("TabModel") or not all("summing" in log for log in m.panel()["logs"]):
             return
+        views.add(_stacks_view(m))
         if len(clicks) < 20 and (not clicks or time.monotonic() - clicks[-1] > 0.3):
             click(lab_kernel, _button(m, "Stacks"))
             clicks.append(time.monotonic())
@@ -129,8 +131,7 @@ summing.distributed()
     ).check()
     assert clicks, "the panel never showed both ranks summing"
     assert out.result == "[3600.0, 3600.0]"  # sum over i of (i + 0) + (i + 1)
-    view = _stacks_view(mirror)
-    assert "rank 0" in view and "rank 1" in view and "in summing" in view, view
+    assert any("rank 0: in summing (" in v and "rank 1: in summing (" in v for v in views), views
 
 
 def test_cancel_keeps_every_ranks_stacks_and_a_silent_rank_is_marked_quiet(lab_kernel):
@@ -142,13 +143,11 @@ def test_cancel_keeps_every_ranks_stacks_and_a_silent_rank_is_marked_quiet(lab_k
         if not m.of_model("TabModel") or not all("training" in log for log in m.panel()["logs"]):
             return
         view = _stacks_view(m)
-        if "stacks" not in seen:
-            click(lab_kernel, _button(m, "Stacks"))
+        both = "waiting_for_the_slow_rank" in view and "stuck_in_data_loading" in view
+        if not both and time.monotonic() - seen.get("stacks", 0) > 1:
+            click(lab_kernel, _button(m, "Stacks"))  # again until both ranks have reached where they hang
             seen["stacks"] = time.monotonic()
-        elif (
-            "cancel" not in seen and "waiting_for_the_slow_rank" in view and "stuck_in_data_loading" in view
-            and all("quiet" in title for title in m.panel()["titles"])
-        ):
+        elif "cancel" not in seen and both and all("quiet" in title for title in m.panel()["titles"]):
             click(lab_kernel, m.panel()["button"])
             seen["cancel"] = time.monotonic()
 

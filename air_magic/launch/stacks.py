@@ -47,8 +47,8 @@ REQUEST_LIMIT = 0.6
 _SETTLED = 0.015
 #: One process gets at most this long to write its dump, in seconds.
 _ONE_LIMIT = 0.25
-#: Dumps of one process for the same reason closer together than this are one request heard twice (a stop that
-#: also releases the hot ranks it stops).
+#: Stop dumps of one process closer together than this are one stop heard twice (a stop that also releases the
+#: hot ranks it stops).
 _AGAIN_AFTER = 2.0
 _POLL = 0.003
 
@@ -66,7 +66,7 @@ _OTHER_DUMP_LINES = ("  <no Python frame>", "  ...", "  <truncated rest of calls
 RANK_ROLE = "the rank"
 #: Why a dump was asked for, as the header says, when its process is about to be stopped.
 STOPPING = "before stopping it"
-_recent: dict[tuple[int, str], float] = {}  # (pid, why) -> when it was asked
+_recent: dict[int, float] = {}  # pid -> when it was asked for its stacks before a stop
 _installed = False
 
 
@@ -154,20 +154,20 @@ def _size(fd: int) -> int:
 def request(ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request", limit: float = REQUEST_LIMIT) -> int:
     """Have the processes `ranks` (each a rank's own process) and `others` (their descendants) write their stacks.
 
-    Only processes that catch STACKS_SIGNAL are asked, and none twice for the same `why` within a couple of seconds.
+    Only processes that catch STACKS_SIGNAL are asked, and none twice before the same stop (`why` STOPPING).
     Returns after the dumps are written, or after `limit` s; the number of processes asked.
     """
     if STACKS_SIGNAL is None:
         return 0
     now = time.monotonic()
-    for key, at in list(_recent.items()):
+    for pid, at in list(_recent.items()):
         if now - at > _AGAIN_AFTER:
-            del _recent[key]
+            del _recent[pid]
     rank_pids = list(dict.fromkeys(ranks))
     other_pids = [p for p in dict.fromkeys(others) if p not in rank_pids]
     queues: dict[tuple[int, int], list[_Target]] = {}
     for pid in [*rank_pids, *sorted(other_pids)]:
-        if (pid, why) in _recent or not catches(pid):
+        if (why == STOPPING and pid in _recent) or not catches(pid):
             continue
         role = RANK_ROLE if pid in rank_pids else f"a child of pid {_parent(pid)}"
         target = _open_target(pid, role)
@@ -203,7 +203,8 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
             os.close(target.fd)
             target.fd = None
             continue
-        _recent[target.pid, why] = time.monotonic()
+        if why == STOPPING:
+            _recent[target.pid] = time.monotonic()
         waiting[target.fd] = (before + len(header), time.monotonic())  # past this size, the dump has begun
         asked += 1
     grown: set[int] = set()
@@ -253,9 +254,12 @@ class ThreadStack:
     name: str = ""
 
     def user_frame(self) -> Frame | None:
-        """The innermost frame of user code: in the thread running the call, one the call led to."""
-        frames = self.frames[self._call_at() + 1 :]
-        return next((f for f in reversed(frames) if is_user_file(f.file)), None)
+        """The innermost frame of user code: in the thread running the call, one the call led to; in a thread of
+        air_magic's own (a rank before or after its call), one that air_magic called."""
+        start = self._call_at()
+        if start < 0:
+            start = max((i for i, f in enumerate(self.frames) if _is_air_magic(f.file)), default=-1)
+        return next((f for f in reversed(self.frames[start + 1 :]) if is_user_file(f.file)), None)
 
     def _call_at(self) -> int:
         """Index of air_magic's worker.run, which runs the call, on this stack; -1 if it is not there."""

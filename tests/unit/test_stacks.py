@@ -110,6 +110,18 @@ def test_a_real_faulthandler_dump_of_this_process_parses():
     assert dump.user_frame().function == "test_a_real_faulthandler_dump_of_this_process_parses"
 
 
+def test_a_rank_outside_its_call_is_in_no_user_code():
+    """After its call returned, a rank's main thread is air_magic's own: the boot line that started it is not user code."""
+    after = DUMP.replace(f'  File "{WORKER}", line 95 in run', f'  File "{WORKER}", line 133 in finish').replace(
+        f'  File "{SITE}", line 4000 in barrier\n  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank\n'
+        '  File "/tmp/ipykernel_1/123.py", line 12 in train\n', ""
+    )
+    [dump] = parse(after)
+    call = next(t for t in dump.threads if t.current)
+    assert [f.function for f in call.frames] == ["<module>", "finish"]
+    assert call.user_frame() is None and dump.user_frame().function == "fill"
+
+
 def test_user_frames_are_neither_libraries_nor_air_magic():
     """Standard library, installed packages, air_magic and frozen modules are not user code; a notebook cell is."""
     assert stacks.is_user_file("/tmp/ipykernel_7/2871.py")
@@ -182,7 +194,7 @@ def _start(tmp_path: Path, install: bool, fork: bool = False) -> tuple[subproces
 @pytest.mark.skipif(stacks.STACKS_SIGNAL is None, reason="no real-time signals here")
 def test_a_request_writes_the_stacks_of_a_process_and_its_forked_child_in_turn(tmp_path):
     """A rank blocked in time.sleep and the child it forked each write a whole dump to the shared log; both live on;
-    a second request for the same reason right away is not sent, one for another reason is."""
+    a second stop request right away is not sent, live requests always are."""
     proc, log = _start(tmp_path, install=True, fork=True)
     try:
         import psutil
@@ -196,8 +208,8 @@ def test_a_request_writes_the_stacks_of_a_process_and_its_forked_child_in_turn(t
         assert dumps[0].user_frame().function == "stuck_in_data_loading"
         assert dumps[1].user_frame().function == "in_a_forked_child" and f"child of pid {proc.pid}" in dumps[1].role
         assert proc.poll() is None and all(psutil.pid_exists(c) for c in children)
-        assert stacks.request([proc.pid], why=STOPPING) == 0, "the same request heard twice is answered once"
-        assert stacks.request([proc.pid], why="on request") == 1
+        assert stacks.request([proc.pid], why=STOPPING) == 0, "the same stop heard twice is answered once"
+        assert stacks.request([proc.pid]) == stacks.request([proc.pid]) == 1, "each live request is answered"
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
