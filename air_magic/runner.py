@@ -39,7 +39,8 @@ from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
 from .launch import protocol as p
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir
-from .launch.stacks import flight_recorder_env, flight_recorder_note, where_ranks_were
+from .launch.stack_dumps import where_ranks_were
+from .launch.stacks import flight_recorder_env, flight_recorder_note
 from .launch.stopper import STOP_GRACE
 
 _POLL = 0.05

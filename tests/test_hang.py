@@ -238,7 +238,7 @@ except Exception as exc:
     report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
     assert report["type"] == "DistributedTimeoutError", report
     assert "rank 0: in read_batches (" in report["message"], report["message"]
-    from air_magic.launch.stacks import parse
+    from air_magic.launch.stack_dumps import parse
 
     dumps = parse((_run_dir(report["message"]) / "rank-0.log").read_text())
     worker = [d for d in dumps if not d.of_rank]

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
-from ..launch.stacks import STOPPING, Dump
+from ..launch.stack_dumps import Dump
+from ..launch.stacks import STOPPING
 from .charts import MetricsTail, charts_html, charts_text
 from .tail import TailBuffer
 

@@ -33,7 +33,7 @@ from IPython.display import display
 
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
-from ..launch.stacks import Dump, StackScanner
+from ..launch.stack_dumps import Dump, StackScanner
 from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html

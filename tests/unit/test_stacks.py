@@ -1,4 +1,4 @@
-"""Stack dumps (air_magic/launch/stacks.py): asking a process for one, and reading them back from a log."""
+"""Stack dumps (air_magic/launch/stacks.py, stack_dumps.py): asking a process for one, and reading them back."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from air_magic.launch import stacks
-from air_magic.launch.stacks import STOPPING, StackScanner, flight_recorder_env, parse, where_ranks_were
+from air_magic.launch import stack_dumps, stacks
+from air_magic.launch.stack_dumps import StackScanner, parse, where_ranks_were
+from air_magic.launch.stacks import STOPPING, flight_recorder_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = "/usr/lib/python3/dist-packages/torch/distributed/distributed_c10d.py"
@@ -124,12 +125,12 @@ def test_a_rank_outside_its_call_is_in_no_user_code():
 
 def test_user_frames_are_neither_libraries_nor_air_magic():
     """Standard library, installed packages, air_magic and frozen modules are not user code; a notebook cell is."""
-    assert stacks.is_user_file("/tmp/ipykernel_7/2871.py")
-    assert stacks.is_user_file("/home/me/proj/train.py")
-    assert not stacks.is_user_file(SITE)
-    assert not stacks.is_user_file(threading.__file__)
-    assert not stacks.is_user_file(WORKER)
-    assert not stacks.is_user_file("<frozen importlib._bootstrap>")
+    assert stack_dumps.is_user_file("/tmp/ipykernel_7/2871.py")
+    assert stack_dumps.is_user_file("/home/me/proj/train.py")
+    assert not stack_dumps.is_user_file(SITE)
+    assert not stack_dumps.is_user_file(threading.__file__)
+    assert not stack_dumps.is_user_file(WORKER)
+    assert not stack_dumps.is_user_file("<frozen importlib._bootstrap>")
 
 
 def test_where_ranks_were_names_each_ranks_last_stop_dump(tmp_path):
