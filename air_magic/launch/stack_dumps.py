@@ -20,6 +20,7 @@ from .stacks import HEADER_RE, MARKS, RANK_ROLE, STOPPING, TRAILER_RE
 
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) (?:\[(.*)\] )?\(most recent call first\):$")
 _FRAME_RE = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')
+_MARK = "air_magic: "
 _OTHER_DUMP_LINES = ("  <no Python frame>", "  ...", "  <truncated rest of calls>", "")
 
 
@@ -142,6 +143,13 @@ class StackScanner:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[Dump]]:
         """(text that is not part of a dump, dumps completed by this text)."""
+        if self.dump is None and not self.pending and _MARK not in text:
+            # Most output holds no dump: pass it on in one piece (a flood must not be read line by line here).
+            cut = text.rfind("\n") + 1
+            if final or not any(m.startswith(text[cut:]) for m in MARKS) or cut == len(text):
+                return text, []
+            self.pending = text[cut:]  # a line that may yet become a header
+            return text[:cut], []
         data = self.pending + text
         self.pending = ""
         out: list[str] = []

@@ -79,6 +79,17 @@ def test_the_scanner_finds_the_same_dump_however_the_output_is_cut_and_passes_th
     assert "File" not in out and "most recent call first" not in out
 
 
+def test_output_without_dumps_passes_through_whole_and_a_header_cut_anywhere_is_still_found():
+    """Plain output comes back unchanged; a header split over two chunks at any point still starts a dump."""
+    plain = "x" * 10_000 + "\nloss 0.1\n\rprogress 50%"
+    assert StackScanner().feed(plain) == (plain, [])
+    for cut in range(1, 40):
+        scanner = StackScanner()
+        first, _ = scanner.feed("step\n" + DUMP[:cut])
+        rest, dumps = scanner.feed(DUMP[cut:] + "after\n")
+        assert len(dumps) == 1 and "File" not in first + rest and (first + rest).endswith("after\n"), cut
+
+
 def test_output_between_a_dump_and_its_trailer_ends_the_dump_and_is_kept():
     """A line the rank prints right after its dump, before the trailer, is shown, and the trailer is not."""
     text = DUMP.replace("air_magic: end of", "started\nair_magic: end of")
