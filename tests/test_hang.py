@@ -243,3 +243,20 @@ except Exception as exc:
     dumps = parse((_run_dir(report["message"]) / "rank-0.log").read_text())
     worker = [d for d in dumps if not d.of_rank]
     assert worker and worker[-1].user_frame().function == "slow_item", [d.text() for d in dumps]
+
+
+def test_an_interrupt_names_where_each_rank_was(kernel):
+    """The kernel's interrupt button stops the hang, and the KeyboardInterrupt carries each rank's innermost user frame."""
+    kernel.execute(SETUP).check()
+    msg_id = kernel.send(HANG.format(timeout=None) + "train.distributed()\n")
+    seen: list[float] = []
+
+    def both_in_place(o) -> bool:  # a second after both ranks said they train: each has reached its wait
+        if not seen and o.stdout.count("] training") == 2:
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] > 1
+
+    out = kernel.collect(msg_id, timeout=120, interrupt_when=both_in_place)
+    assert out.ename == "KeyboardInterrupt", out.traceback
+    assert "rank 0: in stuck_in_data_loading (" in out.traceback, out.traceback
+    assert "rank 1: in waiting_for_the_slow_rank (" in out.traceback, out.traceback
