@@ -17,7 +17,7 @@ from .job import JobResult, JobSpec, RankState
 
 @dataclass
 class RunContext:
-    """What a listener may know about a call in progress, and the one thing it may do: cancel."""
+    """What a listener may know about a call in progress, and what it may ask: a cancel, or the ranks' stacks."""
 
     spec: JobSpec
     run_dir: Path
@@ -34,10 +34,21 @@ class RunContext:
     #: How each earlier attempt ended (its first failure), one line each, oldest first.
     earlier_failures: list[str] = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
+    _stacks: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
         """Ask the runner to stop every rank; safe to call from any thread."""
         self._cancel.set()
+
+    def ask_stacks(self) -> None:
+        """Ask the runner to have every rank write its stacks to its log, stopping nothing; safe from any thread."""
+        self._stacks.set()
+
+    def take_stacks_request(self) -> bool:
+        """True once after each `ask_stacks` (the runner's side)."""
+        asked = self._stacks.is_set()
+        self._stacks.clear()
+        return asked
 
     @property
     def cancelled(self) -> bool:

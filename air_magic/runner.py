@@ -49,6 +49,8 @@ from .launch import protocol as p
 from .launch import used
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir, attempt_marker
+from .launch.stack_dumps import where_ranks_were
+from .launch.stacks import flight_recorder_env, flight_recorder_note
 from .launch.stopper import STOP_GRACE
 from .payload import _user_stacklevel as user_stacklevel
 
@@ -145,6 +147,8 @@ class _Run:
             env.update(self.guarded(listener, "worker_env") or {})
             hooks += [h for h in self.guarded(listener, "worker_hooks") or () if h not in hooks]
         env.update(self.spec.extra_env)
+        if self.spec.uses_gpu:
+            env.update(flight_recorder_env(self.run_dir.path, env))  # NCCL's, dumped on its watchdog's timeout
         env["PYTHONUNBUFFERED"] = "1"
         env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir.path)
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
@@ -220,6 +224,8 @@ class _Run:
                 if self.on_event(event) or (self.handle.ends_in_background and self.all_returned()):
                     return
             self.notify("poll")
+            if self.ctx.take_stacks_request():
+                self.handle.dump_stacks()
             if self.ctx.cancelled:
                 self.stop(StopReason.CANCELLED)
             if deadline is not None and time.monotonic() > deadline:
@@ -318,6 +324,9 @@ class _Run:
         for rank in self.result.ranks:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
                 rank.state = RankState.STOPPED
+        recorded = flight_recorder_note(self.run_dir.path) if self.spec.uses_gpu else None
+        if error is not None and recorded:
+            annotate(error, recorded)
         self.run_dir.release_reserves()
         if error is None:
             self.result.status = JobStatus.FINISHED
@@ -392,8 +401,12 @@ class _Run:
 
     def outcome_error(self) -> BaseException | None:
         where = f"Logs of every rank are in {self.run_dir.path}."
+        stopped = self.stop_reason is not None and self.stop_reason.by_caller
+        stacks = where_ranks_were(self.logs) if stopped else None  # what each rank wrote as it was stopped
+        if stacks:
+            where = f"{where}\n{stacks}"
         if self.stop_reason == StopReason.INTERRUPTED:
-            return KeyboardInterrupt()
+            return annotate(KeyboardInterrupt(), stacks) if stacks else KeyboardInterrupt()
         if self.stop_reason == StopReason.TIMEOUT:
             return DistributedTimeoutError(
                 f"{self.spec.name} ran longer than its timeout of {human_seconds(self.spec.timeout or 0)} "

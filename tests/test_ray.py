@@ -463,3 +463,42 @@ def test_ports_chosen_for_ray_agents_lie_below_the_ephemeral_range_and_never_rep
     ports = [ray_cluster._free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(20000 <= port < ephemeral_low for port in ports), sorted(ports)[-3:]
+
+
+def hangs_in_two_places():
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+    def stuck_in_data_loading():
+        time.sleep(600)
+
+    def waiting_for_the_slow_rank():
+        dist.barrier()
+
+    print("training", flush=True)
+    if dist.get_rank() == 0:
+        stuck_in_data_loading()
+    else:
+        waiting_for_the_slow_rank()
+
+
+def test_stacks_of_ray_ranks_on_request_and_in_the_cancel_error(cluster):
+    """Ray ranks write their stacks on request without stopping, and Cancel's error names each one's innermost user frame."""
+
+    class AskThenCancel(WhenAll):
+        def poll(self) -> None:
+            super().poll()
+            if self.fired_at is not None and all("on request at" in self.output(r) for r in (0, 1)):
+                self.ctx.cancel()
+
+    rec = AskThenCancel("training\n", lambda listener: listener.ctx.ask_stacks())
+    result = run(hangs_in_two_places, listener=rec, timeout=240)
+    assert isinstance(result.error, JobCancelledError), result.error
+    message = str(result.error)
+    assert "rank 0: in stuck_in_data_loading (" in message and "rank 1: in waiting_for_the_slow_rank (" in message, message
+    for rank in (0, 1):
+        log = (result.run_dir / f"rank-{rank}.log").read_text()
+        assert log.count("air_magic: stacks of pid") >= 2, log  # on request, then before stopping

@@ -4,9 +4,10 @@ The live panel is a widget: saved, converted or reopened without its kernel it
 shows nothing. So when a call ends the panel's output is replaced by this
 record: how it ended, how long it took, the MLflow link, each rank's last
 lines (bounded, with a note of what was left out and where the full log is),
-each rank's peak memory (and GPU memory) when they were sampled, the metric
-charts, and after restarts the attempt it ended on and how each earlier one
-ended. It uses only HTML that JupyterLab keeps in untrusted
+each rank's peak memory (and GPU memory) when they were sampled, the stacks a
+rank wrote when it was stopped (launch/stacks.py), the metric charts, and after
+restarts the attempt it ended on and how each earlier one ended. It uses only
+HTML that JupyterLab keeps in untrusted
 notebooks (no scripts, no data attributes), and a text/plain twin for
 nbconvert's text exporters and terminals. Knows nothing about widgets.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
+from ..launch.stack_dumps import Dump
+from ..launch.stacks import STOPPING
 from ..resources import Peak, peak_text
 from .charts import MetricsTail, charts_html, charts_text
 from .tail import TailBuffer
@@ -71,6 +74,7 @@ def record_bundle(
     log_paths: list[Path],
     link: str | None,
     metrics: MetricsTail | None = None,
+    dumps: dict[int, list[Dump]] | None = None,
     peaks: dict[int, Peak] | None = None,
 ) -> dict[str, str]:
     """The record as a MIME bundle: {'text/html': ..., 'text/plain': ...}; `peaks`: what each rank used at most."""
@@ -120,15 +124,23 @@ def record_bundle(
         title = f"rank {rank.rank}: {rank.state.value}"
         if peaks and rank.rank in peaks:
             title += f" · {peak_text(peaks[rank.rank])}"
+        stopped = [d for d in (dumps or {}).get(rank.rank, []) if d.why == STOPPING]
+        stack_html = "".join(
+            f'<details class="air-magic-record-stacks" style="margin:2px 0 2px 1em"><summary style="cursor:pointer">'
+            f"{html.escape(d.summary())}</summary><pre style=\"{_PRE}\">{html.escape(d.text())}</pre></details>"
+            for d in stopped
+        )
         parts.append(
             f'<details class="air-magic-record-rank" open style="margin:2px 0">'
             f'<summary style="cursor:pointer">{html.escape(title)}</summary>'
             f'<div class="air-magic-record-note" style="color:#777;font-style:italic;font-size:12px">'
-            f"{html.escape(note)}</div>"
+            f"{html.escape(note)}</div>{stack_html}"
             f'<pre class="air-magic-record-log" style="{_PRE}">{html.escape(small.text())}</pre></details>'
         )
         body = small.text()
         text.append(f"--- {title} ({note})")
+        for dump in stopped:
+            text.extend(f"[rank {rank.rank} stacks] {line}" for line in dump.text().split("\n"))
         text.extend(f"[rank {rank.rank}] {line}" for line in body.split("\n") if body)
     parts.append("</div>")
     return {"text/html": "".join(parts), "text/plain": "\n".join(text)}

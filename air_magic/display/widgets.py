@@ -12,6 +12,11 @@ and only sets the call's cancel flag. What each rank uses (CPU, memory, its
 GPU) is read from the call's ResourceSampler (resources.py) once a second:
 a line at the top of each rank's tab, and the fullest GPU's memory (or the
 ranks' memory) in the header, coloured when it nears the limit.
+The Stacks click, the same way, only asks the runner for every rank's stacks.
+Those arrive in the ranks' output (launch/stacks.py): each rank's tab shows one
+line in their place, and the stacks view under the header shows them, innermost
+frame last. A running rank that has printed nothing for QUIET seconds is marked
+quiet in its tab's title.
 
 The panel takes the place of the starting line that make_display() shows
 the moment a call begins, and appears before the MLflow run exists or any
@@ -33,6 +38,7 @@ from IPython.display import display
 from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
 from ..launch.rundir import attempt_marker
+from ..launch.stack_dumps import Dump, StackScanner
 from ..resources import ResourceSampler, header_text, peak_text, usage_text
 from . import busy
 from .cancel_route import keep_on_main_shell
@@ -49,6 +55,8 @@ CLOCK = 0.5
 CHARTS = 0.5
 #: Seconds between two redraws of what the ranks use (the sampler takes a sample about as often).
 USAGE = 0.5
+#: A running rank that has printed nothing for this many seconds is marked quiet.
+QUIET = 60.0
 
 _LOG_STYLE = (
     "max-height:22em;overflow-y:auto;display:flex;flex-direction:column-reverse;"
@@ -57,10 +65,33 @@ _LOG_STYLE = (
 )
 _NOWRAP = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis"
 _USAGE_STYLE = "font-size:12px;color:var(--jp-ui-font-color2,#616161);padding:2px 6px;" + _NOWRAP
+_STACK_STYLE = (
+    "margin:0;padding:4px 6px;white-space:pre;overflow-x:auto;max-height:24em;overflow-y:auto;font-size:12px;"
+    "line-height:1.35;background:var(--jp-layout-color2,#f7f7f7)"
+)
 
 
-def _title(rank: int, state: RankState) -> str:
+def _title(rank: int, state: RankState, quiet: float | None = None) -> str:
+    if quiet is not None and state == RankState.RUNNING:
+        return f"rank {rank}: {state.value} · quiet {quiet:.0f} s"
     return f"rank {rank}: {state.value}"
+
+
+def stacks_html(dumps: dict[int, list[Dump]]) -> str:
+    """Each rank's newest stacks (its own process, then its children): where it is, then every thread."""
+    parts = ['<div class="air-magic-stacks">']
+    for rank in sorted(dumps):
+        for dump in dumps[rank]:
+            frame = dump.user_frame()
+            where = f"in {frame.where()}" if frame is not None else "in no user code"
+            who = "" if dump.of_rank else f" · pid {dump.pid}, {dump.role}"
+            parts.append(
+                f'<details class="air-magic-stacks-rank" style="margin:2px 0"><summary style="cursor:pointer">'
+                f"rank {rank}{html.escape(who)}: {html.escape(where)} · {html.escape(dump.why)} at {dump.clock}"
+                f'</summary><pre style="{_STACK_STYLE}">{html.escape(dump.text())}</pre></details>'
+            )
+    parts.append("</div>")
+    return "".join(parts)
 
 
 class Panel(Listener):
@@ -74,6 +105,14 @@ class Panel(Listener):
     charts: w.HTML
     cancel_button: w.Button
     cancel_hint: w.HTML
+    stacks_button: w.Button
+    stacks_view: w.HTML
+    scanners: list[StackScanner]
+    dumps: dict[int, list[Dump]]
+    stacks_dirty: bool
+    states: list[RankState]
+    last_output: list[float]
+    quiet: list[float | None]
     tails: list[TailBuffer]
     dirty: set[int]
     last_flush: float
@@ -119,13 +158,22 @@ class Panel(Listener):
             self._show_status()
 
     def on_output(self, rank: int, text: str) -> None:
-        self.tails[rank].feed(text)
-        self.dirty.add(rank)
+        text, dumps = self.scanners[rank].feed(text)
+        if dumps:
+            self._take_dumps(rank, dumps)
+        if text:
+            self.tails[rank].feed(text)
+            self.dirty.add(rank)
+            if text.strip() and not dumps:
+                self.last_output[rank] = time.monotonic()
 
     def on_rank_state(self, rank: int, state: RankState) -> None:
         if self.phase.startswith("starting") and state == RankState.RUNNING:
             self.phase = "running"
             self._show_status()
+        self.states[rank] = state
+        self.last_output[rank] = time.monotonic()
+        self.quiet[rank] = None
         self.tabs.set_title(rank, _title(rank, state))
 
     def on_attempt(self, attempt: int, why: str) -> None:
@@ -137,11 +185,33 @@ class Panel(Listener):
         self.phase = "starting again"
         self._show_status()
 
+    def _take_dumps(self, rank: int, dumps: list[Dump]) -> None:
+        """Keep the newest stacks of each process of the rank: its own first, then its children's."""
+        kept = {d.pid: d for d in self.dumps.get(rank, [])}
+        for dump in dumps:
+            if dump.of_rank:
+                kept = {}  # a new request: children not heard from again are gone
+            kept[dump.pid] = dump
+        self.dumps[rank] = sorted(kept.values(), key=lambda d: not d.of_rank)
+        self.stacks_dirty = True
+
+    def _mark_quiet(self, now: float) -> None:
+        for rank, state in enumerate(self.states):
+            silent = now - self.last_output[rank]
+            quiet = silent if state == RankState.RUNNING and silent >= QUIET else None
+            if (quiet is None) != (self.quiet[rank] is None) or (quiet or 0) // 10 != (self.quiet[rank] or 0) // 10:
+                self.quiet[rank] = quiet
+                self.tabs.set_title(rank, _title(rank, state, quiet))
+
     def poll(self) -> None:
         now = time.monotonic()
         if self.dirty and now - self.last_flush >= self.refresh:
             self._flush()
             self.last_flush = now
+        if self.stacks_dirty:
+            self.stacks_dirty = False
+            self.stacks_view.value = stacks_html(self.dumps)
+            self.stacks_view.layout.display = None
         if self.metrics is not None and now - self.last_charts >= CHARTS:
             self.last_charts = now
             if self.metrics.poll():
@@ -155,6 +225,7 @@ class Panel(Listener):
             self._show_status()
         elif now - self.last_clock >= CLOCK:
             self._show_status()
+            self._mark_quiet(now)
         if self.resources is not None and now - self.last_usage >= USAGE:
             self.last_usage = now
             self._show_usage()
@@ -162,6 +233,12 @@ class Panel(Listener):
 
     def on_end(self, result: JobResult) -> None:
         assert self.ctx is not None
+        for r, scanner in enumerate(self.scanners):
+            text, dumps = scanner.feed("", final=True)
+            if dumps:
+                self._take_dumps(r, dumps)
+            if text:
+                self.tails[r].feed(text)
         self.dirty.update(range(len(self.tails)))
         self._flush()
         if self.metrics is not None:
@@ -171,6 +248,7 @@ class Panel(Listener):
         self.phase = ended_as(result)
         self.cancel_button.disabled = True
         self.usage_header = ""
+        self.stacks_button.disabled = True
         if self.phase == "cancelled":
             self.cancel_button.description = "Cancelled"
         else:
@@ -178,7 +256,7 @@ class Panel(Listener):
         self._show_status(result.elapsed)
         self._show_link()
         bundle = record_bundle(
-            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics,
+            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics, self.dumps,
             peaks=self.resources.peaks() if self.resources is not None else None,
         )
         # The widget's output becomes the static record: a saved or converted notebook keeps it.
@@ -193,6 +271,12 @@ class Panel(Listener):
     def _build(self, spec: JobSpec) -> None:
         n = spec.world_size
         self.tails = [TailBuffer() for _ in range(n)]
+        self.scanners = [StackScanner() for _ in range(n)]
+        self.dumps = {}
+        self.stacks_dirty = False
+        self.states = [RankState.PENDING] * n
+        self.last_output = [time.monotonic()] * n
+        self.quiet = [None] * n
         self.dirty = set()
         self.last_flush = 0.0
         self.last_clock = 0.0
@@ -212,6 +296,14 @@ class Panel(Listener):
         self.status.add_class("air-magic-status")
         self.link = w.HTML(layout=w.Layout(flex="0 0 auto"))
         self.link.add_class("air-magic-link")
+        # made before Cancel: a frontend lists buttons in the order they were made, Cancel stays the last
+        self.stacks_button = w.Button(
+            description="Stacks", icon="search", tooltip="Show where every rank is now, stopping nothing",
+            layout=w.Layout(width="auto", flex="0 0 auto"),
+        )
+        self.stacks_button.add_class("air-magic-stacks-button")
+        self.stacks_button.on_click(self._stacks_clicked)
+        self.stacks_view = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.cancel_button = w.Button(
             description="Cancel", icon="stop", button_style="danger", tooltip="Stop every rank of this call",
             # wide enough for "Cancelling…" with its icon, and never squeezed by the row
@@ -221,18 +313,21 @@ class Panel(Listener):
         self.cancel_button.on_click(self._clicked)
         self.cancel_hint = w.HTML(layout=w.Layout(flex="0 1 auto"))
         header = w.HBox(
-            [self.status, self.link, self.cancel_button, self.cancel_hint],
+            [self.status, self.link, self.stacks_button, self.cancel_button, self.cancel_hint],
             layout=w.Layout(align_items="center", width="100%", flex_flow="row nowrap", grid_gap="8px"),
         )
         header.add_class("air-magic-header")
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
-        self.box = w.VBox([header, self.charts, self.tabs])
+        self.box = w.VBox([header, self.charts, self.stacks_view, self.tabs])
         self.box.add_class("air-magic-panel")
-        self._widgets: list[Any] = [self.box, header, self.charts, self.tabs, *pages, *self.usages, *self.logs,
-                                    self.status, self.link, self.cancel_button, self.cancel_hint]
+        self._widgets: list[Any] = [self.box, header, self.charts, self.stacks_view, self.tabs, *pages, *self.usages,
+                                    *self.logs, self.status, self.link, self.stacks_button, self.cancel_button,
+                                    self.cancel_hint]
         for widget in self._widgets:
-            if widget is not self.cancel_button:
+            if widget not in (self.cancel_button, self.stacks_button):
                 keep_on_main_shell(widget)
+        if not keep_on_main_shell(self.stacks_button, self._stacks_now):
+            self.stacks_button.layout.display = "none"  # a click would only arrive after the call
         if not keep_on_main_shell(self.cancel_button, self._cancel_now):
             self.cancel_button.layout.display = "none"
             self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
@@ -245,6 +340,14 @@ class Panel(Listener):
 
     def _clicked(self, _button: w.Button) -> None:
         self._cancel_now()
+
+    def _stacks_now(self) -> None:
+        # On the shell-channel thread, like a cancel: only ask; the stacks arrive as the ranks' output.
+        if self.ctx is not None:
+            self.ctx.ask_stacks()
+
+    def _stacks_clicked(self, _button: w.Button) -> None:
+        self._stacks_now()
 
     def _log_html(self, rank: int) -> str:
         tail = self.tails[rank]

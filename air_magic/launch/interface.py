@@ -49,6 +49,12 @@ class JobHandle(ABC):
     def close(self) -> None:
         """The runner is done with this handle (after `JobGone`, or giving up on it)."""
 
+    def dump_stacks(self) -> None:
+        """Have every rank write its threads' stacks to its log now (they arrive as `RankOutput`); nothing stops.
+
+        A launcher whose ranks cannot do that does nothing.
+        """
+
 
 class Launcher(ABC):
     """Starts jobs."""

@@ -123,6 +123,13 @@ class StopJob(Message):
 
 
 @dataclass(frozen=True)
+class DumpStacks(Message):
+    """Have every process of a job that answers STACKS_SIGNAL write its threads' stacks to its log; nothing stops."""
+
+    job: str
+
+
+@dataclass(frozen=True)
 class Retire(Message):
     """Finish the jobs in hand, take no new ones, then exit."""
 
@@ -287,3 +294,4 @@ class RankReport:
     output: bytes
     metrics: bytes
     done: RankFiles | None = None
+

@@ -60,17 +60,24 @@ def send(sig: int, procs: Iterable[psutil.Process], groups: Iterable[int] = ()) 
 
 
 class Stopper:
-    """Stops what `find()` returns: SIGTERM at `begin`, SIGKILL from `grace` s later, again each tick until gone."""
+    """Stops what `find()` returns: SIGTERM at `begin`, SIGKILL from `grace` s later, again each tick until gone.
+
+    `groups()` are the ranks' own processes, each leading its process group. With `stacks`, `begin` first has
+    every process that answers STACKS_SIGNAL write its threads' stacks to its log (at most a fraction of a
+    second, see stacks.py), so the log says where each rank was when it was stopped.
+    """
 
     def __init__(
         self,
         find: Callable[[], Iterable[psutil.Process]],
         groups: Callable[[], Iterable[int]] = tuple,
         grace: float = STOP_GRACE,
+        stacks: bool = True,
     ) -> None:
         self.find = find
         self.groups = groups
         self.grace = grace
+        self.stacks = stacks
         self.kill_at: float | None = None
 
     @property
@@ -80,6 +87,11 @@ class Stopper:
     def begin(self, grace: float | None = None) -> None:
         if self.kill_at is None:
             self.grace = self.grace if grace is None else grace
+            ranks = list(self.groups()) if self.stacks else []
+            if ranks:
+                from .stacks import STOPPING, request
+
+                request(ranks, [p.pid for p in self.find()], why=STOPPING)
             self.kill_at = time.monotonic() + self.grace
             send(signal.SIGTERM, self.find(), self.groups())
 
@@ -102,7 +114,7 @@ def reap_children() -> None:
 
 def stop_tree(find: Callable[[], Iterable[psutil.Process]], grace: float = STOP_GRACE, limit: float = 10.0) -> bool:
     """Stop what `find()` returns and wait until none is running (at most grace + `limit` s); True if all went."""
-    stopper = Stopper(lambda: [p for p in find() if _running(p)], grace=grace)
+    stopper = Stopper(lambda: [p for p in find() if _running(p)], grace=grace, stacks=False)
     stopper.begin()
     deadline = time.monotonic() + grace + limit
     while time.monotonic() < deadline:

@@ -27,6 +27,8 @@ from ..errors import SerializationError
 from .errorfile import write_error_file
 from .protocol import HotCall, JobFile, decode
 from .rundir import RunDir
+from .stacks import install as answer_stack_requests
+from .stacks import pause as ignore_stack_requests
 from .stopper import die_with_parent
 
 #: A hot rank idle this long after a call collects garbage and empties the CUDA cache.
@@ -101,6 +103,7 @@ def run(path: Path, rank: int) -> int:
     spec = JobFile.from_bytes(run_dir.job.read_bytes())
     _apply_caller_context(spec)
     faulthandler.enable()
+    answer_stack_requests()  # STACKS_SIGNAL writes every thread's stack to the log (launch/stacks.py)
 
     def fail(exc: BaseException, code: dict[str, str] | None = None) -> int:
         write_error_file(
@@ -231,6 +234,7 @@ def _keep_process_group() -> None:
 
 def _end_call() -> None:
     """A hot rank's call is over: hooks send what they hold (metrics) and output is flushed, before it says so."""
+    ignore_stack_requests()  # idle, it has no stack worth writing into the log of the call that ended
     for hook in _hooks:
         reset = getattr(hook, "reset", None)
         if reset is not None:

@@ -139,6 +139,12 @@ class LocalJob(JobHandle):
         except AirMagicError:
             pass  # the supervisor is gone, and its workers with it (LauncherDied follows)
 
+    def dump_stacks(self) -> None:
+        try:
+            self.client.send(p.DumpStacks(self.job_id))
+        except AirMagicError:
+            pass  # the supervisor is gone (LauncherDied follows)
+
     def close(self) -> None:
         if self.gone.is_set():
             self.client.detach(self.job_id)

@@ -106,6 +106,12 @@ class Supervisor:
             job = self.jobs.get(msg.job)
             if job is not None:
                 self.stop(job, msg.grace)
+        elif isinstance(msg, p.DumpStacks):
+            job = self.jobs.get(msg.job)
+            if job is not None and job.stopper is None:
+                from ..stacks import request
+
+                request(job.live_workers, list(self.processes(job)))  # a fraction of a second at most
 
     def launch(self, msg: p.LaunchJob) -> None:
         if msg.fork and self.warm:

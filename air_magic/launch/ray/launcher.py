@@ -183,6 +183,11 @@ class RayJob(JobHandle):
         self.stop_asked.set()  # a no-op after JobGone; otherwise the pump tears down and ends alone
         self.launcher.forget(self)
 
+    def dump_stacks(self) -> None:
+        for rank in sorted(self.started - self.exited):
+            with contextlib.suppress(Exception):
+                self.actors[rank].dump_stacks.remote("on request")  # arrives with the rank's next output
+
     # -- the pump (its own thread) ------------------------------------------
     def _pump(self) -> None:
         try:
@@ -441,7 +446,25 @@ class RayJob(JobHandle):
         if clean and world is not None:
             self.launcher.keep(world)
         else:
+            if self.actors and self.stop_asked.is_set():
+                self._stacks_before_stopping()
             self._end_world()
+
+    def _stacks_before_stopping(self) -> None:
+        """Ranks still running write their stacks to their logs, which are read here once more (a second at most)."""
+        from ..stacks import STOPPING
+
+        running = sorted(self.started - self.exited)
+        if not running:
+            return
+        with contextlib.suppress(Exception):
+            asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
+            self.ray.wait(asked, num_returns=len(asked), timeout=1.0)
+            polls = {r: self.actors[r].poll.remote(self.offsets[r], self.metrics_offsets[r], 0) for r in running}
+            self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=1.0)
+            for rank, ref in polls.items():
+                with contextlib.suppress(Exception):
+                    self._output(rank, self.ray.get(ref, timeout=0).output)
 
 
 class RayLauncher(Launcher):

@@ -8,8 +8,9 @@ file in a private scratch directory on its node (so C and CUDA writes are
 caught too), sets the rank's environment and runs the call in a thread
 through worker.run, exactly as a local rank does. The launcher then
 long-polls `poll` for new output and, at the end, for the result or error
-files. `terminate` ends every process the rank started and removes the
-scratch directory; the launcher then kills the actor itself.
+files. `dump_stacks` has the rank write where it is to its log.
+`terminate` ends every process the rank started and removes the scratch
+directory; the launcher then kills the actor itself.
 
 A hot actor (`RankCall.hot`) serves one call after another of the same
 world, as a local hot rank does: `init_process_group()` returns the group
@@ -181,6 +182,14 @@ class RankActor:
             code=self.code, result=_read_all(rd.result(rank)), error=_read_all(rd.error(rank)),
             error_pickle=_read_all(rd.error_pickle(rank)), error_at=error_at,
         )
+
+    def dump_stacks(self, why: str) -> int:
+        """This process and its children write their threads' stacks to the rank's log (launch/stacks.py)."""
+        import psutil
+
+        from air_magic.launch.stacks import request
+
+        return request([os.getpid()], [c.pid for c in psutil.Process().children(recursive=True)], why=why)
 
     def terminate(self, grace: float) -> bool:
         """End every process the rank started (SIGTERM, `grace` s, SIGKILL) and remove the scratch directory."""

@@ -1,0 +1,241 @@
+"""Stack dumps (air_magic/launch/stacks.py, stack_dumps.py): asking a process for one, and reading them back."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from air_magic.launch import stack_dumps, stacks
+from air_magic.launch.stack_dumps import StackScanner, parse, where_ranks_were
+from air_magic.launch.stacks import STOPPING, flight_recorder_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = "/usr/lib/python3/dist-packages/torch/distributed/distributed_c10d.py"
+WORKER = str(ROOT / "air_magic" / "launch" / "worker.py")
+
+#: A dump as faulthandler writes it (most recent call first), with the header and trailer a request adds.
+DUMP = f"""
+air_magic: stacks of pid 4242 (the rank), before stopping it at 12:00:01, most recent call first:
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/home/me/proj/prefetch.py", line 9 in fill
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "{SITE}", line 4000 in barrier
+  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank
+  File "/tmp/ipykernel_1/123.py", line 12 in train
+  File "{WORKER}", line 95 in run
+  File "<string>", line 1 in <module>
+air_magic: end of the stacks of pid 4242
+"""
+
+
+def test_a_dump_reads_innermost_frame_last_with_the_thread_running_the_call_first():
+    """The thread that runs the call comes first, its frames outermost first, and its innermost user frame is named."""
+    [dump] = parse("before\n" + DUMP + "after\n")
+    assert (dump.pid, dump.of_rank, dump.why, dump.clock) == (4242, True, STOPPING, "12:00:01")
+    call, other = dump.threads
+    assert call.current and call.runs_the_call
+    assert [f.function for f in call.frames] == ["<module>", "run", "train", "waiting_for_the_slow_rank", "barrier"]
+    frame = dump.user_frame()
+    assert frame is not None and (frame.function, frame.line) == ("waiting_for_the_slow_rank", 7)
+    assert other.user_frame().function == "fill"
+    text = dump.text().split("\n", 1)[1]  # under the summary line
+    assert text.index("in train") < text.index("in waiting_for_the_slow_rank") < text.index("in barrier")
+    assert "waiting_for_the_slow_rank   <- innermost user frame" in text
+
+
+def test_the_thread_that_asked_for_the_dump_is_left_out():
+    """A rank that asks itself (a Ray rank) does not show its own asking thread."""
+    asking = f"""
+Thread 0x00007f0000000003 (most recent call first):
+  File "{ROOT / 'air_magic' / 'launch' / 'stacks.py'}", line 199 in _dump_round
+  File "{ROOT / 'air_magic' / 'launch' / 'stacks.py'}", line 180 in request
+  File "/home/me/proj/actor.py", line 3 in dump_stacks
+"""
+    [dump] = parse(DUMP.replace("\nThread 0x00007f0000000001", asking + "\nThread 0x00007f0000000001"))
+    assert [t.ident for t in dump.threads] == ["0x00007f0000000002", "0x00007f0000000001"]
+
+
+def test_the_scanner_finds_the_same_dump_however_the_output_is_cut_and_passes_the_rest_through():
+    """Fed one character at a time, the scanner returns the text around the dump, a line in its place, and the dump once."""
+    scanner = StackScanner()
+    out, dumps = "", []
+    for ch in "step 1\n" + DUMP + "step 2\npartial":
+        text, found = scanner.feed(ch)
+        out += text
+        dumps += found
+    assert [d.pid for d in dumps] == [4242]
+    assert out.startswith("step 1\n\n[pid 4242 (the rank), before stopping it at 12:00:01: in waiting_for_the_slow_rank")
+    assert out.endswith("every thread in the log]\nstep 2\npartial")
+    assert "File" not in out and "most recent call first" not in out
+
+
+def test_output_without_dumps_passes_through_whole_and_a_header_cut_anywhere_is_still_found():
+    """Plain output comes back unchanged; a header split over two chunks at any point still starts a dump."""
+    plain = "x" * 10_000 + "\nloss 0.1\n\rprogress 50%"
+    assert StackScanner().feed(plain) == (plain, [])
+    for cut in range(1, 40):
+        scanner = StackScanner()
+        first, _ = scanner.feed("step\n" + DUMP[:cut])
+        rest, dumps = scanner.feed(DUMP[cut:] + "after\n")
+        assert len(dumps) == 1 and "File" not in first + rest and (first + rest).endswith("after\n"), cut
+
+
+def test_output_between_a_dump_and_its_trailer_ends_the_dump_and_is_kept():
+    """A line the rank prints right after its dump, before the trailer, is shown, and the trailer is not."""
+    text = DUMP.replace("air_magic: end of", "started\nair_magic: end of")
+    out, dumps = StackScanner().feed(text, final=True)
+    assert len(dumps) == 1 and "started\n" in out and "end of the stacks" not in out
+
+
+def test_a_real_faulthandler_dump_of_this_process_parses():
+    """What faulthandler writes here, for every thread, reads back with this test's function as the innermost user frame."""
+    ready, stop = threading.Event(), threading.Event()
+
+    def helper_thread_waits():
+        ready.set()
+        stop.wait(10)
+
+    thread = threading.Thread(target=helper_thread_waits, daemon=True)
+    thread.start()
+    ready.wait(5)
+    r, w = os.pipe()
+    try:
+        faulthandler.dump_traceback(file=w, all_threads=True)
+    finally:
+        os.close(w)
+        stop.set()
+    with os.fdopen(r) as f:
+        body = f.read()
+    [dump] = parse(f"air_magic: stacks of pid 1 (the rank), on request at 00:00:00, most recent call first:\n{body}")
+    functions = {t.user_frame().function for t in dump.threads if t.user_frame() is not None}
+    assert {"test_a_real_faulthandler_dump_of_this_process_parses", "helper_thread_waits"} <= functions
+    assert dump.user_frame().function == "test_a_real_faulthandler_dump_of_this_process_parses"
+
+
+def test_a_rank_outside_its_call_is_in_no_user_code():
+    """After its call returned, a rank's main thread is air_magic's own: the boot line that started it is not user code."""
+    after = DUMP.replace(f'  File "{WORKER}", line 95 in run', f'  File "{WORKER}", line 133 in finish').replace(
+        f'  File "{SITE}", line 4000 in barrier\n  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank\n'
+        '  File "/tmp/ipykernel_1/123.py", line 12 in train\n', ""
+    )
+    [dump] = parse(after)
+    call = next(t for t in dump.threads if t.current)
+    assert [f.function for f in call.frames] == ["<module>", "finish"]
+    assert call.user_frame() is None and dump.user_frame().function == "fill"
+
+
+def test_user_frames_are_neither_libraries_nor_air_magic():
+    """Standard library, installed packages, air_magic and frozen modules are not user code; a notebook cell is."""
+    assert stack_dumps.is_user_file("/tmp/ipykernel_7/2871.py")
+    assert stack_dumps.is_user_file("/home/me/proj/train.py")
+    assert not stack_dumps.is_user_file(SITE)
+    assert not stack_dumps.is_user_file(threading.__file__)
+    assert not stack_dumps.is_user_file(WORKER)
+    assert not stack_dumps.is_user_file("<frozen importlib._bootstrap>")
+
+
+def test_where_ranks_were_names_each_ranks_last_stop_dump(tmp_path):
+    """One line per rank from its log's newest stop dump; a live request's dump and a log without one say so."""
+    live = DUMP.replace(STOPPING, "on request").replace("waiting_for_the_slow_rank", "earlier_place")
+    logs = [tmp_path / "rank-0.log", tmp_path / "rank-1.log"]
+    logs[0].write_text("hello\n" + DUMP + live)
+    logs[1].write_text("nothing\n")
+    text = where_ranks_were(logs)
+    assert text is not None
+    assert "rank 0: in waiting_for_the_slow_rank (/tmp/ipykernel_1/123.py, line 7)" in text
+    assert "earlier_place" not in text and "rank 1: no stacks" in text
+    logs[0].write_text(live)
+    assert where_ranks_were(logs) is None
+
+
+def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
+    """The flight recorder is turned on with dumps into the run directory, unless the user chose otherwise, and a
+    dump there is named with the command that reads it."""
+    env = flight_recorder_env(tmp_path, {})
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == str(stacks.FLIGHT_RECORDER_ENTRIES)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+    assert (tmp_path / "flight_recorder").is_dir()
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/"}
+    assert flight_recorder_env(tmp_path, mine) == {}
+    assert stacks.flight_recorder_note(tmp_path) is None
+    (tmp_path / "flight_recorder" / "rank_0").write_bytes(b"pickle")
+    assert f"torchfrtrace {tmp_path / 'flight_recorder'}" in (stacks.flight_recorder_note(tmp_path) or "")
+
+
+_CHILD = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from air_magic.launch import stacks
+if {install}:
+    stacks.install()
+def stuck_in_data_loading():
+    print("ready", flush=True)
+    time.sleep(60)
+if {fork} and os.fork() == 0:
+    def in_a_forked_child():
+        time.sleep(60)
+    in_a_forked_child()
+stuck_in_data_loading()
+"""
+
+
+def _start(tmp_path: Path, install: bool, fork: bool = False) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "rank-0.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    code = _CHILD.format(root=str(ROOT), install=install, fork=fork)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=fd, stderr=fd, start_new_session=True)
+    os.close(fd)
+    deadline = time.monotonic() + 30
+    while "ready" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    return proc, log
+
+
+@pytest.mark.skipif(stacks.STACKS_SIGNAL is None, reason="no real-time signals here")
+def test_a_request_writes_the_stacks_of_a_process_and_its_forked_child_in_turn(tmp_path):
+    """A rank blocked in time.sleep and the child it forked each write a whole dump to the shared log; both live on;
+    a second stop request right away is not sent, live requests always are."""
+    proc, log = _start(tmp_path, install=True, fork=True)
+    try:
+        import psutil
+
+        children = [c.pid for c in psutil.Process(proc.pid).children()]
+        started = time.monotonic()
+        assert stacks.request([proc.pid], children, why=STOPPING) == 2
+        assert time.monotonic() - started < stacks.REQUEST_LIMIT + 0.2
+        dumps = parse(log.read_text())
+        assert [d.of_rank for d in dumps] == [True, False]
+        assert dumps[0].user_frame().function == "stuck_in_data_loading"
+        assert dumps[1].user_frame().function == "in_a_forked_child" and f"child of pid {proc.pid}" in dumps[1].role
+        assert proc.poll() is None and all(psutil.pid_exists(c) for c in children)
+        assert stacks.request([proc.pid], why=STOPPING) == 0, "the same stop heard twice is answered once"
+        assert stacks.request([proc.pid]) == stacks.request([proc.pid]) == 1, "each live request is answered"
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+@pytest.mark.skipif(stacks.STACKS_SIGNAL is None, reason="no real-time signals here")
+def test_a_process_that_does_not_answer_the_signal_is_never_sent_it(tmp_path):
+    """A process without the handler (to which the signal would be fatal) is left alone, and its log untouched."""
+    proc, log = _start(tmp_path, install=False)
+    try:
+        before = log.read_text()
+        assert stacks.request([proc.pid]) == 0
+        time.sleep(0.2)
+        assert proc.poll() is None and log.read_text() == before
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
