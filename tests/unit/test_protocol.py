@@ -13,8 +13,10 @@ SAMPLES: list[p.Message] = [
     p.LaunchJob(
         job="j1", world_size=2, fork=True, executable="/usr/bin/python3", sys_path=["/a", "/b"], run_dir="/runs/x",
         env={"A": "1"}, package_parent="/src", keep_alive=60.0, world_key="k", hooks=["air_magic.tracking.hook"],
+        restart_count=1, max_restarts=2,
     ),
     p.StopJob(job="j1", reason="cancelled", grace=3.0),
+    p.DumpStacks(job="j1"),
     p.Retire(),
     p.ReleaseHot(),
     p.HotCall(run_dir="/runs/y", env={"RANK": "0", "ü": "ß"}),
