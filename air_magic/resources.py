@@ -38,8 +38,8 @@ from typing import Any
 
 import psutil
 
-from .events import Listener, RunContext
 from .job import JobResult, JobSpec
+from .listeners import Listener, RunContext
 
 #: Seconds between two samples.
 PERIOD = 1.0

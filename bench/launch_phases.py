@@ -71,7 +71,7 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/bench")
 from launch_phases import job_logging
 from air_magic import distributed, runner
-from air_magic.events import Listener
+from air_magic.listeners import Listener
 ranks, mlflow_on, log = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 
 class Recorder(Listener):

@@ -15,7 +15,7 @@ from helpers import leftover_processes
 
 from air_magic.launch.rundir import RunDir
 from air_magic import distributed, runner
-from air_magic.events import Listener, RunContext
+from air_magic.listeners import Listener, RunContext
 from air_magic.job import JobResult, RankState
 
 _LOGS_IN = re.compile(r"air_magic: .* logs in (\S+)")

@@ -12,7 +12,7 @@ from helpers import ROOT, run_id_of
 
 from air_magic import runner
 from air_magic.errors import ListenerWarning
-from air_magic.events import Listener
+from air_magic.listeners import Listener
 from air_magic.job import JobStatus, RankState
 
 #: Runs started here keep their directories under pytest's temporary directory (see faults_common).

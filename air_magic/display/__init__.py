@@ -15,8 +15,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigurationError
-from ..events import Listener
 from ..job import JobSpec
+from ..listeners import Listener
 
 if TYPE_CHECKING:
     from ..resources import ResourceSampler

@@ -35,10 +35,10 @@ from typing import Any
 import ipywidgets as w
 from IPython.display import display
 
-from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
 from ..launch.rundir import attempt_marker
 from ..launch.stack_dumps import Dump, StackScanner
+from ..listeners import Listener, RunContext
 from ..resources import ResourceSampler, header_text, peak_text, usage_text
 from . import busy
 from .cancel_route import keep_on_main_shell

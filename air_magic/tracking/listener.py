@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..events import Listener, RunContext
 from ..job import JobResult, JobSpec
+from ..listeners import Listener, RunContext
 from . import _compat, prepare
 
 #: Experiment used when neither mlflow.set_experiment nor MLFLOW_EXPERIMENT_NAME/ID chose one
