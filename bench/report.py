@@ -271,6 +271,25 @@ def mlflow_launch() -> list[str]:
     ]
 
 
+def first_calls() -> list[str]:
+    names = matching("mlflow_first_calls*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        for scenario, v in d.get("first calls", {}).get("scenarios", {}).items():
+            rows.append([machine_of(d, name), date_of(d), load_of(d), scenario, s(v.get("first s")),
+                         s(v.get("second s")), s(v.get("warm median s")), s(v.get("bound s")), f"`{name}`"])
+    return [
+        "## The first calls after `%load_ext`",
+        "",
+        "`bench/mlflow_launch.py --parts first`: a fresh kernel, `%load_ext air_magic` (or `import air_magic`),",
+        "a pause or none, then calls of a 2-rank gloo all-reduce with MLflow on (a fresh default store). The",
+        "bound is 1.5 × the warm median + 0.3 s. `-before` files hold a run of an earlier version of the code.",
+        "",
+        *table(["machine", "date", "load", "scenario", "first", "second", "warm (median)", "bound", "file"], rows),
+    ]
+
+
 def mlflow_logging() -> list[str]:
     names = matching("mlflow_logging-*.json")
     rows = []
@@ -319,23 +338,29 @@ def data_read() -> list[str]:
 
 
 def ray() -> list[str]:
-    name = "ray_launch.json"
-    d = load(name)
-    rows = [["start the simulated 3-node cluster", s(d["cluster_start_s"])],
-            ["`ray_init(address)`: join it", s(d["ray_init_join_s"])]]
-    for what, times in d["seconds"].items():
-        rows.append([f"{what}: first call", s(d["first_s"][what])])
-        rows.append([f"{what}: later calls", ", ".join(s(t) for t in times[1:])])
     lines = [
         "## Ray",
         "",
         "`bench/ray_launch.py`: a trivial all-reduce through the local launcher and through the Ray launcher",
-        "(`num_nodes=2`) on the tests' simulated cluster (a head and two 2-CPU nodes on 127.0.0.1), alternating.",
+        "(`num_nodes=2`) on the tests' simulated cluster (a head and two 2-CPU nodes on 127.0.0.1), alternating,",
+        "with Ray Train's `TorchTrainer` of the same job as the yardstick. `-before` files hold a run of an",
+        "earlier version of the code, kept for comparison.",
         "",
-        f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Load average: {load_of(d)}. " + source_line([name]),
-        "",
-        *table(["what", "seconds"], rows),
     ]
+    for name in matching("ray_launch*.json"):
+        d = load(name)
+        rows = [["start the simulated 3-node cluster", s(d["cluster_start_s"])],
+                ["`ray_init(address)`: join it", s(d["ray_init_join_s"])]]
+        for what, times in d["seconds"].items():
+            rows.append([f"{what}: first call", s(d["first_s"][what])])
+            rows.append([f"{what}: later calls", ", ".join(s(t) for t in times[1:])])
+            if d.get("median_s", {}).get(what) is not None:
+                rows.append([f"{what}: median", s(d["median_s"][what])])
+        lines += [
+            f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Load average: {load_of(d)}. " + source_line([name]),
+            "",
+            *table(["what", "seconds"], rows),
+        ]
     for gname in matching("ray_gpu*.json"):
         g = load(gname)
         lines += [
@@ -393,7 +418,7 @@ def raw_records() -> list[str]:
 
 
 SECTIONS: list[Callable[[], list[str]]] = [
-    launch, ddp_step, faults, panel, mlflow_launch, mlflow_logging, data_read, ray, gpu_demos, raw_records,
+    launch, ddp_step, faults, panel, mlflow_launch, first_calls, mlflow_logging, data_read, ray, gpu_demos, raw_records,
 ]
 
 
