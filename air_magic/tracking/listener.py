@@ -29,14 +29,11 @@ the hook module (hook.py), which imports mlflow only if their code does.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -44,10 +41,13 @@ from urllib.parse import urlparse
 from ..job import JobResult, JobSpec
 from ..listeners import Listener, RunContext
 from . import _compat, prepare
-
-#: Experiment used when neither mlflow.set_experiment nor MLFLOW_EXPERIMENT_NAME/ID chose one
-#: and the notebook or script name is unknown.
-FALLBACK_EXPERIMENT = "air_magic"
+from .store import (
+    FALLBACK_EXPERIMENT,
+    absolute_uri,
+    default_experiment_name,
+    quiet_mlflow_logs,
+    sqlite_artifact_root,
+)
 
 #: Environment variables that make `mlflow.log_metric` in a worker cheap and safe for
 #: concurrent writers: MLflow's own asynchronous logging, buffered into batches of up to
@@ -61,62 +61,6 @@ ASYNC_LOGGING_ENV = {
 
 #: The module every rank of a tracked call imports (see hook.py); named here because ranks find it by name.
 HOOK = "air_magic.tracking.hook"
-
-#: Artifacts of experiments air_magic creates over a local sqlite store go here, next to the database.
-ARTIFACTS_DIR = "mlartifacts"
-_QUIET_LOGGERS = ("mlflow", "alembic")
-
-
-@contextmanager
-def quiet_mlflow_logs() -> Iterator[None]:
-    """Keep MLflow's (and alembic's) INFO lines out of the cell output; warnings and errors still show."""
-    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        if lg.getEffectiveLevel() < logging.WARNING:
-            lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def sqlite_artifact_root(tracking_uri: str) -> str | None:
-    """`<folder of the database>/mlartifacts` for a local sqlite store, else None (MLflow decides)."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    path = tracking_uri[len("sqlite:///"):]
-    if not path.startswith("/"):
-        return None
-    return str(Path(path).parent / ARTIFACTS_DIR)
-
-
-def absolute_uri(uri: str) -> str:
-    """`uri` with a relative sqlite or file path made absolute, so workers and the UI open the same store."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "sqlite":
-        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
-        if path and not path.startswith("/") and path != ":memory:":
-            return "sqlite:///" + os.path.abspath(path)
-        return uri
-    if parsed.scheme in ("", "file") and not parsed.netloc:
-        path = parsed.path if parsed.scheme == "file" else uri
-        return Path(os.path.abspath(path)).as_uri()
-    return uri
-
-
-def default_experiment_name() -> str:
-    """The notebook's file name under Jupyter, else the script's, else 'air_magic'."""
-    session = os.environ.get("JPY_SESSION_NAME")
-    if session:
-        return os.path.basename(session.rstrip("/")) or FALLBACK_EXPERIMENT
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
-    if script and "ipykernel" not in script and not script.endswith("ipython"):
-        return os.path.basename(script)
-    return FALLBACK_EXPERIMENT
-
 
 class MlflowTracker(Listener):
     """Makes and ends the MLflow run of one call; see the module docstring."""

@@ -53,7 +53,7 @@ def _prepare() -> None:
         return
     finally:
         _imported.set()
-    from .listener import absolute_uri, default_experiment_name, quiet_mlflow_logs
+    from .store import absolute_uri, default_experiment_name, quiet_mlflow_logs
 
     try:
         with quiet_mlflow_logs():
