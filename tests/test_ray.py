@@ -271,6 +271,16 @@ def test_hot_calls_run_in_the_same_actors_and_process_group_and_release_frees_ev
 
 
 @pytest.mark.slow
+def test_hot_ranks_idle_past_keep_alive_end_and_free_their_cpus(cluster):
+    """keep_alive=5: five seconds after the call the actors are gone and Ray reports every CPU free."""
+    pids = [v["pid"] for v in run(hot_rank_state, keep_alive=5).raise_for_status().values]
+    assert len(ray_launcher().hot_worlds()) == 1
+    assert wait_gone(pids) == []
+    assert ray_launcher().hot_worlds() == []
+    ray_cluster.wait_all_free()
+
+
+@pytest.mark.slow
 def test_a_failed_hot_call_ends_the_hot_actors_and_the_next_call_gets_fresh_ones(cluster):
     """A rank that raises in a hot world: its exception, every actor of the world gone; the next call new pids."""
     pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
