@@ -199,7 +199,9 @@ def _travels_by_value(name: str, module: ModuleType) -> bool:
 
 def notebook_modules() -> list[ModuleType]:
     """Top-level modules this process imported from files that are not installed packages: they travel by value."""
-    return [m for name, m in list(sys.modules.items()) if "." not in name and m is not None and _travels_by_value(name, m)]
+    return [
+        m for name, m in list(sys.modules.items()) if "." not in name and m is not None and _travels_by_value(name, m)
+    ]
 
 
 @contextlib.contextmanager

@@ -253,6 +253,7 @@ def wait_gone(pids: list[int], limit: float = 30.0) -> list[int]:
     return alive(pids)
 
 
+@pytest.mark.slow
 def test_hot_calls_run_in_the_same_actors_and_process_group_and_release_frees_every_cpu(cluster):
     """keep_alive over 2 nodes: the second call runs in the same actor processes, with the same default process
     group and what the first call left imported; release ends them and Ray reports every CPU free."""
@@ -269,6 +270,17 @@ def test_hot_calls_run_in_the_same_actors_and_process_group_and_release_frees_ev
     assert wait_gone([v["pid"] for v in first]) == []
 
 
+@pytest.mark.slow
+def test_hot_ranks_idle_past_keep_alive_end_and_free_their_cpus(cluster):
+    """keep_alive=5: five seconds after the call the actors are gone and Ray reports every CPU free."""
+    pids = [v["pid"] for v in run(hot_rank_state, keep_alive=5).raise_for_status().values]
+    assert len(ray_launcher().hot_worlds()) == 1
+    assert wait_gone(pids) == []
+    assert ray_launcher().hot_worlds() == []
+    ray_cluster.wait_all_free()
+
+
+@pytest.mark.slow
 def test_a_failed_hot_call_ends_the_hot_actors_and_the_next_call_gets_fresh_ones(cluster):
     """A rank that raises in a hot world: its exception, every actor of the world gone; the next call new pids."""
     pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
@@ -281,6 +293,7 @@ def test_a_failed_hot_call_ends_the_hot_actors_and_the_next_call_gets_fresh_ones
     ray_launcher().release_hot()
 
 
+@pytest.mark.slow
 def test_a_call_that_needs_what_idle_hot_ranks_hold_ends_them(cluster):
     """Idle hot ranks hold one CPU of each node; a call of another world that needs both runs, and they end."""
     pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
@@ -290,6 +303,7 @@ def test_a_call_that_needs_what_idle_hot_ranks_hold_ends_them(cluster):
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
     """Rank 1's node leaves while the hot ranks idle: the next call says so and runs in fresh ranks."""
     values = run(hot_rank_state, keep_alive=120).raise_for_status().values
@@ -309,6 +323,7 @@ def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
     ray_launcher().release_hot()
 
 
+@pytest.mark.slow
 def test_a_module_the_notebook_imported_travels_by_value_to_ray_and_local_ranks(cluster, tmp_path):
     """A module imported from a directory of the notebook's, then deleted: Ray ranks and local ranks run the
     notebook's copy (they could not import it by name)."""
@@ -437,6 +452,7 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
         k.shutdown()
 
 
+@pytest.mark.slow
 def test_hot_ranks_of_a_kernel_over_two_nodes_end_with_the_kernel(cluster, workdir):
     """`%%distributed --nodes 2 --keep-alive`: the second cell runs in the first cell's actor processes; the kernel's
     exit leaves every CPU of the cluster free and no actor alive."""

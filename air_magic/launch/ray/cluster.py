@@ -136,7 +136,8 @@ def _boot_nodes() -> None:
         boot = ray.remote(num_cpus=0, max_retries=0)(rank.node_ready)
         refs = [
             boot.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-            for n in alive_nodes(ray) if n.get("Resources", {}).get("CPU", 0) > 0
+            for n in alive_nodes(ray)
+            if n.get("Resources", {}).get("CPU", 0) > 0
         ]
         ray.wait(refs, num_returns=len(refs), timeout=300)
 

@@ -61,7 +61,9 @@ POLL_WAIT = 0.5
 #: Modules each rank's actor imports while it is placed; AIR_MAGIC_PRELOAD (comma-separated) replaces the list.
 PRELOAD = ("torch", "torch.distributed", "numpy")
 #: Variables of the notebook that describe its own machine, not the ranks' machines.
-NODE_LOCAL_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_"})
+NODE_LOCAL_ENV = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_"}
+)
 
 
 class LaunchError(Exception):
@@ -134,7 +136,8 @@ def _wait_dead(actors: list[Any], limit: float) -> None:
 
 def _rank_env(request: p.JobRequest) -> dict[str, str]:
     return {
-        k: v for k, v in request.env.items()
+        k: v
+        for k, v in request.env.items()
         if k not in NODE_LOCAL_ENV and not k.startswith("RAY_") and k != "RAYLET_PID"
     }
 
@@ -250,8 +253,11 @@ class RayJob(JobHandle):
                 return True
             except self.ray.exceptions.RayActorError as exc:
                 why = f"a Ray actor of theirs died ({' '.join(str(exc).split())[:200]})"
-        self.events.put(p.RankOutput(self.job, 0, f"air_magic: the hot ranks of this world were lost: {why}; "
-                                                  "starting fresh ranks.\n"))
+        self.events.put(
+            p.RankOutput(
+                self.job, 0, f"air_magic: the hot ranks of this world were lost: {why}; starting fresh ranks.\n"
+            )
+        )
         self._end_world()
         return False
 
@@ -282,10 +288,17 @@ class RayJob(JobHandle):
         self.pg = placement_group([bundle] * n, strategy="STRICT_SPREAD", name=f"air_magic-{self.job[:12]}")
         actor_cls, preload = self.launcher.actor_class(), _preload()
         for rank in range(self.request.world_size):  # queued by Ray until the group is placed, then started together
-            self.actors.append(actor_cls.options(
-                num_cpus=1, num_gpus=1 if self.request.use_gpu else 0, max_concurrency=4, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank // k),
-            ).remote(_PKG_PARENT, preload))
+            self.actors.append(
+                actor_cls.options(
+                    num_cpus=1,
+                    num_gpus=1 if self.request.use_gpu else 0,
+                    max_concurrency=4,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.pg, placement_group_bundle_index=rank // k
+                    ),
+                ).remote(_PKG_PARENT, preload)
+            )
         deadline = time.monotonic() + PLACEMENT_WAIT
         ready = self.pg.ready()
         while not self.ray.wait([ready], timeout=0.2)[0]:
@@ -308,7 +321,8 @@ class RayJob(JobHandle):
         nodes = {n_["NodeID"]: n_ for n_ in alive_nodes(self.ray)}
         parts = [
             f"{nodes[nid].get('NodeManagerAddress', '?')} ({nid[:8]}): {_resources(res, keys)}"
-            for nid, res in free.items() if nid in nodes
+            for nid, res in free.items()
+            if nid in nodes
         ]
         return "Free now: " + ("; ".join(parts) or "nothing") + "."
 
@@ -318,8 +332,9 @@ class RayJob(JobHandle):
         self.infos = self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
         master, port = self.infos[0].ip, self.infos[0].free_port
         if self.request.keep_alive:
-            self.world = HotWorld(_world_key(self.request), self.actors, self.pg, self.infos, master, port,
-                                  float(self.request.keep_alive))
+            self.world = HotWorld(
+                _world_key(self.request), self.actors, self.pg, self.infos, master, port, float(self.request.keep_alive)
+            )
         self._start_calls(master, port)
 
     def _start_calls(self, master: str, port: int) -> None:
@@ -335,14 +350,23 @@ class RayJob(JobHandle):
         for rank, actor in enumerate(self.actors):
             node, local = divmod(rank, k)
             env = dict(base, AIR_MAGIC_RAY_NODE_ID=self.infos[rank].node_id)
-            env.update(torchrun_env(
-                rank=rank, world_size=req.world_size, local_rank=local, local_world_size=k, node_rank=node,
-                master_addr=master, master_port=port, agent_store=False,
-                restart_count=req.restart_count, max_restarts=req.max_restarts,
-            ))
+            env.update(
+                torchrun_env(
+                    rank=rank,
+                    world_size=req.world_size,
+                    local_rank=local,
+                    local_world_size=k,
+                    node_rank=node,
+                    master_addr=master,
+                    master_port=port,
+                    agent_store=False,
+                    restart_count=req.restart_count,
+                    max_restarts=req.max_restarts,
+                )
+            )
             if req.use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    gpu for i in self.infos[node * k:(node + 1) * k] for gpu in i.gpus[:1]
+                    gpu for i in self.infos[node * k : (node + 1) * k] for gpu in i.gpus[:1]
                 )
             refs.append(actor.start.remote(p.RankCall(rank, job, env, hot=bool(req.keep_alive)), payload))
         for rank, pid in enumerate(self._wait(refs, START_WAIT, "starting the ranks")):
@@ -405,13 +429,15 @@ class RayJob(JobHandle):
     def _exited(self, rank: int, files: p.RankFiles) -> None:
         """Keep what the rank left in the run directory here, and report its exit."""
         rd = self.run_dir
-        for data, path in ((files.result, rd.result(rank)), (files.error, rd.error(rank)),
-                           (files.error_pickle, rd.error_pickle(rank))):
+        for data, path in (
+            (files.result, rd.result(rank)),
+            (files.error, rd.error(rank)),
+            (files.error_pickle, rd.error_pickle(rank)),
+        ):
             if data is not None:
                 write_private(path, data, exclusive=False)
         error = read_error_file(rd.error(rank), rd.error_pickle(rank), rank)
-        result = p.RankOutcome(value=None if error is not None else files.result, error=error,
-                               error_at=files.error_at)
+        result = p.RankOutcome(value=None if error is not None else files.result, error=error, error_at=files.error_at)
         self._flush_decoder(rank)
         self.exited.add(rank)
         code = self.codes[rank] = 70 if files.code is None else int(files.code)
@@ -440,8 +466,11 @@ class RayJob(JobHandle):
         """A hot world whose call every rank finished cleanly stays for the next call; anything else ends."""
         world = self.world
         clean = (
-            world is not None and not self.failed and not self.stop_asked.is_set()
-            and len(self.codes) == self.request.world_size and not any(self.codes.values())
+            world is not None
+            and not self.failed
+            and not self.stop_asked.is_set()
+            and len(self.codes) == self.request.world_size
+            and not any(self.codes.values())
         )
         if clean and world is not None:
             self.launcher.keep(world)

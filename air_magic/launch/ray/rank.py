@@ -76,8 +76,12 @@ class RankActor:
 
         ip = ray.util.get_node_ip_address()
         return ActorPlace(
-            node_id=ray.get_runtime_context().get_node_id(), ip=ip, pid=os.getpid(),
-            gpus=[str(g) for g in ray.get_gpu_ids()], host=socket.gethostname(), free_port=_free_port(ip) if port else 0,
+            node_id=ray.get_runtime_context().get_node_id(),
+            ip=ip,
+            pid=os.getpid(),
+            gpus=[str(g) for g in ray.get_gpu_ids()],
+            host=socket.gethostname(),
+            free_port=_free_port(ip) if port else 0,
         )
 
     # -- the rank ----------------------------------------------------------
@@ -179,8 +183,11 @@ class RankActor:
         with contextlib.suppress(OSError):
             error_at = rd.error(rank).stat().st_mtime_ns / 1e9
         return RankFiles(
-            code=self.code, result=_read_all(rd.result(rank)), error=_read_all(rd.error(rank)),
-            error_pickle=_read_all(rd.error_pickle(rank)), error_at=error_at,
+            code=self.code,
+            result=_read_all(rd.result(rank)),
+            error=_read_all(rd.error(rank)),
+            error_pickle=_read_all(rd.error_pickle(rank)),
+            error_at=error_at,
         )
 
     def dump_stacks(self, why: str) -> int:
