@@ -16,6 +16,19 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 INTERNAL_ERROR = 70
 
 
+#: Modules a warm helper, and a Ray rank's actor, import before any call; AIR_MAGIC_PRELOAD (comma-separated)
+#: replaces the list.
+PRELOAD = ("torch", "torch.distributed", "numpy")
+
+
+def preload_modules() -> tuple[str, ...]:
+    """The modules to preload: AIR_MAGIC_PRELOAD's (an empty value: none), else PRELOAD."""
+    import os
+
+    wanted = os.environ.get("AIR_MAGIC_PRELOAD")
+    return PRELOAD if wanted is None else tuple(n.strip() for n in wanted.split(",") if n.strip())
+
+
 def boot_command(module: str, function: str = "main", parent: str = PACKAGE_PARENT) -> str:
     """The `python -c` program that imports `module` from `parent` and calls its `function()`."""
     return f"import sys; sys.path.insert(0, {parent!r}); from {module} import {function}; {function}()"

@@ -32,7 +32,7 @@ from .stacks import pause as ignore_stack_requests
 from .stopper import die_with_parent
 
 #: A hot rank idle this long after a call collects garbage and empties the CUDA cache.
-_TIDY_AFTER = 0.2
+TIDY_AFTER = 0.2
 #: Hook modules this process imported for the job (see JobRequest.hooks); flushed at the end.
 _hooks: list[ModuleType] = []
 #: The environment variable naming the pipe on which a rank says it is done, just before it exits.
@@ -189,14 +189,14 @@ def run_forked(run_dir: Path, rank: int) -> None:
     _take_done_fd()
     hot = os.environ.get("AIR_MAGIC_HOT_FDS")
     if hot:
-        _keep_process_group()
+        keep_process_group()
         cmd, done = (int(fd) for fd in hot.split(","))
         finish(_serve_hot(run(run_dir, rank), rank, cmd, done))
     finish(run(run_dir, rank))
 
 
 # -- hot ranks ------------------------------------------------------------------
-def _keep_process_group() -> None:
+def keep_process_group() -> None:
     """In a hot rank: `init_process_group()` returns with the group that exists, `destroy_process_group()` keeps it.
 
     Another backend than the one the group has is a clear error, not a silent second group.
@@ -232,7 +232,7 @@ def _keep_process_group() -> None:
         setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
 
 
-def _end_call() -> None:
+def end_call() -> None:
     """A hot rank's call is over: hooks send what they hold (metrics) and output is flushed, before it says so."""
     ignore_stack_requests()  # idle, it has no stack worth writing into the log of the call that ended
     for hook in _hooks:
@@ -246,7 +246,7 @@ def _end_call() -> None:
             pass
 
 
-def _tidy() -> None:
+def tidy() -> None:
     """While a hot rank waits for the next call: collect garbage and empty the CUDA cache."""
     import gc
 
@@ -269,15 +269,15 @@ def _read_line(fd: int) -> bytes:
 def _serve_hot(code: int, rank: int, cmd: int, done: int) -> int:
     """Report each call's end on `done`, then run the next call `cmd` names, until a call fails or the pool goes."""
     while code == 0:
-        _end_call()
+        end_call()
         try:
             os.write(done, b"0\n")
         except OSError:
             return 0  # the supervisor is gone
         import select
 
-        if not select.select([cmd], [], [], _TIDY_AFTER)[0]:
-            _tidy()  # no call right away: tidy up while waiting, so a quick re-run does not wait for it
+        if not select.select([cmd], [], [], TIDY_AFTER)[0]:
+            tidy()  # no call right away: tidy up while waiting, so a quick re-run does not wait for it
         line = _read_line(cmd)
         if not line:
             return 0  # released: end-of-file on the command pipe

@@ -41,10 +41,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..jupyter import absolute_proxy_path, jupyter_base_url
+from ..launch.boot import boot_command
 
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
 #: What the watchdog process runs; tests and the process-tree checks find it by this module's name in its command line.
-_BOOT = "import sys; sys.path.insert(0, {parent!r}); from air_magic.tracking.ui import watchdog_main; watchdog_main()"
+_BOOT = boot_command("air_magic.tracking.ui", "watchdog_main")
 #: The query that makes MLflow 3's UI show a run in its model-training view.
 TRAINING_VIEW = "workflowType=machine_learning"
 
@@ -108,7 +108,7 @@ def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", _BOOT.format(parent=_PKG_PARENT), json.dumps(cmd), str(listener.fileno())],
+                    [sys.executable, "-c", _BOOT, json.dumps(cmd), str(listener.fileno())],
                     stdin=subprocess.PIPE, stdout=fd, stderr=fd, env=env,
                     start_new_session=True, pass_fds=(listener.fileno(),),
                 )

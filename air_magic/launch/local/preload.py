@@ -22,11 +22,10 @@ import sysconfig
 from typing import Any
 
 from .. import protocol as p
+from ..boot import preload_modules
 
 #: Variables read when torch is imported: a warm supervisor with other values is stale.
 IMPORT_TIME_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHASHSEED", "TORCH_HOME", "PYTORCH_NVML_BASED_CUDA_CHECK")
-#: Modules a warm supervisor imports up front; AIR_MAGIC_PRELOAD (comma-separated) replaces the list.
-PRELOAD = ("torch", "torch.distributed", "numpy")
 ExitFunc = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
 
@@ -50,8 +49,7 @@ class Preloaded:
         self.exit_funcs: list[ExitFunc] = []
         if not warm:
             return
-        wanted = os.environ.get("AIR_MAGIC_PRELOAD")
-        for name in [n.strip() for n in wanted.split(",") if n.strip()] if wanted is not None else PRELOAD:
+        for name in preload_modules():
             if importlib.util.find_spec(name.split(".")[0]) is None:
                 continue
             module = __import__(name)

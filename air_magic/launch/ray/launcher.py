@@ -38,11 +38,11 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ...errors import WorkerDiedError
 from .. import protocol as p
+from ..boot import INTERNAL_ERROR, PACKAGE_PARENT, preload_modules
 from ..env import loopback_sockets, torchrun_env
 from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
@@ -51,15 +51,12 @@ from .cluster import alive_nodes, require_connected
 from .cluster import warming as cluster_warming
 from .rank import RankActor
 
-_PKG_PARENT = str(Path(__file__).resolve().parents[3])
 #: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
 PLACEMENT_WAIT = 45.0
 #: How long the actors of a placed job may take to start, in seconds (a busy node takes long to start Ray workers).
 START_WAIT = 300.0
 #: Seconds an actor's poll waits for new output before it answers with none.
 POLL_WAIT = 0.5
-#: Modules each rank's actor imports while it is placed; AIR_MAGIC_PRELOAD (comma-separated) replaces the list.
-PRELOAD = ("torch", "torch.distributed", "numpy")
 #: Variables of the notebook that describe its own machine, not the ranks' machines.
 NODE_LOCAL_ENV = frozenset(
     {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_"}
@@ -73,10 +70,6 @@ class LaunchError(Exception):
 class _Stopped(Exception):
     """A stop came while the job was being placed or started."""
 
-
-def _preload() -> tuple[str, ...]:
-    wanted = os.environ.get("AIR_MAGIC_PRELOAD")
-    return PRELOAD if wanted is None else tuple(n.strip() for n in wanted.split(",") if n.strip())
 
 
 @dataclass(eq=False)
@@ -286,7 +279,7 @@ class RayJob(JobHandle):
                 f"{len(totals)} node(s) have that much. {self._free_text(keys)}"
             )
         self.pg = placement_group([bundle] * n, strategy="STRICT_SPREAD", name=f"air_magic-{self.job[:12]}")
-        actor_cls, preload = self.launcher.actor_class(), _preload()
+        actor_cls, preload = self.launcher.actor_class(), preload_modules()
         for rank in range(self.request.world_size):  # queued by Ray until the group is placed, then started together
             self.actors.append(
                 actor_cls.options(
@@ -297,7 +290,7 @@ class RayJob(JobHandle):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.pg, placement_group_bundle_index=rank // k
                     ),
-                ).remote(_PKG_PARENT, preload)
+                ).remote(PACKAGE_PARENT, preload)
             )
         deadline = time.monotonic() + PLACEMENT_WAIT
         ready = self.pg.ready()
@@ -440,7 +433,7 @@ class RayJob(JobHandle):
         result = p.RankOutcome(value=None if error is not None else files.result, error=error, error_at=files.error_at)
         self._flush_decoder(rank)
         self.exited.add(rank)
-        code = self.codes[rank] = 70 if files.code is None else int(files.code)
+        code = self.codes[rank] = INTERNAL_ERROR if files.code is None else int(files.code)
         self.events.put(p.RankExited(self.job, rank, code, time.time(), result))
 
     def _lost(self, rank: int, exc: BaseException) -> None:

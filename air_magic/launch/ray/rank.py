@@ -118,15 +118,16 @@ class RankActor:
 
     def _run(self, hot: bool, call: int) -> None:
         from air_magic.launch import worker
+        from air_magic.launch.boot import INTERNAL_ERROR
 
         assert self.scratch is not None
-        code = 70
+        code = INTERNAL_ERROR
         # two threads importing torch at once can abort the process: the call waits for the preload (it would
         # import the same modules anyway)
         self.preloading.join()
         try:
             if hot and not self.hot:
-                worker._keep_process_group()
+                worker.keep_process_group()
                 self.hot = True
             code = worker.run(self.scratch.path, self.rank)
         except BaseException:  # noqa: BLE001 - air_magic's own failure: into the rank's log
@@ -134,7 +135,7 @@ class RankActor:
         finally:
             try:
                 if hot:
-                    worker._end_call()  # hooks send what they hold and let go of this call's run
+                    worker.end_call()  # hooks send what they hold and let go of this call's run
                 else:
                     worker.flush_hooks()
             except Exception:  # noqa: BLE001
@@ -148,13 +149,13 @@ class RankActor:
             self.done.set()
         if hot and code == 0:
             # no next call right away: tidy up while waiting, so that a quick re-run does not wait for it
-            threading.Timer(worker._TIDY_AFTER, self._tidy, args=(call,)).start()
+            threading.Timer(worker.TIDY_AFTER, self._tidy, args=(call,)).start()
 
     def _tidy(self, call: int) -> None:
         if self.calls == call:
             from air_magic.launch import worker
 
-            worker._tidy()
+            worker.tidy()
 
     def poll(self, offset: int, metrics_offset: int, wait: float) -> RankReport:
         """Output and relayed MLflow lines from the given byte offsets on (waiting up to `wait` s for output),
