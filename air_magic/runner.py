@@ -131,20 +131,9 @@ class _Run(AttemptOutcome):
         return p.JobRequest(
             job_id=uuid.uuid4().hex, name=self.spec.name, world_size=self.spec.world_size, payload=self.blob,
             env=env, sys_path=list(sys.path), cwd=os.getcwd(), hooks=tuple(hooks),
-            warm=self.spec.warm, keep_alive=self.spec.keep_alive, world_key=self.world_key(),
+            warm=self.spec.warm, keep_alive=self.spec.keep_alive, world_key=world_key(self.spec),
             num_nodes=self.spec.num_nodes, use_gpu=self.spec.uses_gpu, max_restarts=self.spec.max_restarts,
         )
-
-    def world_key(self) -> str:
-        """What two calls must share to run in the same hot ranks: world, accelerator, environment, sys.path."""
-        import hashlib
-        import json
-
-        world = {
-            "size": self.spec.world_size, "type": self.spec.accelerator_type, "python": sys.executable,
-            "env": sorted({**os.environ, **self.spec.extra_env}.items()), "sys_path": sys.path,
-        }
-        return hashlib.sha256(json.dumps(world).encode()).hexdigest()
 
     def stop(self, reason: StopReason) -> None:
         if self.stop_reason is None:
@@ -311,6 +300,23 @@ class _Run(AttemptOutcome):
         self.result.error = error
         self.notify("on_end", self.result)
         return self.result
+
+
+def world_key(spec: JobSpec) -> str:
+    """What two calls must share to run in the same hot ranks: world, accelerator, environment, sys.path.
+
+    Variables whose names start with "_" are left out: libraries keep private per-process state there
+    (MLflow's import adds a telemetry session id), which says nothing about the ranks' world.
+    """
+    import hashlib
+    import json
+
+    env = {k: v for k, v in {**os.environ, **spec.extra_env}.items() if not k.startswith("_")}
+    world = {
+        "size": spec.world_size, "type": spec.accelerator_type, "python": sys.executable,
+        "env": sorted(env.items()), "sys_path": sys.path,
+    }
+    return hashlib.sha256(json.dumps(world).encode()).hexdigest()
 
 
 def check_supported(spec: JobSpec, launcher: Launcher) -> None:

@@ -92,3 +92,19 @@ def test_the_phase_text_follows_the_runners_phases():
     assert waiting_for(spec, "starting the helper") == "starting: starting the helper, starting 2 rank(s)"
     assert waiting_for(spec, "ranks starting") == "starting: 2 rank(s)"
     assert waiting_for(_spec(mlflow=False)) == "starting: 2 rank(s)"
+
+
+def test_a_private_variable_a_library_sets_keeps_the_world_of_hot_ranks(monkeypatch):
+    """Importing MLflow adds _MLFLOW_TELEMETRY_SESSION_ID to os.environ: hot ranks stay the same world; a real
+    variable (NCCL_DEBUG) makes another world."""
+    from air_magic.job import JobSpec
+    from air_magic.runner import world_key
+
+    spec = JobSpec(target=print, args=(), kwargs={}, name="f", world_size=2, accelerator_type="CPU", timeout=None)
+    monkeypatch.delenv("_MLFLOW_TELEMETRY_SESSION_ID", raising=False)
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    before = world_key(spec)
+    monkeypatch.setenv("_MLFLOW_TELEMETRY_SESSION_ID", "1f72ee83")
+    assert world_key(spec) == before
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    assert world_key(spec) != before
