@@ -12,9 +12,9 @@ the hook itself recognizes a click (`{"method": "custom", "content":
 Every message to the panel's widgets is then handled by the main shell, once
 the cell is done: JupyterLab sends widget messages over a subshell of its own
 (see busy.py), whose thread would otherwise change the panel's widgets while
-the cell's thread draws them, and would publish `idle` for each message. An
-earlier version sent the button's messages to an air_magic subshell; that
-only added a thread and more `idle` statuses.
+the cell's thread draws them, and would publish `idle` for each message. A
+subshell of air_magic's own for the button would only add a thread and more
+`idle` statuses.
 
 This relies on an ipykernel internal (the comm routing hook of 7.4);
 pyproject pins the range and tests/test_panel.py checks the route end to end.

@@ -15,7 +15,7 @@ watchdog process (`watchdog_main`, in its own session), so the link is right
 from the start and costs nothing until it is opened. At the first connection
 (a click on the link, a health check) the watchdog starts `mlflow server` on a
 private port and relays that connection and every later one to it: a first
-call, with ranks importing torch and mlflow, no longer shares the CPU with an
+call, with ranks importing torch and mlflow, does not share the CPU with an
 MLflow UI nobody has opened yet (about 7 CPU-seconds), and the first click
 waits for the UI's start instead (a few seconds; the page then opens).
 

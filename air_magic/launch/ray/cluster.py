@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 from ...accelerators import DEFAULT_CPU_WORKERS, _check_count, parse_gpu_type
 from ...errors import ConfigurationError
 
-#: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (measured: FINDINGS.md).
+#: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (with it alone; node_ip_address="127.0.0.1" is not enough).
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _context: Any = None
 _warming: threading.Thread | None = None
