@@ -146,19 +146,7 @@ class Supervisor:
             self.pools.add(pool)
             pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
         for rank in range(job.world_size):
-            rank_env = dict(
-                env,
-                **torchrun_env(
-                    rank=rank,
-                    world_size=job.world_size,
-                    local_rank=rank,
-                    local_world_size=job.world_size,
-                    master_port=port,
-                    agent_store=store,
-                    restart_count=msg.restart_count,
-                    max_restarts=msg.max_restarts,
-                ),
-            )
+            rank_env = _rank_env(env, msg, rank, port, agent_store=store)
             log = str(RunDir(Path(msg.run_dir)).log(rank))
             if pool is not None:  # a hot rank reports each call's end on its pool's done pipe
                 (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
@@ -188,18 +176,7 @@ class Supervisor:
         env = dict(msg.env, AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
         loopback_sockets(env)
         for rank, pid in pool.pids.items():
-            rank_env = dict(
-                env,
-                **torchrun_env(
-                    rank=rank,
-                    world_size=job.world_size,
-                    local_rank=rank,
-                    local_world_size=job.world_size,
-                    master_port=pool.port,
-                    restart_count=msg.restart_count,
-                    max_restarts=msg.max_restarts,
-                ),
-            )
+            rank_env = _rank_env(env, msg, rank, pool.port)
             rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
@@ -400,3 +377,11 @@ def main() -> None:
 
     faulthandler.enable()  # a crash of the supervisor itself leaves a trace in its log
     Supervisor(warm="--warm" in sys.argv[1:]).run()
+
+
+def _rank_env(env: dict[str, str], msg: p.LaunchJob, rank: int, port: int, agent_store: bool = True) -> dict[str, str]:
+    """`env` plus the torchrun variables of `rank` in the job `msg` starts (every rank on this machine)."""
+    return dict(env, **torchrun_env(
+        rank=rank, world_size=msg.world_size, local_rank=rank, local_world_size=msg.world_size, master_port=port,
+        agent_store=agent_store, restart_count=msg.restart_count, max_restarts=msg.max_restarts,
+    ))
