@@ -95,7 +95,7 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
         nb.wait_done(1)
         record = cell.locator(".air-magic-record")
         record.wait_for(timeout=30_000)
-        ranks = cell.locator(".air-magic-record-rank summary")
+        ranks = cell.locator(".air-magic-record-rank > summary")
         # each summary may go on with the rank's peak memory: " · peak memory 412 MiB"
         assert [t.strip().split(" · ")[0] for t in ranks.all_inner_texts()] == ["rank 0: done", "rank 1: done"]
         logs = cell.locator(".air-magic-record-log")
@@ -132,7 +132,7 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
             time.sleep(0.1)
         errors = cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
         assert "was cancelled" in errors.last.inner_text() and "Traceback" not in cell.inner_text()
-        assert [t.strip().split(" · ")[0] for t in cell.locator(".air-magic-record-rank summary").all_inner_texts()] == [
+        assert [t.strip().split(" · ")[0] for t in cell.locator(".air-magic-record-rank > summary").all_inner_texts()] == [
             "rank 0: stopped", "rank 1: stopped"
         ]
         assert "cancelled" in _record(cell)

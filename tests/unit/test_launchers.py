@@ -108,3 +108,16 @@ def test_a_private_variable_a_library_sets_keeps_the_world_of_hot_ranks(monkeypa
     assert world_key(spec) == before
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     assert world_key(spec) != before
+
+
+def test_a_retired_supervisor_leaves_no_pipe_open(tmp_path):
+    """A supervisor replaced as stale retires; once it has exited, its client's pipes are closed (no ResourceWarning)."""
+    from air_magic.launch.local.launcher import SupervisorClient
+
+    client = SupervisorClient(tmp_path / "supervisor.log", warm=False)
+    client.retire()
+    client._reader.join(30)
+    assert not client._reader.is_alive()
+    assert client.proc.stdin is not None and client.proc.stdin.closed
+    assert client.proc.stdout is not None and client.proc.stdout.closed
+    assert client.proc.poll() is not None

@@ -199,6 +199,13 @@ class SupervisorClient:
         except subprocess.TimeoutExpired:
             code = None
         how = "" if code is None else f" ({describe_returncode(code)})"
+        with self._lock:  # a retired or dead supervisor's pipes are not left for the garbage collector to close
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
         for job in jobs:
             job.wire.put(
                 p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}")
