@@ -28,7 +28,7 @@ test: $(VENV)/.installed browser
 	$(VENV)/bin/ruff check air_magic
 	$(VENV)/bin/mypy air_magic
 	$(MAKE) docs VENV=$(VENV)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # -W --keep-going: every warning (a broken link, a name autodoc cannot find) fails the build, all reported at once.
 # -E: read every page afresh (the API pages follow __all__, which Sphinx does not track).

@@ -40,7 +40,7 @@ n=$(nvidia-smi -L | wc -l)
 for what in "$@"; do
   case $what in
     tests)
-      { timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py tests/test_warm.py
+      { timeout 400 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py tests/test_resources_gpu.py tests/test_hang_gpu.py tests/test_warm.py
         timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_magic.py; } 2>&1 | grep -v 'WARNING | Kernel is running' | tee "$out/pytest.log" ;;
     suite)  # the test suite as CI runs it (lint and types aside), modules in $MODULES (default: all)
       timeout "${SUITE_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider --durations=15 ${MODULES:-tests} 2>&1 \

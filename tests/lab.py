@@ -27,7 +27,6 @@ from typing import Any, Iterator
 
 import psutil
 import pytest
-
 from helpers import ROOT, process_env
 
 CHROMIUM = "/usr/bin/chromium"

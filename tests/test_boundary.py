@@ -12,11 +12,11 @@ from helpers import ROOT, run_id_of
 
 from air_magic import runner
 from air_magic.errors import ListenerWarning
-from air_magic.listeners import Listener
 from air_magic.job import JobStatus, RankState
+from air_magic.listeners import Listener
 
 #: Runs started here keep their directories under pytest's temporary directory (see faults_common).
-pytestmark = pytest.mark.usefixtures("here_runs")
+pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 HOOKS = ("on_start", "worker_env", "worker_hooks", "on_output", "on_rank_state", "poll", "on_end")
 
 

@@ -9,11 +9,11 @@ import time
 
 import psutil
 import pytest
-
 from helpers import ROOT, execute_headless
 from lab import CHROMIUM, Notebook, browser_page, lab, write_notebook  # noqa: F401 - lab: the module's JupyterLab
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.browser,
     pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs Debian's chromium (make browser)"),
 ]

@@ -9,13 +9,15 @@ import time
 
 import psutil
 import pytest
-
 from faults_common import here_runs, run_here  # noqa: F401 - here_runs is a fixture
 from helpers import Kernel, leftover_processes
 
 SETUP = """
 import os, time
 from air_magic import distributed
+
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
 """
 
 

@@ -20,6 +20,9 @@ from s3_server import S3, s3  # noqa: F401 - s3 is a fixture
 from air_magic.data import DataLoader, StreamingFileDataset
 from air_magic.data.cache import CacheFullError
 
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
+
 KIB = 1024
 
 

@@ -24,6 +24,9 @@ from air_magic import distributed
 from air_magic.data import CheckpointReader, CheckpointWriter
 from air_magic.data.checkpoint import _StagedFileSystem
 
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import the test module
 
 

@@ -19,6 +19,9 @@ from air_magic import distributed
 from air_magic.data import DataLoader, StreamingFileDataset, UCVolumeDataset
 from air_magic.data.order import Plan, epoch_order
 
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import the test module
 
 MANY_WORKERS = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_demos import DEMOS, PROBE, demo_run  # one loader of demo_notebooks/run.py
+
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(1500)

@@ -20,8 +20,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
 from helpers import ROOT
+
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
 
 DEMOS = ROOT / "demo_notebooks"
 PROBE = "PROBE-JSON:"

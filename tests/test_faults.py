@@ -31,7 +31,6 @@ from faults_common import (  # noqa: F401 - here_runs is a fixture
 )
 from helpers import Kernel, leftover_processes
 
-from air_magic.launch.rundir import RunDir
 from air_magic import accelerators, distributed, runner
 from air_magic.errors import (
     ConfigurationError,
@@ -39,6 +38,7 @@ from air_magic.errors import (
     RunDirectoryFullError,
 )
 from air_magic.job import JobStatus, RankState
+from air_magic.launch.rundir import RunDir
 
 SETUP = """
 import os, sys, time, json, threading
@@ -57,7 +57,7 @@ def report(error, ended):
 """
 
 
-pytestmark = pytest.mark.usefixtures("here_runs")
+pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

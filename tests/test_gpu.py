@@ -9,6 +9,7 @@ import pytest
 from helpers import REAL_NODE, Kernel, gpu_count, kernel_env
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.gpu,
     pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
 ]

@@ -7,11 +7,11 @@ import time
 import psutil
 import pytest
 from faults_common import Recorder, alive, here_runs, run_here  # noqa: F401 - here_runs is a fixture
-
-from air_magic.launch.local import local_launcher
 from helpers import leftover_processes, run_id_of
 
-pytestmark = pytest.mark.usefixtures("here_runs")
+from air_magic.launch.local import local_launcher
+
+pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,9 @@ import psutil
 import pytest
 from helpers import REAL_NODE, ROOT, Kernel, gpu_count, kernel_env, leftover_processes
 
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def nb(workdir):

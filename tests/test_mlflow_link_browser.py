@@ -10,10 +10,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from lab import CHROMIUM, browser_page, lab  # noqa: F401 - lab is the module's JupyterLab fixture
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.browser,
     pytest.mark.filterwarnings("ignore::DeprecationWarning:websocket"),
 ]

@@ -15,7 +15,7 @@ from helpers import ROOT, Kernel, run_id_of
 mlflow = pytest.importorskip("mlflow")
 
 # MLflow 3.17's sqlite store uses a SQLAlchemy loader option that SQLAlchemy 2.1 deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated"), pytest.mark.slow]
 
 #: A rank function that imports mlflow and logs one metric per rank, and reports which module files
 #: ran meanwhile (Python's "exec" audit event fires for each module body executed on import).
@@ -53,8 +53,8 @@ def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
 
 def test_site_packages_are_watched_by_their_top_level_entry(tmp_path, monkeypatch):
     """An installed package is seen as changed when an upgrade replaces its files; the user's own files when edited."""
-    from air_magic.launch.protocol import LaunchJob
     from air_magic.launch.local.preload import Preloaded
+    from air_magic.launch.protocol import LaunchJob
 
     site = tmp_path / "lib" / "site-packages"
     (site / "fakepkg").mkdir(parents=True)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import CellResult, Kernel, execute_headless, process_env
 from widget_state import WidgetMirror, click, run_cell
 
@@ -21,6 +20,9 @@ from air_magic.display.tail import TailBuffer
 SETUP = """
 import os, sys, time
 from air_magic import distributed
+
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
 """
 
 

@@ -32,7 +32,7 @@ def loopback(ip: str) -> bool:
     return (mapped or addr).is_loopback
 
 
-pytestmark = pytest.mark.usefixtures("here_runs")
+pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

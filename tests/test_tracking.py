@@ -15,7 +15,7 @@ from helpers import ROOT, SESSION, Kernel, leftover_processes, run_id_of
 mlflow = pytest.importorskip("mlflow")
 
 # MLflow 3.17's sqlite store uses a SQLAlchemy loader option that SQLAlchemy 2.1 deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated"), pytest.mark.slow]
 
 UI_PATTERN = re.compile(r"mlflow(\.exe)?\s+(ui|server)\b|-m\s+mlflow\s+(ui|server)\b")
 LINK = re.compile(r"MLflow run: (\S+)")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import psutil
 import pytest
-
 from helpers import Kernel
+
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import psutil
 
 from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
-from air_magic.listeners import RunContext
 from air_magic.job import JobResult, JobSpec, RankResult, RankState
+from air_magic.listeners import RunContext
 from air_magic.resources import (
     Peak,
     ResourceSampler,

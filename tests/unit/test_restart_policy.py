@@ -14,11 +14,11 @@ from air_magic.decorator import Settings, check_max_restarts
 from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, JobCancelledError, WorkerDiedError
-from air_magic.listeners import Listener, RunContext
 from air_magic.job import JobResult, JobSpec, JobStatus, RankState, StopReason
 from air_magic.launch import protocol as p
 from air_magic.launch.interface import JobHandle, Launcher
 from air_magic.launch.rundir import ERROR_RESERVE, RunDir
+from air_magic.listeners import Listener, RunContext
 
 WORLD = 2
 
