@@ -1,4 +1,4 @@
-"""air_magic: run a notebook's training function on every GPU of the node (or of several, through Ray), from one line."""
+"""air_magic: run a notebook's function on every GPU of the node (or of several, through Ray), from one line."""
 
 from __future__ import annotations
 

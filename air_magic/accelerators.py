@@ -56,7 +56,7 @@ AcceleratorType = enum.StrEnum(  # type: ignore[misc]
     [("CPU", "CPU")] + [(f"GPU_{n}x{m}", f"GPU_{n}x{m}") for m in KNOWN_MODELS for n in (1, 2, 4, 8)],
     module=__name__,
 )
-AcceleratorType.__doc__ = "Accelerator types `GPU_<n>x<MODEL>` and `CPU`, as string members (`AcceleratorType.GPU_8xH100`)."
+AcceleratorType.__doc__ = "Accelerator types `GPU_<n>x<MODEL>` and `CPU`, as strings (`AcceleratorType.GPU_8xH100`)."
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,8 @@ def resolve(num: object, accelerator_type: str | None, node: Node | None = None)
     if model and model.upper() != (node.gpu_model or "").upper():
         raise ConfigurationError(
             f"accelerator_type {accelerator_type!r} does not match this node, which has "
-            f"{node.type_for(node.gpu_count)!r}; pass accelerator_type={node.type_for(node.gpu_count)!r} or leave it out."
+            f"{node.type_for(node.gpu_count)!r}; pass accelerator_type={node.type_for(node.gpu_count)!r} "
+            "or leave it out."
         )
     if want is not None:
         if n is not None and n != want:

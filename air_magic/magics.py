@@ -78,7 +78,9 @@ def _restarts(text: str) -> int:
     try:
         return check_max_restarts(int(text))
     except (ValueError, ConfigurationError):
-        raise argparse.ArgumentTypeError(f"expected a whole number of restarts, 0 or more, such as 2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of restarts, 0 or more, such as 2, got {text!r}"
+        ) from None
 
 
 def _identifier(text: str) -> str:

@@ -262,7 +262,7 @@ class _Run(AttemptOutcome):
         )
 
     def begin_attempt(self, error: BaseException) -> None:
-        """Every process of the failed attempt is gone: get the run directory, ranks and listeners ready for the next."""
+        """Every process of the failed attempt is gone: ready the run directory, ranks and listeners for the next."""
         why = self.first_failure(error)
         self.result.earlier_failures.append(why)
         self.attempt += 1

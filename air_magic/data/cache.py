@@ -258,7 +258,8 @@ class FileCache:
         published set is a superset of the live pins until the next announcement rewrites it. While
         someone waits for room nothing is announced (see `settle`): those files are then found by `fetch`.
         """
-        with self._locked(), self._state:  # an eviction runs wholly before (then lookup misses) or after (then it sees them)
+        # an eviction runs wholly before (then lookup misses) or after (then it sees them)
+        with self._locked(), self._state:
             self._announced = set() if self.pressure() else set(keys)
             self._publish()
 
@@ -404,7 +405,8 @@ class FileCache:
                 return
             except Exception as exc:  # noqa: BLE001 - any failure of the remote read is retried
                 last = exc
-        raise OSError(f"could not read {url} after {self.retries + 1} attempts: {type(last).__name__}: {last}") from last
+        attempts = self.retries + 1
+        raise OSError(f"could not read {url} after {attempts} attempts: {type(last).__name__}: {last}") from last
 
 
 def _remove(path: str) -> None:

@@ -62,7 +62,8 @@ class _StagedFileSystem(FileSystemBase):
                 return action()
             except Exception as exc:  # noqa: BLE001 - a failed remote call is retried, then reported with its URL
                 last = exc
-        raise OSError(f"could not {what} {url} after {self.retries + 1} attempts: {type(last).__name__}: {last}") from last
+        attempts = self.retries + 1
+        raise OSError(f"could not {what} {url} after {attempts} attempts: {type(last).__name__}: {last}") from last
 
     def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str:
         url = os.fspath(path)

@@ -146,7 +146,8 @@ class StreamingFileDataset(IterableDataset[Any]):
         """What `rank` reads in the rest of the current epoch."""
         r, w = self._layout or _rank_and_world()
         return Plan(
-            len(self.listing), self.epoch, self._start, r if rank is None else rank, w if world_size is None else world_size,
+            len(self.listing), self.epoch, self._start,
+            r if rank is None else rank, w if world_size is None else world_size,
             self.split, self.seed, self.shuffle,
         )
 

@@ -128,4 +128,5 @@ def list_files(
     for name, size in zip(names, sizes):
         digest.update(f"{name}\0{size}\n".encode())
     full_root = root if local else f"{protocol}://{root}"
-    return Listing(full_root, protocol, options, names, sizes, tuple(r[2] for r in rows), local, digest.hexdigest()[:32])
+    mtimes = tuple(r[2] for r in rows)
+    return Listing(full_root, protocol, options, names, sizes, mtimes, local, digest.hexdigest()[:32])

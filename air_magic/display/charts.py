@@ -117,7 +117,8 @@ def _chart(key: str, per_rank: dict[int, _Series]) -> str:
         else:
             lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}"/>')
     legend = " ".join(
-        f'<span style="color:{_COLORS[r % len(_COLORS)]};white-space:nowrap">rank {r}: {_fmt(per_rank[r].points[-1][1])}</span>'
+        f'<span style="color:{_COLORS[r % len(_COLORS)]};white-space:nowrap">'
+        f"rank {r}: {_fmt(per_rank[r].points[-1][1])}</span>"
         for r in sorted(per_rank)
     )
     name = html.escape(key)

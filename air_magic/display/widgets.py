@@ -123,7 +123,9 @@ class Panel(Listener):
     metrics: MetricsTail | None
     handle: Any
 
-    def __init__(self, starting: Any = None, refresh: float = REFRESH, resources: ResourceSampler | None = None) -> None:
+    def __init__(
+        self, starting: Any = None, refresh: float = REFRESH, resources: ResourceSampler | None = None
+    ) -> None:
         self.starting = starting  # display.StartingLine whose place the panel takes, if one was shown
         self.refresh = refresh
         self.resources = resources
@@ -371,9 +373,11 @@ class Panel(Listener):
         self.last_clock = time.monotonic()
         phase = html.escape(self.phase)
         self.status.value = (
-            f'<div style="{_NOWRAP}" title="{html.escape(spec.name, quote=True)} · {phase}{html.escape(self._attempt_text(), quote=True)}">'
+            f'<div style="{_NOWRAP}" '
+            f'title="{html.escape(spec.name, quote=True)} · {phase}{html.escape(self._attempt_text(), quote=True)}">'
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
-            f' · <span class="air-magic-phase">{phase}</span>{self._attempt_html()} · {elapsed:.0f} s{self.usage_header}</div>'
+            f' · <span class="air-magic-phase">{phase}</span>{self._attempt_html()}'
+            f" · {elapsed:.0f} s{self.usage_header}</div>"
         )
 
     def _show_usage(self) -> None:
@@ -395,7 +399,8 @@ class Panel(Listener):
                 widget.value = value
         words, near = header_text(latest, self.resources.node_memory_percent)
         color = "#c62828" if near else "inherit"
-        header = f' · <span class="air-magic-resources" style="color:{color}">{html.escape(words)}</span>' if words else ""
+        span = f'<span class="air-magic-resources" style="color:{color}">{html.escape(words)}</span>'
+        header = f" · {span}" if words else ""
         if header != self.usage_header:
             self.usage_header = header
             self._show_status()

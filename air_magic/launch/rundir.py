@@ -140,7 +140,7 @@ class RunDir:
         write_private(self.error_reserve(rank), bytes(ERROR_RESERVE))
 
     def release_reserves(self) -> None:
-        """Give back the room set aside for error records that no rank used (it returned, was stopped, or ran elsewhere)."""
+        """Give back the room set aside for error records no rank used (it returned, was stopped, ran elsewhere)."""
         for reserve in self.path.glob("rank-*.error.reserved"):
             reserve.unlink(missing_ok=True)
 
@@ -164,7 +164,9 @@ class RunDir:
                 self.error_reserve(rank).unlink(missing_ok=True)
                 self.reserve_error_record(rank)
                 with open(self.log(rank), "ab+") as log:
-                    ends_mid_line = log.seek(0, os.SEEK_END) > 0 and log.seek(-1, os.SEEK_END) >= 0 and log.read(1) != b"\n"
+                    ends_mid_line = (
+                        log.seek(0, os.SEEK_END) > 0 and log.seek(-1, os.SEEK_END) >= 0 and log.read(1) != b"\n"
+                    )
                     log.write((b"\n" if ends_mid_line else b"") + marker.encode())
             for path in (self.payload, self.job):
                 if path.exists():

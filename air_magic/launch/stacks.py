@@ -141,7 +141,9 @@ def _size(fd: int) -> int:
         return -1
 
 
-def request(ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request", limit: float = REQUEST_LIMIT) -> int:
+def request(
+    ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request", limit: float = REQUEST_LIMIT
+) -> int:
     """Have the processes `ranks` (each a rank's own process) and `others` (their descendants) write their stacks.
 
     Only processes that catch STACKS_SIGNAL are asked, and none twice before the same stop (`why` STOPPING).

@@ -128,7 +128,8 @@ def run(path: Path, rank: int) -> int:
     except Exception as exc:  # noqa: BLE001
         return fail(
             SerializationError(
-                f"the return value of rank {rank} ({type(value).__name__}) could not be pickled: {str(exc).rstrip('. ')}; "
+                f"the return value of rank {rank} ({type(value).__name__}) could not be pickled: "
+                f"{str(exc).rstrip('. ')}; "
                 "return plain data (numbers, lists, dicts, tensors) or None."
             )
         )

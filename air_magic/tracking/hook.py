@@ -142,7 +142,7 @@ def install() -> None:
 
 
 def reset() -> None:
-    """Between two calls in a hot rank: send what is queued, and forget this call's run (the next call attaches its own)."""
+    """Between two calls in a hot rank: send what is queued, and forget this call's run (the next attaches its own)."""
     mlflow = sys.modules.get("mlflow")
     if mlflow is None:
         return

@@ -120,14 +120,16 @@ class MlflowTracker(Listener):
                 self.chosen_experiment = parent.info.experiment_id
             else:
                 self.chosen_experiment = _compat.active_experiment_id()
-        self.starting: threading.Thread | None = threading.Thread(target=self._start_quietly, args=(ctx,), name="air_magic-mlflow-run",
-                                         daemon=True)
+        self.starting: threading.Thread | None = threading.Thread(
+            target=self._start_quietly, args=(ctx,), name="air_magic-mlflow-run", daemon=True
+        )
         self.starting.start()
 
     def _start_quietly(self, ctx: RunContext) -> None:
         try:
             prepare.wait()  # the store's first set-up, if the extension started it, is done once
-            import mlflow  # noqa: F401 - first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
+            # first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
+            import mlflow  # noqa: F401
 
             with quiet_mlflow_logs():
                 self._start(ctx)

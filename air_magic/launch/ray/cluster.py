@@ -23,7 +23,8 @@ from urllib.parse import urlparse
 from ...accelerators import DEFAULT_CPU_WORKERS, _check_count, parse_gpu_type
 from ...errors import ConfigurationError
 
-#: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (with it alone; node_ip_address="127.0.0.1" is not enough).
+#: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (node_ip_address="127.0.0.1" alone
+#: is not enough).
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _context: Any = None
 _warming: threading.Thread | None = None
@@ -51,7 +52,8 @@ def _loopback_only() -> Iterator[None]:
     constants = sys.modules.get("ray._private.ray_constants")
     was = getattr(constants, "ENABLE_RAY_CLUSTER", None)
     if constants is not None:
-        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 - this process read the variable when it imported ray
+        # this process read the variable when it imported ray
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010
     try:
         yield
     finally:
