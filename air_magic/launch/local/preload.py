@@ -164,9 +164,9 @@ class Preloaded:
             tops = {n.partition(".")[0] for n in sys.modules.keys() - before}
             self.hidden_tops |= {t for t in tops if t not in before and t not in sys.stdlib_module_names}
             for package in packages:
-                module = sys.modules.get(package)
-                if module is not None and package not in self.modules:
-                    self.modules[package] = os.path.dirname(getattr(module, "__file__", "") or "")
+                loaded = sys.modules.get(package)
+                if loaded is not None and package not in self.modules:
+                    self.modules[package] = os.path.dirname(getattr(loaded, "__file__", "") or "")
             self._watch(added)
             if give_way.kept is not None:
                 self.pending.setdefault(name, env)  # a call that asked meanwhile sets its own environment
