@@ -248,7 +248,7 @@ class _GiveWay(importlib.abc.MetaPathFinder):
     """First on sys.meta_path during a warm-up: at each module to load, asks `waiting()`; once it says yes,
     raises WarmUpInterrupted there and at every later import, so the warm-up unwinds whatever catches it.
 
-    When it fires it notes, in `kept`, the modules the warm-up finished before the first one it was still
+    It fires only at an import made by a module's own code (`_by_module_code`). When it fires it notes, in `kept`, the modules the warm-up finished before the first one it was still
     loading: those finished before that one started, so they hold nothing of what is rolled back.
     """
 
@@ -259,7 +259,7 @@ class _GiveWay(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if self.kept is None:
-            if not self.waiting():
+            if not (_by_module_code() and self.waiting()):
                 return None
             self.kept = set()
             for loaded, module in list(sys.modules.items()):  # in the order they started loading
@@ -269,6 +269,18 @@ class _GiveWay(importlib.abc.MetaPathFinder):
                     break
                 self.kept.add(loaded)
         raise WarmUpInterrupted(name)
+
+
+def _by_module_code() -> bool:
+    """Whether the import being found was asked by a module's own code, not by a function.
+
+    Only there may a warm-up be interrupted: a module that fails while it loads is dropped whole, but a
+    function interrupted at a lazy import may leave its library half set up (SQLAlchemy's caches, say).
+    """
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "<module>"
 
 
 def _roll_back(before: set[str], kept: set[str]) -> None:
