@@ -277,7 +277,7 @@ def _by_module_code() -> bool:
     Only there may a warm-up be interrupted: a module that fails while it loads is dropped whole, but a
     function interrupted at a lazy import may leave its library half set up (SQLAlchemy's caches, say).
     """
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
         frame = frame.f_back
     return frame is not None and frame.f_code.co_name == "<module>"
