@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -268,9 +269,9 @@ def wait_idle(pid: int, timeout: float = 180.0) -> None:
 
 
 @pytest.mark.slow
-def test_first_call_after_loading_the_extension_costs_about_a_warm_call(tmp_path):
-    """Once the work %load_ext starts in the background is done, the first call with MLflow on (a fresh default
-    store) costs at most 1.5 x a warm call + 0.3 s."""
+def test_first_and_second_calls_after_loading_the_extension_cost_about_a_warm_call(tmp_path):
+    """Once the work %load_ext starts in the background is done (the helper's MLflow warm-up included), the first
+    and the second call with MLflow on (a fresh default store) each cost at most 1.5 x a warm call + 0.3 s."""
     (tmp_path / "runs").mkdir()
     k = Kernel(tmp_path, env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "text",
                               "MLFLOW_TRACKING_URI": ""})
@@ -279,15 +280,18 @@ def test_first_call_after_loading_the_extension_costs_about_a_warm_call(tmp_path
         k.execute("from air_magic.tracking import prepare\nprepare.wait()", timeout=180).check()
         (helper,) = supervisor_pids(k)
         wait_idle(helper)
+        loaded = {Path(m.path).name for m in psutil.Process(helper).memory_maps()}
+        assert any(name.startswith("_sqlite3") for name in loaded), "the helper did not warm the store up before a call"
         assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
         k.execute(FIRST_CALLS).check()
         first = float(k.execute("timed()", timeout=300).check().result)
-        k.execute("timed()", timeout=300).check()  # the second call: the helper's own MLflow warm-up may still run
+        second = float(k.execute("timed()", timeout=300).check().result)
         warm = float(k.execute("statistics.median(timed() for _ in range(5))", timeout=300).check().result)
         assert (tmp_path / "mlflow.db").exists()
     finally:
         k.shutdown()
     assert first <= 1.5 * warm + 0.3, f"first call {first:.2f} s, warm call {warm:.2f} s"
+    assert second <= 1.5 * warm + 0.3, f"second call {second:.2f} s, warm call {warm:.2f} s"
 
 
 @pytest.mark.slow

@@ -248,8 +248,9 @@ class _GiveWay(importlib.abc.MetaPathFinder):
     """First on sys.meta_path during a warm-up: at each module to load, asks `waiting()`; once it says yes,
     raises WarmUpInterrupted there and at every later import, so the warm-up unwinds whatever catches it.
 
-    It fires only at an import made by a module's own code (`_by_module_code`). When it fires it notes, in `kept`, the modules the warm-up finished before the first one it was still
-    loading: those finished before that one started, so they hold nothing of what is rolled back.
+    It fires only at an import made by a module's own code (`_by_module_code`). When it fires it notes, in
+    `kept`, the modules the warm-up finished before the first one it was still loading: those finished
+    before that one started, so they hold nothing of what is rolled back.
     """
 
     def __init__(self, waiting: Callable[[], bool], before: set[str]) -> None:
