@@ -192,6 +192,7 @@ class SupervisorClient:
                 job.wire.put(event)
                 if isinstance(event, p.JobGone):
                     job.gone.set()
+        self.proc.stdout.close()  # the supervisor is gone; nothing else reads its pipe
         with self._lock:
             jobs = list(self._jobs.values())
         try:
