@@ -248,9 +248,10 @@ class _GiveWay(importlib.abc.MetaPathFinder):
     """First on sys.meta_path during a warm-up: at each module to load, asks `waiting()`; once it says yes,
     raises WarmUpInterrupted there and at every later import, so the warm-up unwinds whatever catches it.
 
-    It fires only at an import made by a module's own code (`_by_module_code`). When it fires it notes, in
-    `kept`, the modules the warm-up finished before the first one it was still loading: those finished
-    before that one started, so they hold nothing of what is rolled back.
+    It fires only at an import made by a module's own code (`_by_module_code`), and only where what it would
+    drop holds no extension module (one loaded twice keeps the objects of its first load). When it fires it
+    notes, in `kept`, the modules the warm-up finished before the first one it was still loading: those
+    finished before that one started, so they hold nothing of what is rolled back.
     """
 
     def __init__(self, waiting: Callable[[], bool], before: set[str]) -> None:
@@ -262,14 +263,23 @@ class _GiveWay(importlib.abc.MetaPathFinder):
         if self.kept is None:
             if not (_by_module_code() and self.waiting()):
                 return None
-            self.kept = set()
+            kept: set[str] = set()
+            dropped: list[Any] = []
             for loaded, module in list(sys.modules.items()):  # in the order they started loading
                 if loaded in self.before:
                     continue
-                if getattr(getattr(module, "__spec__", None), "_initializing", False):
-                    break
-                self.kept.add(loaded)
+                if dropped or getattr(getattr(module, "__spec__", None), "_initializing", False):
+                    dropped.append(module)
+                else:
+                    kept.add(loaded)
+            if any(_is_extension(m) for m in dropped if m.__name__.partition(".")[0] not in sys.stdlib_module_names):
+                return None  # an extension module cannot be loaded twice: go on until it is kept
+            self.kept = kept
         raise WarmUpInterrupted(name)
+
+
+def _is_extension(module: Any) -> bool:
+    return str(getattr(module, "__file__", None) or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
 def _by_module_code() -> bool:
@@ -280,6 +290,8 @@ def _by_module_code() -> bool:
     """
     frame: Any = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+        if isinstance(frame.f_locals.get("self"), importlib.machinery.ExtensionFileLoader):
+            return False  # asked by an extension module's initialisation
         frame = frame.f_back
     return frame is not None and frame.f_code.co_name == "<module>"
 
