@@ -115,6 +115,7 @@ def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb
     assert len(helper) == 1
     for _ in range(2):
         assert preload_nb.execute("parent.distributed() == first", timeout=300).check().result == "True"
+        wait_idle(*helper)  # the helper warms the store up while idle; a call arriving sooner does not wait for it
         out = preload_nb.execute("logs.distributed('x')", timeout=300).check()
         assert out.result == "[[], []]", "mlflow came from the helper: no module file ran in the ranks"
     assert supervisor_pids(preload_nb) == helper, "the helper was never replaced"
@@ -137,6 +138,7 @@ def test_later_calls_import_mlflow_from_the_warm_helper_and_log_to_their_run(nb,
     first = nb.execute("logs.distributed('loss')", timeout=300).check()
     helper = supervisor_pids(nb)
     for _ in range(2):
+        wait_idle(*helper)  # the helper's warm-up runs while it is idle; a call arriving sooner does not wait for it
         out = nb.execute("logs.distributed('loss')", timeout=300).check()
         assert out.result == "[[], []]", f"module files ran in the ranks: {out.result}"
         metrics = client.get_metric_history(run_id_of(out.stdout), "loss")
@@ -216,6 +218,8 @@ def steps(n):
             out = k.execute("steps.distributed(50)", timeout=300).check()
             assert out.result == "['0', '1']"
             assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
+        (helper,) = supervisor_pids(k)
+        wait_idle(helper)
         out = k.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')", timeout=300).check()
         assert out.result == "[[], []]"
         assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
