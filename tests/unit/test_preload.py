@@ -120,8 +120,8 @@ def test_what_a_warm_up_imported_is_hidden_until_imported_again(hook):
 
 @pytest.fixture
 def slow_hook(tmp_path, monkeypatch):
-    """A hook whose warm_up imports a finished package first, then one of several submodules, one of which
-    swallows every exception around an import; `ASKED` counts the imports a warm-up asked about."""
+    """A hook whose warm_up imports a small package, then one of several submodules, one of which swallows every
+    exception around an import."""
     _package(tmp_path, "earlypkg", "LOADED = True\n")
     _package(tmp_path, "latepkg", "from . import a\nfrom . import greedy\nfrom . import b\n")
     (tmp_path / "latepkg" / "a.py").write_text("import atexit\ndef bye():\n    pass\natexit.register(bye)\nA = 1\n")
@@ -182,3 +182,25 @@ def test_an_import_made_by_a_function_is_never_interrupted(slow_hook):
     preloaded.ask(["slowhook"], {})
     assert preloaded.warm_up_now(lambda: True) is False
     assert "earlypkg" in sys.modules and "latepkg" not in sys.modules
+
+
+def test_a_warm_up_does_not_give_way_where_it_would_drop_an_extension_module(tmp_path, monkeypatch):
+    """Once the package being loaded holds an extension module (which cannot be loaded twice), the warm-up does not
+    stop inside it; it gives way again at the next package."""
+    import importlib.machinery
+
+    _package(tmp_path, "extpkg", "from . import fakeext\nfrom . import after\n")
+    (tmp_path / "extpkg" / "fakeext.py").write_text(f"__file__ = __file__[:-3] + {importlib.machinery.EXTENSION_SUFFIXES[0]!r}\n")
+    (tmp_path / "extpkg" / "after.py").write_text("")
+    _package(tmp_path, "purepkg", "from . import inner\n")
+    (tmp_path / "purepkg" / "inner.py").write_text("")
+    (tmp_path / "exthook.py").write_text("def warm_up(env):\n    import extpkg\n    import purepkg\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["exthook"], {})
+    try:
+        assert preloaded.warm_up_now(_waiting_after(2)) is False  # a request from the import of extpkg.after on
+        assert "extpkg.after" in sys.modules and "purepkg" not in sys.modules
+    finally:
+        for name in [n for n in sys.modules if n.partition(".")[0] in ("extpkg", "purepkg", "exthook")]:
+            sys.modules.pop(name)
