@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -130,6 +131,54 @@ def test_cancel_during_a_hot_call_ends_the_hot_ranks_and_everything_they_started
         run_here(hangs, keep_alive=60, listener=rec)
     assert alive(pids(first)) == []
     assert leftover_processes(before, wait=10, kind="job") == []
+
+
+SLOW_HOOK = """
+def warm_up(env):
+    with open(env["MARKS"], "a") as f:
+        f.write("start\\n")
+    import slowwarm
+    with open(env["MARKS"], "a") as f:
+        f.write("done\\n")
+    return []
+"""
+
+
+def _wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_hot_call_is_not_held_up_by_the_helpers_warm_up(tmp_path, monkeypatch):
+    """A call that arrives while the helper runs a warm-up (here one of 10 s) starts at once in its hot ranks; the
+    warm-up gives way and runs again, to the end, once the helper is idle."""
+    (tmp_path / "slowwarm").mkdir()
+    (tmp_path / "slowwarm" / "__init__.py").write_text("".join(f"from . import m{i}\n" for i in range(100)))
+    for i in range(100):
+        (tmp_path / "slowwarm" / f"m{i}.py").write_text("import time\ntime.sleep(0.1)\n")
+    (tmp_path / "slowwarmhook.py").write_text(SLOW_HOOK)
+    marks = tmp_path / "marks"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    launcher = local_launcher()
+    launcher.shutdown()  # the next helper finds the hook module on its path
+    try:
+        first = run_here(allreduce, 0, keep_alive=60)
+        launcher.warm_up(["slowwarmhook"], {"MARKS": str(marks)})
+        _wait_for(lambda: marks.exists(), 60)
+        time.sleep(0.5)
+        start = time.monotonic()
+        second = run_here(allreduce, 0, keep_alive=60)
+        took = time.monotonic() - start
+        assert pids(second) == pids(first)
+        assert took < 5.0, f"the hot call took {took:.2f} s: it waited for the warm-up"
+        _wait_for(lambda: marks.read_text().endswith("done\n"), 120)
+        assert marks.read_text().split() == ["start", "start", "done"]
+    finally:
+        launcher.release_hot()
+        launcher.shutdown()
 
 
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -114,10 +115,53 @@ def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb
     assert len(helper) == 1
     for _ in range(2):
         assert preload_nb.execute("parent.distributed() == first", timeout=300).check().result == "True"
+        wait_idle(*helper)  # the helper warms the store up while idle; a call arriving sooner does not wait for it
         out = preload_nb.execute("logs.distributed('x')", timeout=300).check()
         assert out.result == "[[], []]", "mlflow came from the helper: no module file ran in the ranks"
     assert supervisor_pids(preload_nb) == helper, "the helper was never replaced"
     assert preload_nb.execute("parent.distributed() == first").check().result == "True"
+
+
+#: In a process like the helper: the MLflow warm-up interrupted at its `asks`-th chance to give way, then run to
+#: the end; then a forked worker imports mlflow (from the helper) and logs to the store.
+INTERRUPTED_WARM_UP = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from air_magic.launch.local.preload import Preloaded
+uri, asks = sys.argv[2], int(sys.argv[3])
+preloaded = Preloaded(warm=False)
+preloaded.ask(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": uri})
+count = iter(range(1, 1 << 20))
+assert preloaded.warm_up_now(lambda: next(count) >= asks) is False
+assert preloaded.warm_up_now() is True
+pid = os.fork()
+if pid == 0:
+    try:
+        preloaded.hide_in_child()
+        import mlflow
+        client = mlflow.MlflowClient(uri)
+        run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+        client.log_metric(run.info.run_id, "x", 1.0)
+        os._exit(0 if len(client.get_metric_history(run.info.run_id, "x")) == 1 else 3)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        os._exit(1)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asks", [1, 400, 1350, 1450, 1550, 1650])
+def test_an_interrupted_mlflow_warm_up_leaves_a_helper_whose_workers_log(tmp_path, asks):
+    """Wherever the helper's MLflow warm-up gives way to a call, it later completes, and a worker forked from it
+    imports mlflow and logs to the store (no library is left half set up)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.MlflowClient(uri).search_experiments()  # the store exists, as the notebook makes it first
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_WARM_UP, str(ROOT), uri, str(asks)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.split()[-1:] == ["0"], done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +180,7 @@ def test_later_calls_import_mlflow_from_the_warm_helper_and_log_to_their_run(nb,
     first = nb.execute("logs.distributed('loss')", timeout=300).check()
     helper = supervisor_pids(nb)
     for _ in range(2):
+        wait_idle(*helper)  # the helper's warm-up runs while it is idle; a call arriving sooner does not wait for it
         out = nb.execute("logs.distributed('loss')", timeout=300).check()
         assert out.result == "[[], []]", f"module files ran in the ranks: {out.result}"
         metrics = client.get_metric_history(run_id_of(out.stdout), "loss")
@@ -215,6 +260,8 @@ def steps(n):
             out = k.execute("steps.distributed(50)", timeout=300).check()
             assert out.result == "['0', '1']"
             assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
+        (helper,) = supervisor_pids(k)
+        wait_idle(helper)
         out = k.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')", timeout=300).check()
         assert out.result == "[[], []]"
         assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
@@ -268,9 +315,9 @@ def wait_idle(pid: int, timeout: float = 180.0) -> None:
 
 
 @pytest.mark.slow
-def test_first_call_after_loading_the_extension_costs_about_a_warm_call(tmp_path):
-    """Once the work %load_ext starts in the background is done, the first call with MLflow on (a fresh default
-    store) costs at most 1.5 x a warm call + 0.3 s."""
+def test_first_and_second_calls_after_loading_the_extension_cost_about_a_warm_call(tmp_path):
+    """Once the work %load_ext starts in the background is done (the helper's MLflow warm-up included), the first
+    and the second call with MLflow on (a fresh default store) each cost at most 1.5 x a warm call + 0.3 s."""
     (tmp_path / "runs").mkdir()
     k = Kernel(tmp_path, env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "text",
                               "MLFLOW_TRACKING_URI": ""})
@@ -279,15 +326,18 @@ def test_first_call_after_loading_the_extension_costs_about_a_warm_call(tmp_path
         k.execute("from air_magic.tracking import prepare\nprepare.wait()", timeout=180).check()
         (helper,) = supervisor_pids(k)
         wait_idle(helper)
+        loaded = {Path(m.path).name for m in psutil.Process(helper).memory_maps()}
+        assert any(name.startswith("_sqlite3") for name in loaded), "the helper did not warm the store up before a call"
         assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
         k.execute(FIRST_CALLS).check()
         first = float(k.execute("timed()", timeout=300).check().result)
-        k.execute("timed()", timeout=300).check()  # the second call: the helper's own MLflow warm-up may still run
+        second = float(k.execute("timed()", timeout=300).check().result)
         warm = float(k.execute("statistics.median(timed() for _ in range(5))", timeout=300).check().result)
         assert (tmp_path / "mlflow.db").exists()
     finally:
         k.shutdown()
     assert first <= 1.5 * warm + 0.3, f"first call {first:.2f} s, warm call {warm:.2f} s"
+    assert second <= 1.5 * warm + 0.3, f"second call {second:.2f} s, warm call {warm:.2f} s"
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ local/        the local launcher: one supervisor process per kernel, ranks on th
 rendezvous.py worker.py errorfile.py   what runs in the store and rank processes, whichever launcher started them
 ray/          the Ray launcher: ranks as Ray actors on several machines (imports Ray only when used)
 
-This module also keeps the launchers this kernel has used, so that releasing hot
-ranks and shutting down reach each of them without naming one. Nothing here
+This module also keeps the launchers this kernel has used, so that warming up,
+releasing hot ranks and shutting down reach each of them without naming one. Nothing here
 imports IPython, ipywidgets or MLflow.
 """
 
@@ -40,6 +40,12 @@ def used_launchers() -> list[Launcher]:
     """The launchers this kernel has used, first used first."""
     with _lock:
         return list(_used)
+
+
+def warm_up(hooks: list[str], env: dict[str, str]) -> None:
+    """Ask every launcher this kernel has used to warm up these hook modules ahead of a call (see Launcher.warm_up)."""
+    for launcher in used_launchers():
+        launcher.warm_up(hooks, env)
 
 
 def release_hot() -> None:

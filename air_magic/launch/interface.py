@@ -68,6 +68,11 @@ class Launcher(ABC):
         """Get ready for a call while the listeners start (say, start a helper); the phase that takes, if any."""
         return None
 
+    def warm_up(self, hooks: list[str], env: dict[str, str]) -> None:
+        """Ahead of a call: where ranks start from a warm helper, have it run the `warm_up(env)` of these hook
+        modules (JobRequest.hooks) while idle, as a call naming them would. Returns at once; never starts a
+        helper. A launcher without one does nothing."""
+
     def release_hot(self) -> None:
         """End every idle rank kept for the next call (a running call's ranks end with it); their memory is freed."""
 

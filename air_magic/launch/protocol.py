@@ -140,6 +140,18 @@ class ReleaseHot(Message):
 
 
 @dataclass(frozen=True)
+class WarmUp(Message):
+    """Run the `warm_up(env)` of these hook modules while idle, as after a call that named them (LaunchJob.hooks).
+
+    Sent ahead of the first call, so that the call's own warm-up finds the work done. A warm-up never
+    holds up a request that arrives while it runs (see preload.py).
+    """
+
+    hooks: list[str]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
 class HotCall(Message):
     """The supervisor to one hot rank, on its command pipe: run the next call from `run_dir` with `env`."""
 

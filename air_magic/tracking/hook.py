@@ -25,6 +25,7 @@ tracking URI names.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import os
@@ -224,7 +225,17 @@ def warm_up(env: dict[str, str]) -> list[str]:
     database (about 0.2 s a process). MLflow caches stores per URI, so ranks forked afterwards find
     it built. Called between calls in a process that forks: it starts no thread, and the store's
     connections are closed again (each rank opens its own). Returns the packages it preloaded.
+
+    The packages with extension modules that `import mlflow` loads come first, each on its own: the helper
+    interrupts a warm-up for a call only where that drops no extension module, so this keeps mlflow's own
+    (pure Python) import interruptible.
     """
+    for dependency in MLFLOW_EXTENSIONS:
+        try:
+            if importlib.util.find_spec(dependency.partition(".")[0]) is not None:
+                importlib.import_module(dependency)
+        except ImportError:
+            continue  # not what this mlflow uses
     import mlflow
 
     uri = env.get("MLFLOW_TRACKING_URI") or ""
@@ -254,6 +265,12 @@ def warm_up(env: dict[str, str]) -> list[str]:
     del mlflow
     return ["mlflow"]
 
+
+#: Modules with (or behind) extension modules that `import mlflow` loads, in the order it loads them (warm_up).
+MLFLOW_EXTENSIONS = (
+    "google.protobuf.descriptor", "pydantic_core", "psutil", "charset_normalizer", "requests", "yaml", "pyarrow.fs",
+    "pandas", "numpy.random", "scipy.sparse",
+)
 
 #: Tracking URIs whose store warm_up built in this process.
 _warmed: set[str] = set()

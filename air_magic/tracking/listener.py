@@ -43,6 +43,7 @@ from ..listeners import Listener, RunContext
 from . import _compat, prepare
 from .store import (
     FALLBACK_EXPERIMENT,
+    HOOK,
     absolute_uri,
     default_experiment_name,
     quiet_mlflow_logs,
@@ -59,8 +60,6 @@ ASYNC_LOGGING_ENV = {
 }
 
 
-#: The module every rank of a tracked call imports (see hook.py); named here because ranks find it by name.
-HOOK = "air_magic.tracking.hook"
 
 class MlflowTracker(Listener):
     """Makes and ends the MLflow run of one call; see the module docstring."""

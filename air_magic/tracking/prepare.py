@@ -7,7 +7,10 @@ daemon thread while the user types: it imports mlflow, builds the tracking
 store of the URI MLflow would use now (MLflow caches it per URI, so the call's
 client finds it built) and reads the default experiment once. It makes no run
 and no experiment, starts no UI, sends nothing to a remote server, and imports
-nothing that touches CUDA.
+nothing that touches CUDA. Then it asks the launchers' warm helper to do the
+ranks' MLflow warm-up (hook.py's `warm_up`) for that URI while it is idle, so
+the first calls' ranks find mlflow and the store's code loaded, and the warm-up
+after the first call finds its work done.
 
 The call's listener (listener.py) waits for it with `wait()` before it makes
 its run, so a call made before it finishes simply waits for it (never a second
@@ -53,7 +56,7 @@ def _prepare() -> None:
         return
     finally:
         _imported.set()
-    from .store import absolute_uri, default_experiment_name, quiet_mlflow_logs
+    from .store import HOOK, absolute_uri, default_experiment_name, quiet_mlflow_logs
 
     try:
         with quiet_mlflow_logs():
@@ -62,9 +65,16 @@ def _prepare() -> None:
             from mlflow.utils import mlflow_tags  # noqa: F401
 
             uri = absolute_uri(mlflow.get_tracking_uri())
-            if uri.partition(":")[0] not in ("sqlite", "file"):
-                return  # a server: nothing to set up here, and no request is sent before a call asks
-            client = MlflowClient(uri, absolute_uri(mlflow.get_registry_uri() or uri))
-            client.get_experiment_by_name(default_experiment_name())  # builds the store (tables), compiles queries
+            if uri.partition(":")[0] in ("sqlite", "file"):  # a server: no request is sent before a call asks
+                client = MlflowClient(uri, absolute_uri(mlflow.get_registry_uri() or uri))
+                client.get_experiment_by_name(default_experiment_name())  # builds the store (tables), compiles queries
     except Exception:  # noqa: BLE001 - an optimisation: the call sets the store up itself and reports errors
+        return
+    # Only now that the store exists: a helper opening a fresh sqlite store while this process creates its
+    # tables would race it ("table alembic_version already exists").
+    from ..launch import warm_up
+
+    try:
+        warm_up([HOOK], {"MLFLOW_TRACKING_URI": uri})
+    except Exception:  # noqa: BLE001 - the helper then warms up after the first call instead
         return

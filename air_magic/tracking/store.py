@@ -15,6 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+#: The module every rank of a tracked call imports (see hook.py), and the one a warm helper warms up: named
+#: here because ranks and the helper find it by name.
+HOOK = "air_magic.tracking.hook"
+
 #: Experiment used when neither mlflow.set_experiment nor MLFLOW_EXPERIMENT_NAME/ID chose one
 #: and the notebook or script name is unknown.
 FALLBACK_EXPERIMENT = "air_magic"

@@ -22,6 +22,7 @@ class Plain(Launcher):
 
     def __init__(self) -> None:
         self.released = self.shut = 0
+        self.warmed: list[tuple[list[str], dict[str, str]]] = []
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> JobHandle:
         raise NotImplementedError
@@ -31,6 +32,9 @@ class Plain(Launcher):
 
     def shutdown(self) -> None:
         self.shut += 1
+
+    def warm_up(self, hooks: list[str], env: dict[str, str]) -> None:
+        self.warmed.append((hooks, env))
 
 
 def _spec(**kw) -> JobSpec:
@@ -82,6 +86,22 @@ def test_release_and_shutdown_reach_every_used_launcher(monkeypatch):
     assert (first.released, first.shut, second.released, second.shut) == (1, 1, 1, 1)
     Launcher.release_hot(first)
     Launcher.shutdown(first)
+
+
+def test_a_warm_up_request_reaches_every_used_launcher(monkeypatch):
+    """launch.warm_up passes the hooks and their environment to each launcher this kernel has used."""
+    monkeypatch.setattr(launch, "_used", [])
+    first, second = launch.used(Plain()), launch.used(Plain())
+    launch.warm_up(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})
+    assert first.warmed == second.warmed == [(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})]
+    Launcher.warm_up(first, ["h"], {})
+
+
+def test_the_local_launcher_starts_no_helper_to_warm_it_up():
+    """Without a running helper, a warm-up request is dropped: it never starts one."""
+    launcher = LocalLauncher()
+    launcher.warm_up(["air_magic.tracking.hook"], {})
+    assert launcher.supervisor_pid is None
 
 
 def test_the_phase_text_follows_the_runners_phases():

@@ -116,3 +116,91 @@ def test_what_a_warm_up_imported_is_hidden_until_imported_again(hook):
         assert sys.meta_path == meta_path, "the finder leaves once nothing is hidden"
     finally:
         sys.meta_path[:] = meta_path
+
+
+@pytest.fixture
+def slow_hook(tmp_path, monkeypatch):
+    """A hook whose warm_up imports a small package, then one of several submodules, one of which swallows every
+    exception around an import."""
+    _package(tmp_path, "earlypkg", "LOADED = True\n")
+    _package(tmp_path, "latepkg", "from . import a\nfrom . import greedy\nfrom . import b\n")
+    (tmp_path / "latepkg" / "a.py").write_text("import atexit\ndef bye():\n    pass\natexit.register(bye)\nA = 1\n")
+    (tmp_path / "latepkg" / "greedy.py").write_text(
+        "try:\n    from . import optional\nexcept BaseException:\n    optional = None\nfrom . import c\n"
+    )
+    for name in ("optional", "b", "c"):
+        (tmp_path / "latepkg" / f"{name}.py").write_text(f"{name.upper()} = 1\n")
+    (tmp_path / "slowhook.py").write_text(
+        "def warm_up(env):\n    import earlypkg\n    import latepkg\n    return ['earlypkg', 'latepkg']\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in [n for n in sys.modules if n.partition(".")[0] in ("earlypkg", "latepkg", "slowhook")]:
+        sys.modules.pop(name)
+
+
+def _waiting_after(asks: int):
+    """A `waiting` that says a request waits from its `asks`-th question on."""
+    count = iter(range(1, 1000))
+    return lambda: next(count) >= asks
+
+
+@pytest.mark.parametrize("asks", [1, 2, 3], ids=["at a submodule", "after one", "inside a catch-all"])
+def test_a_warm_up_gives_way_to_a_request_forgets_what_it_was_loading_and_runs_again(slow_hook, asks):
+    """Interrupted at an import, a warm-up keeps the packages it finished, drops every module of the one it was
+    loading (even past code that catches the interruption), stays pending, and completes at the next try."""
+    import atexit
+
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["slowhook"], {"K": "v"})
+    assert preloaded.warm_up_now(_waiting_after(asks)) is False
+    assert "earlypkg" in sys.modules and preloaded.hidden_tops == {"earlypkg"}
+    assert not [n for n in sys.modules if n.partition(".")[0] == "latepkg"], "latepkg was half loaded: all of it goes"
+    assert preloaded.pending == {"slowhook": {"K": "v"}}
+    assert preloaded.exit_funcs == [], "an exit function of a forgotten module is not kept for the workers"
+    assert atexit.register.__module__ == "atexit"
+    assert preloaded.warm_up_now() is True
+    import latepkg  # type: ignore[import-not-found]
+
+    assert (latepkg.a.A, latepkg.b.B, latepkg.c.C, latepkg.greedy.optional.OPTIONAL) == (1, 1, 1, 1)
+    assert preloaded.hidden_tops == {"earlypkg", "latepkg"} and not preloaded.pending
+    assert [f for f, _, _ in preloaded.exit_funcs] == [latepkg.a.bye]
+
+
+def test_a_warm_up_with_no_request_waiting_runs_through(slow_hook):
+    """`waiting` saying no at every import: the warm-up completes in one go."""
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["slowhook"], {})
+    assert preloaded.warm_up_now(lambda: False) is True
+    assert "latepkg.c" in sys.modules and not preloaded.pending
+
+
+def test_an_import_made_by_a_function_is_never_interrupted(slow_hook):
+    """With a request always waiting, the imports the warm-up function makes itself still run; the first one made
+    by a module's code gives way (a function stopped mid-way could leave its library half set up)."""
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["slowhook"], {})
+    assert preloaded.warm_up_now(lambda: True) is False
+    assert "earlypkg" in sys.modules and "latepkg" not in sys.modules
+
+
+def test_a_warm_up_does_not_give_way_where_it_would_drop_an_extension_module(tmp_path, monkeypatch):
+    """Once the package being loaded holds an extension module (which cannot be loaded twice), the warm-up does not
+    stop inside it; it gives way again at the next package."""
+    import importlib.machinery
+
+    _package(tmp_path, "extpkg", "from . import fakeext\nfrom . import after\n")
+    (tmp_path / "extpkg" / "fakeext.py").write_text(f"__file__ = __file__[:-3] + {importlib.machinery.EXTENSION_SUFFIXES[0]!r}\n")
+    (tmp_path / "extpkg" / "after.py").write_text("")
+    _package(tmp_path, "purepkg", "from . import inner\n")
+    (tmp_path / "purepkg" / "inner.py").write_text("")
+    (tmp_path / "exthook.py").write_text("def warm_up(env):\n    import extpkg\n    import purepkg\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["exthook"], {})
+    try:
+        assert preloaded.warm_up_now(_waiting_after(2)) is False  # a request from the import of extpkg.after on
+        assert "extpkg.after" in sys.modules and "purepkg" not in sys.modules
+    finally:
+        for name in [n for n in sys.modules if n.partition(".")[0] in ("extpkg", "purepkg", "exthook")]:
+            sys.modules.pop(name)

@@ -19,6 +19,7 @@ SAMPLES: list[p.Message] = [
     p.DumpStacks(job="j1"),
     p.Retire(),
     p.ReleaseHot(),
+    p.WarmUp(hooks=["air_magic.tracking.hook"], env={"MLFLOW_TRACKING_URI": "sqlite:////tmp/ü/mlflow.db"}),
     p.HotCall(run_dir="/runs/y", env={"RANK": "0", "ü": "ß"}),
     p.Event(),
     p.Ready(pid=42, warm=["numpy", "torch"]),

@@ -341,6 +341,15 @@ class LocalLauncher(Launcher):
             raise run_dir.write_failed(exc) from exc
         return LocalJob(self, request, run_dir)
 
+    def warm_up(self, hooks: list[str], env: dict[str, str]) -> None:
+        """Have the running warm supervisor, if there is one, run these hooks' warm-ups while idle."""
+        client = self._client
+        if client is not None and client.warm and client.alive:
+            try:
+                client.send(p.WarmUp(list(hooks), dict(env)))
+            except AirMagicError:
+                pass  # it is gone; the next call starts a new one, and warms it up after that call
+
     def release_hot(self) -> None:
         """End every idle hot rank now (a running call's ranks end with it)."""
         self.wait_ended()  # a call that just returned still holds its hot ranks until its end is confirmed

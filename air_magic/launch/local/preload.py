@@ -7,7 +7,8 @@ import-time variable that differs): the supervisor then answers `stale` and the
 launcher starts a fresh one. Warm-ups are what the hook modules of a call (see
 JobRequest.hooks) do in `warm_up(env)` while the supervisor is idle, e.g. importing
 mlflow; what they import is hidden from a forked worker until its code imports it
-(`_Unhide`, `_Restore`).
+(`_Unhide`, `_Restore`). A warm-up gives way to a request that arrives while it runs
+(`_GiveWay`, `_roll_back`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib.util
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as p
@@ -105,12 +107,19 @@ class Preloaded:
 
     # -- warm-ups: imports a call asked for, done while idle ------------------
     def ask(self, hooks: list[str], env: dict[str, str]) -> None:
-        """Note the hook modules of a launched call, whose warm-ups run later (`warm_up_now`, while idle)."""
+        """Note hook modules whose warm-ups run later (`warm_up_now`, while idle): a call's, or a WarmUp's."""
         for name in hooks:
             self.pending[name] = env
 
-    def warm_up_now(self) -> None:
-        """Run the pending warm-ups, each catching its own failure (the workers then import for themselves)."""
+    def warm_up_now(self, waiting: Callable[[], bool] = lambda: False) -> bool:
+        """Run the pending warm-ups, each catching its own failure (the workers then import for themselves).
+
+        Gives way to requests: while a warm-up imports, `waiting()` is asked at each module it loads, and
+        once it says a request waits, the warm-up is interrupted there (`_GiveWay`), what it was loading
+        is forgotten (`_roll_back`), and it stays pending for the next idle moment. Returns False then,
+        True once nothing is pending. Threads are no way out: the supervisor forks, and a thread caught
+        importing at fork time leaves its import locks held in the child.
+        """
         import atexit
 
         register = atexit.register
@@ -122,32 +131,45 @@ class Preloaded:
 
         while self.pending:
             name, env = self.pending.popitem()
-            before = set(sys.modules)
+            start = before = set(sys.modules)
             registered.clear()
+            give_way = _GiveWay(waiting, start)
+            packages: list[str] = []
+            sys.meta_path.insert(0, give_way)
+            atexit.register = record  # type: ignore[assignment]
             try:
-                warm_up = getattr(importlib.import_module(name), "warm_up", None)
-                if warm_up is None:
-                    continue  # a hook with nothing to warm up
-                before = set(sys.modules)
-                atexit.register = record  # type: ignore[assignment]
-                try:
-                    packages = warm_up(env)
-                finally:
-                    atexit.register = register
+                module = importlib.import_module(name)
+                before = set(sys.modules)  # the hook module itself is air_magic's: never hidden
+                warm_up = getattr(module, "warm_up", None)
+                if warm_up is not None:
+                    packages = list(warm_up(env) or ())
+            except WarmUpInterrupted:
+                pass
             except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation; say why it did not happen
-                print(f"air_magic supervisor: warm-up {name} failed: {exc!r}", file=sys.stderr, flush=True)
-                packages = []
+                if give_way.kept is None:
+                    print(f"air_magic supervisor: warm-up {name} failed: {exc!r}", file=sys.stderr, flush=True)
+            finally:
+                atexit.register = register
+                sys.meta_path.remove(give_way)
             for func, _, _ in registered:
                 atexit.unregister(func)  # they belong to a worker that imports the package, not to us
+            if give_way.kept is not None:
+                _roll_back(start, give_way.kept)
+                registered[:] = [e for e in registered if _module_of(e[0]) in sys.modules]
+                packages = []
             self.exit_funcs += list(registered)
             added = [sys.modules[n] for n in sys.modules.keys() - before]
             tops = {n.partition(".")[0] for n in sys.modules.keys() - before}
             self.hidden_tops |= {t for t in tops if t not in before and t not in sys.stdlib_module_names}
-            for package in packages or ():
-                module = sys.modules.get(package)
-                if module is not None and package not in self.modules:
-                    self.modules[package] = os.path.dirname(getattr(module, "__file__", "") or "")
+            for package in packages:
+                loaded = sys.modules.get(package)
+                if loaded is not None and package not in self.modules:
+                    self.modules[package] = os.path.dirname(getattr(loaded, "__file__", "") or "")
             self._watch(added)
+            if give_way.kept is not None:
+                self.pending.setdefault(name, env)  # a call that asked meanwhile sets its own environment
+                return False
+        return True
 
     def hide_in_child(self) -> None:
         """In a forked worker: take what warm-ups imported out of sys.modules until the worker imports it."""
@@ -213,3 +235,77 @@ class _Restore(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         module.__spec__ = self.spec  # the import system set ours; keep the package's own
+
+
+class WarmUpInterrupted(BaseException):
+    """Raised inside a warm-up at its next import once a request waits; a BaseException, so that code
+    guarding an optional import with `except ImportError` or `except Exception` lets it through."""
+
+
+class _GiveWay(importlib.abc.MetaPathFinder):
+    """First on sys.meta_path during a warm-up: at each module to load, asks `waiting()`; once it says yes,
+    raises WarmUpInterrupted there and at every later import, so the warm-up unwinds whatever catches it.
+
+    It fires only at an import made by a module's own code (`_by_module_code`), and only where what it would
+    drop holds no extension module (one loaded twice keeps the objects of its first load). When it fires it
+    notes, in `kept`, the modules the warm-up finished before the first one it was still loading: those
+    finished before that one started, so they hold nothing of what is rolled back.
+    """
+
+    def __init__(self, waiting: Callable[[], bool], before: set[str]) -> None:
+        self.waiting = waiting
+        self.before = before
+        self.kept: set[str] | None = None
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if self.kept is None:
+            if not (_by_module_code() and self.waiting()):
+                return None
+            kept: set[str] = set()
+            dropped: list[Any] = []
+            for loaded, module in list(sys.modules.items()):  # in the order they started loading
+                if loaded in self.before:
+                    continue
+                if dropped or getattr(getattr(module, "__spec__", None), "_initializing", False):
+                    dropped.append(module)
+                else:
+                    kept.add(loaded)
+            if any(_is_extension(m) for m in dropped if m.__name__.partition(".")[0] not in sys.stdlib_module_names):
+                return None  # an extension module cannot be loaded twice: go on until it is kept
+            self.kept = kept
+        raise WarmUpInterrupted(name)
+
+
+def _is_extension(module: Any) -> bool:
+    return str(getattr(module, "__file__", None) or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def _by_module_code() -> bool:
+    """Whether the import being found was asked by a module's own code, not by a function.
+
+    Only there may a warm-up be interrupted: a module that fails while it loads is dropped whole, but a
+    function interrupted at a lazy import may leave its library half set up (SQLAlchemy's caches, say).
+    """
+    frame: Any = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+        if isinstance(frame.f_locals.get("self"), importlib.machinery.ExtensionFileLoader):
+            return False  # asked by an extension module's initialisation
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "<module>"
+
+
+def _roll_back(before: set[str], kept: set[str]) -> None:
+    """Forget what an interrupted warm-up loaded, except what `kept` names and finished standard modules.
+
+    A module is also forgotten when its parent package is (the import system dropped those still loading):
+    loaded again later, it is bound to the new package like any fresh import.
+    """
+    for name in sorted(sys.modules.keys() - before):  # a package sorts before its submodules
+        parent = name.rpartition(".")[0]
+        keep = name in kept or name.partition(".")[0] in sys.stdlib_module_names
+        if not keep or (parent and parent not in sys.modules):
+            del sys.modules[name]
+
+
+def _module_of(func: Any) -> str:
+    return getattr(func, "__module__", None) or ""

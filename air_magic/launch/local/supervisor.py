@@ -10,8 +10,10 @@ of its work lives beside it:
   caller's environment, working directory and sys.path as they are at call
   time. A warm supervisor answers `stale` instead of forking when that state no
   longer matches the caller; the launcher then starts a fresh one. While idle it
-  runs the `warm_up(env)` of the hook modules a call named (e.g. importing
-  mlflow), hidden from a forked worker until its code imports it.
+  runs the `warm_up(env)` of the hook modules a call (or a WarmUp request) named
+  (e.g. importing mlflow), hidden from a forked worker until its code imports it.
+  A request that arrives meanwhile interrupts the warm-up at its next import, so
+  it never waits for one; the warm-up runs again at the next idle moment.
 - spawn.py: forking and spawning workers and rendezvous stores. Without
   `--warm`, or for a job that asks for fresh interpreters, every worker is
   started by posix_spawn. The supervisor stays single-threaded so forking is
@@ -102,6 +104,9 @@ class Supervisor:
             self.pools.release_idle()
         elif isinstance(msg, p.ReleaseHot):
             self.pools.release_idle()
+        elif isinstance(msg, p.WarmUp):
+            if self.warm:
+                self.preloaded.ask(msg.hooks, msg.env)
         elif isinstance(msg, p.StopJob):
             job = self.jobs.get(msg.job)
             if job is not None:
@@ -355,7 +360,8 @@ class Supervisor:
             self.tick()
             idle = not (self.jobs or self.closing or self.retiring or select.select([0], [], [], 0)[0])
             if self.preloaded.pending and idle:
-                self.preloaded.warm_up_now()  # nothing to watch, no request waiting
+                # Nothing to watch, no request waiting; one that comes meanwhile interrupts the warm-up.
+                self.preloaded.warm_up_now(lambda: bool(select.select([0], [], [], 0)[0]))
 
     def close(self) -> None:
         """The kernel is gone or asked us to go: stop every job, then leave."""
