@@ -233,7 +233,7 @@ class ResourceSampler(Listener):
         self._ctx: RunContext | None = None
         self._gpus: dict[int, str] = {}
         self._nvml: _Nvml | None = None
-        self._pending: dict[str, float] = {}  # the newest sample with figures, not yet handed to the sinks
+        self._pending: dict[str, float] = {}  # each rank's newest figures not yet handed to the sinks
 
     # -- what readers see ----------------------------------------------------
     def latest(self) -> dict[int, Usage]:
@@ -325,8 +325,8 @@ class ResourceSampler(Listener):
                 self._peaks.setdefault(rank, Peak()).add(usage)
             self.node_memory_percent = node
             self.count += 1
-        if now:
-            self._pending = metrics(now)
+        if now:  # merged: a rank that exited before the next hand-over still has its last figures sent
+            self._pending.update(metrics(now))
 
     def _tree(self, pid: int) -> list[psutil.Process] | None:
         """The rank's process and its descendants (kept between samples: cpu_percent measures since the last call)."""

@@ -12,12 +12,12 @@ import pytest
 from faults_common import here_runs, run_here  # noqa: F401 - here_runs is a fixture
 from helpers import Kernel, leftover_processes
 
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
+
 SETUP = """
 import os, time
 from air_magic import distributed
-
-#: Real kernels and processes: seconds each.
-pytestmark = pytest.mark.slow
 """
 
 

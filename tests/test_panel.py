@@ -17,12 +17,12 @@ from widget_state import WidgetMirror, click, run_cell
 
 from air_magic.display.tail import TailBuffer
 
+#: Real kernels and processes: seconds each.
+pytestmark = pytest.mark.slow
+
 SETUP = """
 import os, sys, time
 from air_magic import distributed
-
-#: Real kernels and processes: seconds each.
-pytestmark = pytest.mark.slow
 """
 
 

@@ -212,3 +212,36 @@ def test_each_rank_reads_its_own_gpu_through_nvml(tmp_path: Path, monkeypatch):
     assert peak_text(sampler.peaks()[1]).endswith("GPU memory peak 70.0 GiB")
     assert metrics(latest)["system/rank_1/gpu_memory_mib"] == 20 * 1024
     assert nvml.calls == ["init", "shutdown"]
+
+
+def test_a_rank_that_exits_before_the_hand_over_still_has_its_figures_sent(tmp_path: Path):
+    """Rank 1 starts after the first figures went to the sinks and exits before the next hand-over: its cpu_percent
+    and memory_mib still reach the sinks (with the end's batch), not only rank 0's."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        ctx = RunContext(spec(2), tmp_path, [])
+        ctx.pids[0] = procs[0].pid
+        logged: list[dict[str, float]] = []
+        sampler = ResourceSampler(period=0.1, log_every=3600)  # the first figures at once, then only at the end
+        sampler.sinks.append(lambda values, step: logged.append(values))
+        sampler.on_start(ctx)
+        deadline = time.monotonic() + 20
+        while not logged and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ctx.pids[1] = procs[1].pid
+        while len(sampler.latest()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs[1].kill()
+        procs[1].wait()
+        seen = sampler.count
+        while sampler.count < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(sampler.latest()) == {0}
+        sampler.on_end(JobResult(ctx.spec, tmp_path, [RankResult(0, RankState.DONE), RankResult(1, RankState.DONE)]))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    sent = {name for values in logged for name in values}
+    for rank in (0, 1):
+        assert f"system/rank_{rank}/cpu_percent" in sent and f"system/rank_{rank}/memory_mib" in sent, sorted(sent)
