@@ -164,6 +164,25 @@ def rank_gpus(spec: JobSpec, visible: str | None) -> dict[int, str]:
 
 
 # -- sampling -----------------------------------------------------------------------
+_nvml_lock = threading.Lock()
+_nvml_state: list[Any] = []  # [pynvml] once NVML is up in this process, [None] once it could not be
+
+
+def _nvml_session() -> Any:
+    """pynvml with NVML initialized, once per process (a call never pays for its start or shutdown), or None."""
+    with _nvml_lock:
+        if not _nvml_state:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+            except Exception:  # noqa: BLE001 - not installed, no driver: CPU and memory only
+                _nvml_state.append(None)
+            else:
+                _nvml_state.append(pynvml)
+        return _nvml_state[0]
+
+
 class _Nvml:
     """NVML handles of the GPUs the ranks use; absent (`ok` False) without nvidia-ml-py or a driver."""
 
@@ -172,11 +191,8 @@ class _Nvml:
         self.ok = False
         if not gpus:
             return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception:  # noqa: BLE001 - not installed, no driver: CPU and memory only
+        pynvml = _nvml_session()
+        if pynvml is None:
             return
         self.nvml = pynvml
         self.ok = True
@@ -203,14 +219,6 @@ class _Nvml:
         except self.nvml.NVMLError:
             busy = None
         return busy, int(memory.used), int(memory.total)
-
-    def close(self) -> None:
-        if self.ok:
-            try:
-                self.nvml.nvmlShutdown()
-            except self.nvml.NVMLError:
-                pass
-            self.ok = False
 
 
 class ResourceSampler(Listener):
@@ -261,8 +269,6 @@ class ResourceSampler(Listener):
             return
         self._stop.set()
         self._thread.join(timeout=10)
-        if self._nvml is not None:
-            self._nvml.close()
         self._send({**self._pending, **peak_metrics(self.peaks())})
         if self.sink_error is not None:
             warnings.warn(

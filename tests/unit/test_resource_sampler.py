@@ -171,9 +171,6 @@ class FakeNvml:
     def nvmlInit(self) -> None:
         self.calls.append("init")
 
-    def nvmlShutdown(self) -> None:
-        self.calls.append("shutdown")
-
     def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
         return f"dev{index}"
 
@@ -190,10 +187,11 @@ class FakeNvml:
 
 
 def test_each_rank_reads_its_own_gpu_through_nvml(tmp_path: Path, monkeypatch):
-    """With NVML (a stand-in here; the GPU tests run the real one), rank 0 reads GPU 0 by index and rank 1 its
+    """With NVML (a stand-in here; the GPU tests run the real one, started once per process), rank 0 reads GPU 0 by index and rank 1 its
     UUID's device; their memory, utilization and peaks reach the sample, the metrics and the record's words."""
     nvml = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr("air_magic.resources._nvml_state", [])  # this process's NVML session, not started yet
     ctx = RunContext(spec(2, "GPU_2xH100", CUDA_VISIBLE_DEVICES="0,GPU-one"), tmp_path, [])
     ctx.pids.update({0: os.getpid(), 1: os.getpid()})
     sampler = ResourceSampler(period=0.05)
@@ -211,7 +209,11 @@ def test_each_rank_reads_its_own_gpu_through_nvml(tmp_path: Path, monkeypatch):
     assert (latest[1].gpu, latest[1].gpu_percent, latest[1].gpu_memory) == ("GPU-one", 87.0, 20 * GiB)
     assert peak_text(sampler.peaks()[1]).endswith("GPU memory peak 70.0 GiB")
     assert metrics(latest)["system/rank_1/gpu_memory_mib"] == 20 * 1024
-    assert nvml.calls == ["init", "shutdown"]
+    assert nvml.calls == ["init"]
+    again = ResourceSampler(period=0.05)  # the next call (a hot call: hundredths of a second) neither starts
+    again.on_start(RunContext(ctx.spec, tmp_path, []))  # nor shuts NVML down again
+    again.on_end(JobResult(ctx.spec, tmp_path, []))
+    assert nvml.calls == ["init"]
 
 
 def test_a_rank_that_exits_before_the_hand_over_still_has_its_figures_sent(tmp_path: Path):
