@@ -92,6 +92,9 @@ def table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 
 #: What a result file cannot say about itself, shown under the tables that use it.
 NOTES = {
+    "launch-1xH200.json": "each round runs the methods in turn, so a hot call follows a fresh-process call and waits for "
+    "that call's ranks to finish exiting (results come back before the exits; the next call starts after them), "
+    "which is most of the 0.12 s.",
     "launch-4xH200.json": "measured before ranks stopped destroying a process group left open and tearing CUDA "
     "down at exit, which saved 0.5–0.9 s per call on 2×H200; not measured again on 4 GPUs.",
     "mlflow_launch-cpu-before.json": "the code before MLflow was imported by the helper between calls; kept to "
