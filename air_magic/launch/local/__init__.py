@@ -21,7 +21,6 @@ from .launcher import (
     SupervisorClient,
     close_by_eof,
     local_launcher,
-    runs_root,
     warm_default,
     warm_up,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "SupervisorClient",
     "close_by_eof",
     "local_launcher",
-    "runs_root",
     "warm_default",
     "warm_up",
 ]

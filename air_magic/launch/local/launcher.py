@@ -29,7 +29,7 @@ from .. import used
 from ..boot import PACKAGE_PARENT, boot_command
 from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
-from ..rundir import RunDir, helper_log, runs_root, write_private
+from ..rundir import RunDir, helper_log, write_private
 from ..stopper import STOP_GRACE
 
 #: The supervisor's module: its command line names it.
@@ -380,15 +380,3 @@ def warm_up() -> None:
 
 
 atexit.register(_local.shutdown)
-__all__ = [
-    "SUPERVISOR_MODULE",
-    "LocalJob",
-    "LocalLauncher",
-    "LogTail",
-    "SupervisorClient",
-    "close_by_eof",
-    "local_launcher",
-    "runs_root",
-    "warm_default",
-    "warm_up",
-]
