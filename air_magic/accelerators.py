@@ -29,6 +29,7 @@ def parse_gpu_type(text: str) -> tuple[int | None, str | None] | None:
         return None
     return (int(m.group(1)) if m.group(1) is not None else None), m.group(2)
 
+
 _FORM_FACTOR = re.compile(r"^(\d+GB|SXM\d*|PCIE|HBM\d*e?|NVL|MIG.*)$", re.IGNORECASE)
 
 
@@ -132,9 +133,7 @@ def _check_count(value: object, what: str) -> int:
             "pass for example num_accelerators=2, or None for every GPU of the node."
         )
     if value <= 0:
-        raise ConfigurationError(
-            f"{what} must be at least 1, got {value}; pass None to use every GPU of the node."
-        )
+        raise ConfigurationError(f"{what} must be at least 1, got {value}; pass None to use every GPU of the node.")
     return value
 
 

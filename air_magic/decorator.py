@@ -107,7 +107,11 @@ class Settings:
         return accelerators.resolve(self.num_accelerators, self.accelerator_type)
 
     def spec(
-        self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str,
         origin: str = "function",
     ) -> JobSpec:
         if self.num_nodes > 1:
@@ -117,10 +121,20 @@ class Settings:
         else:
             per_node, acc_type = self.resolve()
         return JobSpec(
-            target=target, args=args, kwargs=kwargs, name=name, world_size=per_node * self.num_nodes,
-            accelerator_type=acc_type, timeout=self.timeout, mlflow=self.mlflow,
-            warm=self.warm, extra_env=dict(self.env), origin=origin, keep_alive=self.keep_alive,
-            num_nodes=self.num_nodes, max_restarts=self.max_restarts,
+            target=target,
+            args=args,
+            kwargs=kwargs,
+            name=name,
+            world_size=per_node * self.num_nodes,
+            accelerator_type=acc_type,
+            timeout=self.timeout,
+            mlflow=self.mlflow,
+            warm=self.warm,
+            extra_env=dict(self.env),
+            origin=origin,
+            keep_alive=self.keep_alive,
+            num_nodes=self.num_nodes,
+            max_restarts=self.max_restarts,
         )
 
 
@@ -131,9 +145,7 @@ def legacy_names(settings: dict[str, Any], gpus: Any, gpu_type: Any) -> dict[str
             continue
         if settings.get(new) is not None:
             raise ConfigurationError(f"give either {new}= or the old {old}=, not both; use {new}=.")
-        warnings.warn(
-            f"distributed({old}=...) is deprecated; use {new}=... instead.", FutureWarning, stacklevel=3
-        )
+        warnings.warn(f"distributed({old}=...) is deprecated; use {new}=... instead.", FutureWarning, stacklevel=3)
         if old == "gpu_type" and value is not None:
             if not isinstance(value, str):
                 raise ConfigurationError(f"gpu_type must be a string such as 'H100', got {value!r}.")
@@ -222,12 +234,16 @@ def distributed(
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
-    given = legacy_names(
-        {"num_accelerators": num_accelerators, "accelerator_type": accelerator_type}, gpus, gpu_type
-    )
+    given = legacy_names({"num_accelerators": num_accelerators, "accelerator_type": accelerator_type}, gpus, gpu_type)
     settings = Settings(
-        timeout=timeout, mlflow=mlflow, warm=warm, env=dict(env or {}), keep_alive=keep_alive, num_nodes=num_nodes,
-        max_restarts=max_restarts, **given,
+        timeout=timeout,
+        mlflow=mlflow,
+        warm=warm,
+        env=dict(env or {}),
+        keep_alive=keep_alive,
+        num_nodes=num_nodes,
+        max_restarts=max_restarts,
+        **given,
     )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration
 

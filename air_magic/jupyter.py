@@ -46,4 +46,3 @@ def absolute_proxy_path(base_url: str, port: int) -> str:
     For an app that is told its prefix (MLflow's `--static-prefix`), so its pages link to themselves correctly.
     """
     return f"{base_url}proxy/absolute/{port}"
-

@@ -300,7 +300,6 @@ class DistributedMagics(Magics):
             shell.user_ns[args.out] = values
         return None if ends_with_semicolon(cell) else values
 
-
     @line_magic
     def distributed_release(self, line: str = "") -> None:
         """End every hot rank of this kernel now (see --keep-alive); their GPU memory is freed."""

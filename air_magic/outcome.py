@@ -81,7 +81,7 @@ class AttemptOutcome:
             return f"rank {rank} {describe_returncode(self.result.ranks[rank].returncode or 0)}"
         text = one_line(raised)
         head = f"{type(raised).__name__}: rank {rank} "
-        return text[len(type(raised).__name__) + 2:] if text.startswith(head) else f"rank {rank} raised {text}"
+        return text[len(type(raised).__name__) + 2 :] if text.startswith(head) else f"rank {rank} raised {text}"
 
     def earlier_note(self) -> str:
         """What each earlier attempt's first failure was: the note under the last attempt's error."""

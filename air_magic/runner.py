@@ -129,10 +129,20 @@ class _Run(AttemptOutcome):
             # CPU workers on a GPU node see no GPU: `"nccl" if torch.cuda.is_available() else "gloo"` picks gloo
             env["CUDA_VISIBLE_DEVICES"] = ""
         return p.JobRequest(
-            job_id=uuid.uuid4().hex, name=self.spec.name, world_size=self.spec.world_size, payload=self.blob,
-            env=env, sys_path=list(sys.path), cwd=os.getcwd(), hooks=tuple(hooks),
-            warm=self.spec.warm, keep_alive=self.spec.keep_alive, world_key=world_key(self.spec),
-            num_nodes=self.spec.num_nodes, use_gpu=self.spec.uses_gpu, max_restarts=self.spec.max_restarts,
+            job_id=uuid.uuid4().hex,
+            name=self.spec.name,
+            world_size=self.spec.world_size,
+            payload=self.blob,
+            env=env,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            hooks=tuple(hooks),
+            warm=self.spec.warm,
+            keep_alive=self.spec.keep_alive,
+            world_key=world_key(self.spec),
+            num_nodes=self.spec.num_nodes,
+            use_gpu=self.spec.uses_gpu,
+            max_restarts=self.spec.max_restarts,
         )
 
     def stop(self, reason: StopReason) -> None:
@@ -313,8 +323,11 @@ def world_key(spec: JobSpec) -> str:
 
     env = {k: v for k, v in {**os.environ, **spec.extra_env}.items() if not k.startswith("_")}
     world = {
-        "size": spec.world_size, "type": spec.accelerator_type, "python": sys.executable,
-        "env": sorted(env.items()), "sys_path": sys.path,
+        "size": spec.world_size,
+        "type": spec.accelerator_type,
+        "python": sys.executable,
+        "env": sorted(env.items()),
+        "sys_path": sys.path,
     }
     return hashlib.sha256(json.dumps(world).encode()).hexdigest()
 

@@ -79,8 +79,12 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+    )
     import fsspec
     import s3fs
     import torch.utils.data
@@ -121,7 +125,10 @@ def main() -> None:
         ds = StreamingFileDataset(url, transform=read_length, cache_dir=cache_root, seed=0)
         for rep in range(args.repeat):
             print(f"S3 epoch {rep + 1} of {args.repeat}", flush=True)
-            record("S3, plain fsspec loop", *timed(lambda: fsspec_loop(s3fs.S3FileSystem(skip_instance_cache=True), s3_names)))
+            record(
+                "S3, plain fsspec loop",
+                *timed(lambda: fsspec_loop(s3fs.S3FileSystem(skip_instance_cache=True), s3_names)),
+            )
             shutil.rmtree(cache_root, ignore_errors=True)
             ds = StreamingFileDataset(url, transform=read_length, cache_dir=cache_root, seed=rep)
             record("S3, StreamingFileDataset, cold cache", *timed(lambda ds=ds: epoch(ds)))
@@ -139,8 +146,12 @@ def main() -> None:
         table = {}
         for name, secs in results.items():
             med = statistics.median(secs)
-            table[name] = {"seconds": round(med, 3), "files_per_s": round(args.files / med, 1),
-                           "MB_per_s": round(total / med / 1e6, 1), "all_seconds": [round(s, 3) for s in secs]}
+            table[name] = {
+                "seconds": round(med, 3),
+                "files_per_s": round(args.files / med, 1),
+                "MB_per_s": round(total / med / 1e6, 1),
+                "all_seconds": [round(s, 3) for s in secs],
+            }
         warm = table["S3, StreamingFileDataset, warm cache"]["seconds"]
         base = table["local, plain DataLoader over paths"]["seconds"]
         local_ds = table["local, StreamingFileDataset"]["seconds"]
@@ -149,18 +160,27 @@ def main() -> None:
             "warm_cache_vs_local_streaming_dataset": round(warm / local_ds, 3),
         }
         report = {
-            "files": args.files, "file_size_bytes": size, "workers": args.workers, "batch_size": args.batch_size,
-            "repeat": args.repeat, "local_repeat": args.local_repeat,
-            "load_average": os.getloadavg(), "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                                               "platform": platform.platform()},
-            "results": table, "summary": summary,
+            "files": args.files,
+            "file_size_bytes": size,
+            "workers": args.workers,
+            "batch_size": args.batch_size,
+            "repeat": args.repeat,
+            "local_repeat": args.local_repeat,
+            "load_average": os.getloadavg(),
+            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+            "results": table,
+            "summary": summary,
         }
-        print(f"\n{args.files} files of {args.size_kib} KiB, {args.workers} DataLoader workers, median of "
-              f"{args.repeat} S3 and {args.local_repeat} warm/local epochs; load average {os.getloadavg()}:")
+        print(
+            f"\n{args.files} files of {args.size_kib} KiB, {args.workers} DataLoader workers, median of "
+            f"{args.repeat} S3 and {args.local_repeat} warm/local epochs; load average {os.getloadavg()}:"
+        )
         for name, row in table.items():
             print(f"  {name:42s} {row['files_per_s']:9.1f} files/s {row['MB_per_s']:8.1f} MB/s")
-        print(f"  warm cache / plain local DataLoader: {summary['warm_cache_vs_plain_local_dataloader']:.3f}; "
-              f"warm cache / local StreamingFileDataset: {summary['warm_cache_vs_local_streaming_dataset']:.3f}")
+        print(
+            f"  warm cache / plain local DataLoader: {summary['warm_cache_vs_plain_local_dataloader']:.3f}; "
+            f"warm cache / local StreamingFileDataset: {summary['warm_cache_vs_local_streaming_dataset']:.3f}"
+        )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"written to {args.out}")

@@ -92,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path.name}: FAILED after {run.elapsed:.1f} s\n{row['error']}\n{text[-4000:]}")
             else:
                 row["step_time_ms"] = {
-                    group: [round(1000 * t, 2) for t in times] for group, times in json.loads(found[-1][len(MARK):]).items()
+                    group: [round(1000 * t, 2) for t in times]
+                    for group, times in json.loads(found[-1][len(MARK) :]).items()
                 }
                 for group, times in row["step_time_ms"].items():
                     label = f"{path.stem} {group}".strip()
                     per_rank = ", ".join(f"{t:.2f}" for t in times)
-                    print(f"{label:28s} {'; '.join(where):28s} median step per rank (ms): {per_rank}   "
-                          f"notebook wall {run.elapsed:.1f} s")
+                    print(
+                        f"{label:28s} {'; '.join(where):28s} median step per rank (ms): {per_rank}   "
+                        f"notebook wall {run.elapsed:.1f} s"
+                    )
             rows.append(row)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers import Kernel  # noqa: E402
 
-JOB = '''
+JOB = """
 import os, torch, torch.distributed as dist
 def job():
     gpu = torch.cuda.is_available()
@@ -42,9 +42,9 @@ def job_logs():
     import mlflow
     mlflow.log_metric("x", 1.0)
     return job()
-'''
+"""
 
-SETUP = '''
+SETUP = """
 import json, subprocess, sys, time, statistics
 from air_magic import distributed
 {job}
@@ -56,7 +56,7 @@ def clock(name, fn):
     return out
 with open({script!r}, "w") as f:
     f.write({job_src!r} + "\\nif __name__ == '__main__':\\n    job()\\n")
-'''
+"""
 
 CALLS = {
     "air_magic first call (starts helper)": "clock(NAME, lambda: distributed(N, mlflow=False)(job).distributed())",
@@ -83,8 +83,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="air-magic-bench-"))
     (work / "runs").mkdir()
     script = str(work / "job.py")
-    k = Kernel(work, env={"AIR_MAGIC_RUNS_DIR": str(work / "runs"), "AIR_MAGIC_DISPLAY": "text",
-                          "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db"})
+    k = Kernel(
+        work,
+        env={
+            "AIR_MAGIC_RUNS_DIR": str(work / "runs"),
+            "AIR_MAGIC_DISPLAY": "text",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db",
+        },
+    )
     try:
         k.execute(SETUP.format(job=JOB, ranks=args.ranks, script=script, job_src=JOB)).check()
         k.execute(f"NAME = {list(calls)[0]!r}\n" + calls[list(calls)[0]]).check()
@@ -92,15 +98,23 @@ def main() -> None:
             for name, code in list(calls.items())[1:]:
                 k.execute(f"NAME = {name!r}\n" + code.format(script=script), timeout=300).check()
         raw = json.loads(k.execute("print(json.dumps(timed))").check().stdout.strip().splitlines()[-1])
-        machine = k.execute("import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')").check().stdout.strip()
+        machine = (
+            k.execute("import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU')")
+            .check()
+            .stdout.strip()
+        )
     finally:
         k.shutdown()
     med = {name: statistics.median(ts) for name, ts in raw.items()}
     warm = med["air_magic warm"]
     report = {
-        "date": time.strftime("%Y-%m-%d"), "ranks": args.ranks, "device": machine,
-        "host": f"{platform.machine()}, {__import__('os').cpu_count()} cores", "repeat": args.repeat,
-        "seconds": raw, "median": med,
+        "date": time.strftime("%Y-%m-%d"),
+        "ranks": args.ranks,
+        "device": machine,
+        "host": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+        "repeat": args.repeat,
+        "seconds": raw,
+        "median": med,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

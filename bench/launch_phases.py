@@ -98,14 +98,24 @@ def first_call(ranks: int) -> None:
     import tempfile
 
     root = Path(__file__).resolve().parent.parent
-    for label, on, log in (("MLflow off", "0", "0"), ("MLflow on, ranks do not log", "1", "0"),
-                           ("MLflow on, ranks log one metric", "1", "1")):
+    for label, on, log in (
+        ("MLflow off", "0", "0"),
+        ("MLflow on, ranks do not log", "1", "0"),
+        ("MLflow on, ranks log one metric", "1", "1"),
+    ):
         work = Path(tempfile.mkdtemp(prefix="air-magic-first-call-"))
         (work / "runs").mkdir(mode=0o700)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
         env.update(AIR_MAGIC_RUNS_DIR=str(work / "runs"), AIR_MAGIC_DISPLAY="text")
-        done = subprocess.run([sys.executable, "-c", FIRST_CALL, str(root), str(ranks), on, log],
-                              check=False, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-c", FIRST_CALL, str(root), str(ranks), on, log],
+            check=False,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if done.returncode != 0:
             sys.exit(done.stderr[-3000:])
         data = json.loads(done.stdout.strip().splitlines()[-1])

@@ -80,10 +80,20 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="air-magic-tee-"))
     (work / "run").mkdir(mode=0o700)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), AIR_MAGIC_RUN_DIR=str(work / "run"),
-               MLFLOW_TRACKING_URI=f"sqlite:///{work}/mlflow.db")
-    done = subprocess.run([sys.executable, "-c", PROBE, str(args.calls), str(args.rounds)], cwd=work, env=env,
-                          capture_output=True, text=True, check=True)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        AIR_MAGIC_RUN_DIR=str(work / "run"),
+        MLFLOW_TRACKING_URI=f"sqlite:///{work}/mlflow.db",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(args.calls), str(args.rounds)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     raw = json.loads(done.stdout.strip().splitlines()[-1])
     med = {k: round(statistics.median(v), 1) for k, v in raw.items() if isinstance(v, list)}
     result = {

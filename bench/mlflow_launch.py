@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # One variant, in its own process: prints one JSON line of timings.
-PROBE = r'''
+PROBE = r"""
 import contextlib, io, json, os, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 from air_magic import distributed
@@ -81,10 +81,10 @@ out["logging runs with every rank's metric"] = sum(
 from air_magic.tracking import ui as mlflow_ui
 mlflow_ui.shutdown()
 print(json.dumps(out))
-'''
+"""
 
 # One first-call scenario, in its own process: prints one JSON line of timings.
-FIRST = r'''
+FIRST = r"""
 import contextlib, io, json, os, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 ranks, pause, warm_calls, how, kind = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
@@ -139,7 +139,7 @@ out["mlflow.db made"] = os.path.exists("mlflow.db")
 from air_magic.tracking import ui
 ui.shutdown()
 print(json.dumps(out))
-'''
+"""
 
 
 def first_calls(args: argparse.Namespace, ranks: int, kind: str) -> dict:
@@ -158,17 +158,28 @@ def first_calls(args: argparse.Namespace, ranks: int, kind: str) -> dict:
         env.update(AIR_MAGIC_RUNS_DIR=str(work / "runs"), AIR_MAGIC_DISPLAY="text")
         done = subprocess.run(
             [sys.executable, "-c", FIRST, str(ROOT), str(ranks), str(pause), str(args.warm_calls), how, kind, until],
-            check=False, cwd=work, env=env, capture_output=True, text=True, timeout=1800,
+            check=False,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
         if done.returncode != 0:
             sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
         found[name] = json.loads(done.stdout.strip().splitlines()[-1])
         row = found[name]
-        waited = f" (background done after {row['background done after s']:.1f} s)" if "background done after s" in row else ""
-        print(f"{name}: load {row['loading s']:.2f} s{waited}; first {row['first s']:.2f} s, second {row['second s']:.2f} s, "
-              f"warm {row['warm median s']:.3f} s; bound {row['bound s']:.2f} s: first "
-              f"{'ok' if row['first within bound'] else 'OVER'}, second {'ok' if row['second within bound'] else 'OVER'}",
-              flush=True)
+        waited = (
+            f" (background done after {row['background done after s']:.1f} s)"
+            if "background done after s" in row
+            else ""
+        )
+        print(
+            f"{name}: load {row['loading s']:.2f} s{waited}; first {row['first s']:.2f} s, second {row['second s']:.2f} s, "
+            f"warm {row['warm median s']:.3f} s; bound {row['bound s']:.2f} s: first "
+            f"{'ok' if row['first within bound'] else 'OVER'}, second {'ok' if row['second within bound'] else 'OVER'}",
+            flush=True,
+        )
     return found
 
 
@@ -187,15 +198,26 @@ def main() -> None:
     ranks = [n for n in args.ranks if not gpus or n <= gpus]
     device = _device_name() if gpus else "CPU"
     report: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "device": device, "host": f"{platform.machine()}, {os.cpu_count()} cores",
-        "repeat": args.repeat, "load_before": os.getloadavg()[0], "variants": {},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": device,
+        "host": f"{platform.machine()}, {os.cpu_count()} cores",
+        "repeat": args.repeat,
+        "load_before": os.getloadavg()[0],
+        "variants": {},
     }
     if "first" in args.parts:
         first_ranks = 2 if not gpus else min(2, gpus)
         print(f"{device}: first calls on {first_ranks} rank(s), MLflow on, fresh store", flush=True)
-        report["first calls"] = {"ranks": first_ranks, "pause s": args.pause,
-                                 "scenarios": first_calls(args, first_ranks, "CPU" if kind == "CPU" else "")}
-    for variant, preload in (() if "warm" not in args.parts else (("default helper", None), ("AIR_MAGIC_PRELOAD=torch,mlflow", "torch,mlflow"))):
+        report["first calls"] = {
+            "ranks": first_ranks,
+            "pause s": args.pause,
+            "scenarios": first_calls(args, first_ranks, "CPU" if kind == "CPU" else ""),
+        }
+    for variant, preload in (
+        ()
+        if "warm" not in args.parts
+        else (("default helper", None), ("AIR_MAGIC_PRELOAD=torch,mlflow", "torch,mlflow"))
+    ):
         work = Path(tempfile.mkdtemp(prefix="air-magic-mlflow-launch-"))
         (work / "runs").mkdir(mode=0o700)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -203,8 +225,21 @@ def main() -> None:
         if preload:
             env["AIR_MAGIC_PRELOAD"] = preload
         done = subprocess.run(
-            [sys.executable, "-c", PROBE, str(ROOT), json.dumps(ranks), str(args.repeat), "CPU" if kind == "CPU" else ""],
-            check=False, cwd=work, env=env, capture_output=True, text=True, timeout=3600,
+            [
+                sys.executable,
+                "-c",
+                PROBE,
+                str(ROOT),
+                json.dumps(ranks),
+                str(args.repeat),
+                "CPU" if kind == "CPU" else "",
+            ],
+            check=False,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
         )
         if done.returncode != 0:
             sys.exit(f"{variant} failed:\n{done.stderr[-3000:]}")
@@ -213,25 +248,36 @@ def main() -> None:
     if report["variants"]:
         _print_warm_costs(report, args, ranks, device)
     name = "mlflow_launch" if "warm" in args.parts else "mlflow_first_calls"
-    out = args.out or ROOT / "bench" / "results" / f"{name}-{'cpu' if kind == 'CPU' else f'{gpus}x' + device.split()[-1]}.json"
+    out = (
+        args.out
+        or ROOT / "bench" / "results" / f"{name}-{'cpu' if kind == 'CPU' else f'{gpus}x' + device.split()[-1]}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _print_warm_costs(report: dict, args: argparse.Namespace, ranks: list[int], device: str) -> None:
-    print(f"{device} ({report['host']}), warm calls, median of {args.repeat}; load average {report['load_before']:.1f} -> {report['load_after']:.1f}")
-    print("| helper | ranks | no MLflow s | bare s | logs one metric s | logs - bare | logs - no MLflow | logs / bare |")
+    print(
+        f"{device} ({report['host']}), warm calls, median of {args.repeat}; load average {report['load_before']:.1f} -> {report['load_after']:.1f}"
+    )
+    print(
+        "| helper | ranks | no MLflow s | bare s | logs one metric s | logs - bare | logs - no MLflow | logs / bare |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for variant, data in report["variants"].items():
         for n in ranks:
             med = {k: statistics.median(v) for k, v in data[str(n)].items()}
             data[str(n) + " median"] = med
-            print(f"| {variant} | {n} | {med['no MLflow']:.3f} | {med['bare']:.3f} | {med['logs']:.3f} | "
-                  f"{med['logs'] - med['bare']:+.3f} | {med['logs'] - med['no MLflow']:+.3f} | {med['logs'] / med['bare']:.1f} |")
+            print(
+                f"| {variant} | {n} | {med['no MLflow']:.3f} | {med['bare']:.3f} | {med['logs']:.3f} | "
+                f"{med['logs'] - med['bare']:+.3f} | {med['logs'] - med['no MLflow']:+.3f} | {med['logs'] / med['bare']:.1f} |"
+            )
     for variant, data in report["variants"].items():
-        print(f"{variant}: first call {data['first call (starts the helper)']:.2f} s, next call "
-              f"{data['second call (waits for the helper' + chr(39) + 's warm-up)']:.2f} s; logging runs with every "
-              f"rank's metric: {data['logging runs with every rank' + chr(39) + 's metric']}/{data['logging runs']}")
+        print(
+            f"{variant}: first call {data['first call (starts the helper)']:.2f} s, next call "
+            f"{data['second call (waits for the helper' + chr(39) + 's warm-up)']:.2f} s; logging runs with every "
+            f"rank's metric: {data['logging runs with every rank' + chr(39) + 's metric']}/{data['logging runs']}"
+        )
 
 
 def _gpu_count() -> int:
@@ -243,7 +289,9 @@ def _gpu_count() -> int:
 
 
 def _device_name() -> str:
-    done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False, capture_output=True, text=True)
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False, capture_output=True, text=True
+    )
     return done.stdout.splitlines()[0].strip()
 
 

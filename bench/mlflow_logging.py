@@ -100,8 +100,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--step-ms", type=float, default=2.0, help="busy work per step (ms)")
-    parser.add_argument("--client-steps", type=int, default=200,
-                        help="then this many steps through MlflowClient.log_metric, in the same ranks and run")
+    parser.add_argument(
+        "--client-steps",
+        type=int,
+        default=200,
+        help="then this many steps through MlflowClient.log_metric, in the same ranks and run",
+    )
     args = parser.parse_args()
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -159,8 +163,12 @@ def main() -> None:
         "first_call_ms_max": round(max(r["first_ms"] for r in per_rank), 1),
         "client_steps": args.client_steps,
         "client_stored_metrics": len(client.get_metric_history(run.info.run_id, "loss_client")),
-        "mlflow_client_wall_us_per_log_metric": round(sum(r.get("client_wall_us", 0) for r in per_rank) / len(per_rank), 1),
-        "mlflow_client_cpu_us_per_log_metric": round(sum(r.get("client_cpu_us", 0) for r in per_rank) / len(per_rank), 1),
+        "mlflow_client_wall_us_per_log_metric": round(
+            sum(r.get("client_wall_us", 0) for r in per_rank) / len(per_rank), 1
+        ),
+        "mlflow_client_cpu_us_per_log_metric": round(
+            sum(r.get("client_cpu_us", 0) for r in per_rank) / len(per_rank), 1
+        ),
         "tight_loop_one_process_wall_us": round(tight["wall_us"], 1),
         "tight_loop_one_process_cpu_us": round(tight["cpu_us"], 1),
         "default_sync_one_process_wall_us": round(sync["wall_us"], 1),

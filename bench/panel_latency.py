@@ -176,7 +176,9 @@ def main() -> None:
                 time.sleep(0.25)
             wall = time.monotonic() - before_wall
             cpu = (sum(kernel.cpu_times()[:2]) - before_cpu) / wall
-            written = [int(n) for n in re.findall(r"\d+", nb.cell(2).locator(".jp-OutputArea-output").last.inner_text())]
+            written = [
+                int(n) for n in re.findall(r"\d+", nb.cell(2).locator(".jp-OutputArea-output").last.inner_text())
+            ]
             nb.screenshot("bench-flood.png")
     finally:
         lab.close()

@@ -57,8 +57,14 @@ def train(steps: int = 20) -> dict:
     dist.destroy_process_group()
     ray = sys.modules.get("ray")  # imported in a Ray actor; the local launcher's ranks have no Ray
     node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
-    return {"losses": losses, "node": node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "device": torch.cuda.get_device_name(), "rank": int(os.environ["RANK"]), "pid": os.getpid()}
+    return {
+        "losses": losses,
+        "node": node,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "device": torch.cuda.get_device_name(),
+        "rank": int(os.environ["RANK"]),
+        "pid": os.getpid(),
+    }
 
 
 def gpu_memory_used_mib() -> list[int]:
@@ -67,8 +73,10 @@ def gpu_memory_used_mib() -> list[int]:
 
     pynvml.nvmlInit()
     try:
-        return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used) >> 20
-                for i in range(pynvml.nvmlDeviceGetCount())]
+        return [
+            int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used) >> 20
+            for i in range(pynvml.nvmlDeviceGetCount())
+        ]
     finally:
         pynvml.nvmlShutdown()
 
@@ -105,6 +113,7 @@ def main() -> None:
         def call(**kw):
             spec = Settings(num_accelerators=1, mlflow=False, **kw).spec(train, (), {}, "train")
             return runner.run(spec, launcher=ray_launcher()).raise_for_status().values
+
     import ray
 
     for attempt in ("first", "second"):
@@ -124,15 +133,25 @@ def main() -> None:
     report["same losses"] = [r["losses"] for r in through_ray] == [r["losses"] for r in local]
     report["loss first -> last"] = [through_ray[0]["losses"][0], through_ray[0]["losses"][-1]]
     deadline = time.monotonic() + 30
-    while ray.available_resources().get("GPU", 0) != ray.cluster_resources().get("GPU", 0) and time.monotonic() < deadline:
+    while (
+        ray.available_resources().get("GPU", 0) != ray.cluster_resources().get("GPU", 0) and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
-    report["ray GPUs free after / total"] = [ray.available_resources().get("GPU", 0), ray.cluster_resources().get("GPU", 0)]
+    report["ray GPUs free after / total"] = [
+        ray.available_resources().get("GPU", 0),
+        ray.cluster_resources().get("GPU", 0),
+    ]
     time.sleep(1)
     report["GPU MiB used after"] = gpu_memory_used_mib()
     print(json.dumps(report, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    ok = report["same losses"] and report["hot calls in the same processes"] and report["ray GPUs free after / total"][0] == gpus and report["GPU MiB used after"] == report["GPU MiB used before"]
+    ok = (
+        report["same losses"]
+        and report["hot calls in the same processes"]
+        and report["ray GPUs free after / total"][0] == gpus
+        and report["GPU MiB used after"] == report["GPU MiB used before"]
+    )
     sys.exit(0 if ok else 1)
 
 

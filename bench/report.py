@@ -162,8 +162,15 @@ def ddp_step() -> list[str]:
         theirs = statistics.median(d["torchrun_step_s"]) * 1000
         device = "GPU" if d.get("gpu") else "CPU"
         rows.append(
-            [machine_of(d, name) if device == "GPU" else f"CPU, machine {machine_of(d, name)}", date_of(d),
-             d.get("ranks", "?"), f"{ours:.2f} ms", f"{theirs:.2f} ms", f"{d['ratio']:.3f}", f"`{name}`"]
+            [
+                machine_of(d, name) if device == "GPU" else f"CPU, machine {machine_of(d, name)}",
+                date_of(d),
+                d.get("ranks", "?"),
+                f"{ours:.2f} ms",
+                f"{theirs:.2f} ms",
+                f"{d['ratio']:.3f}",
+                f"`{name}`",
+            ]
         )
     return [
         "## Training step",
@@ -200,8 +207,18 @@ def faults() -> list[str]:
         f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Stop grace: {d.get('stop_grace_s', '?')} s. "
         + source_line([name]),
         "",
-        *table(["scenario", "runs", "error raised", "rank named", "fault → return (median / max)",
-                "processes leaked", "lines lost"], rows),
+        *table(
+            [
+                "scenario",
+                "runs",
+                "error raised",
+                "rank named",
+                "fault → return (median / max)",
+                "processes leaked",
+                "lines lost",
+            ],
+            rows,
+        ),
     ]
 
 
@@ -213,20 +230,31 @@ def panel() -> list[str]:
         ["the same, later calls", ", ".join(ms(x) for x in d["panel_shown_later_calls_ms"])],
         ["Shift+Enter → a rank's first line, a kernel's first call", ms(d["first_line_first_call_ms"])],
         ["the same, later calls", ", ".join(ms(x) for x in d["first_line_later_calls_ms"])],
-        ["a worker's `print` → the line in the panel (median / 95th percentile)",
-         f"{ms(d['latency_median_ms'])} / {ms(d['latency_p95_ms'])}"],
-        ["`log_metric` → its point in the chart (median / max)",
-         f"{ms(d['chart_lag_median_ms'])} / {ms(d['chart_lag_max_ms'])}"],
-        [f"kernel CPU while 2 ranks print {d['flood_rate_mb_s_per_rank']} MB/s each",
-         f"{d['kernel_cpu_percent_during_flood']} % of one core"],
-        ["page answers during that flood (median / max)",
-         f"{ms(d['page_answer_median_ms'])} / {ms(d['page_answer_max_ms'])}"],
+        [
+            "a worker's `print` → the line in the panel (median / 95th percentile)",
+            f"{ms(d['latency_median_ms'])} / {ms(d['latency_p95_ms'])}",
+        ],
+        [
+            "`log_metric` → its point in the chart (median / max)",
+            f"{ms(d['chart_lag_median_ms'])} / {ms(d['chart_lag_max_ms'])}",
+        ],
+        [
+            f"kernel CPU while 2 ranks print {d['flood_rate_mb_s_per_rank']} MB/s each",
+            f"{d['kernel_cpu_percent_during_flood']} % of one core",
+        ],
+        [
+            "page answers during that flood (median / max)",
+            f"{ms(d['page_answer_median_ms'])} / {ms(d['page_answer_max_ms'])}",
+        ],
     ]
     tee = load("metrics_tee.json")
     tee_rows = [
         ["`mlflow.log_metric`", f"{tee['median_plain_metric_us']} µs", f"{tee['median_tee_alone_metric_us']} µs"],
-        ["`mlflow.log_metrics` (4 values)", f"{tee['median_plain_metrics4_us']} µs",
-         f"{tee['median_tee_alone_metrics4_us']} µs"],
+        [
+            "`mlflow.log_metrics` (4 values)",
+            f"{tee['median_plain_metrics4_us']} µs",
+            f"{tee['median_tee_alone_metrics4_us']} µs",
+        ],
     ]
     return [
         "## The live panel",
@@ -258,18 +286,32 @@ def mlflow_launch() -> list[str]:
                 ranks = key.split()[0]
                 off, bare, logs = med.get("no MLflow"), med.get("bare"), med.get("logs")
                 diff = f"+{logs - off:.3f} s" if logs is not None and off is not None else "–"
-                rows.append([machine_of(d, name), date_of(d), load_of(d), variant, ranks, s(off), s(bare), s(logs),
-                             diff, f"`{name}`"])
+                rows.append(
+                    [
+                        machine_of(d, name),
+                        date_of(d),
+                        load_of(d),
+                        variant,
+                        ranks,
+                        s(off),
+                        s(bare),
+                        s(logs),
+                        diff,
+                        f"`{name}`",
+                    ]
+                )
     return [
         "## MLflow at launch",
         "",
-        "`bench/mlflow_launch.py`: warm calls, MLflow's default local store, medians. \"no MLflow\" is `return 1`",
-        "with `mlflow=False`; \"bare\" the same with tracking on; \"logs\" is",
-        "`import mlflow; mlflow.log_metric(\"x\", 1.0); return 1`. `-before` files hold a run of an earlier",
+        '`bench/mlflow_launch.py`: warm calls, MLflow\'s default local store, medians. "no MLflow" is `return 1`',
+        'with `mlflow=False`; "bare" the same with tracking on; "logs" is',
+        '`import mlflow; mlflow.log_metric("x", 1.0); return 1`. `-before` files hold a run of an earlier',
         "version of the code, kept for comparison.",
         "",
-        *table(["machine", "date", "load", "helper", "ranks", "no MLflow", "bare", "logs", "logs − no MLflow",
-                "file"], rows),
+        *table(
+            ["machine", "date", "load", "helper", "ranks", "no MLflow", "bare", "logs", "logs − no MLflow", "file"],
+            rows,
+        ),
         *notes(names),
     ]
 
@@ -280,8 +322,19 @@ def first_calls() -> list[str]:
     for name in names:
         d = load(name)
         for scenario, v in d.get("first calls", {}).get("scenarios", {}).items():
-            rows.append([machine_of(d, name), date_of(d), load_of(d), scenario, s(v.get("first s")),
-                         s(v.get("second s")), s(v.get("warm median s")), s(v.get("bound s")), f"`{name}`"])
+            rows.append(
+                [
+                    machine_of(d, name),
+                    date_of(d),
+                    load_of(d),
+                    scenario,
+                    s(v.get("first s")),
+                    s(v.get("second s")),
+                    s(v.get("warm median s")),
+                    s(v.get("bound s")),
+                    f"`{name}`",
+                ]
+            )
     return [
         "## The first calls after `%load_ext`",
         "",
@@ -298,12 +351,20 @@ def mlflow_logging() -> list[str]:
     rows = []
     for name in names:
         d = load(name)
-        rows.append([
-            machine_of(d, name), date_of(d), d.get("mlflow", "?"), f"{d['ranks']} × {d['steps']}",
-            f"{d['stored_metrics']} / {d['expected_metrics']}", d["database_locked_errors"],
-            f"{d['cpu_us_per_log_metric']} µs", f"{d['wall_us_per_log_metric']} µs",
-            f"{d['default_sync_one_process_wall_us']} µs", f"`{name}`",
-        ])
+        rows.append(
+            [
+                machine_of(d, name),
+                date_of(d),
+                d.get("mlflow", "?"),
+                f"{d['ranks']} × {d['steps']}",
+                f"{d['stored_metrics']} / {d['expected_metrics']}",
+                d["database_locked_errors"],
+                f"{d['cpu_us_per_log_metric']} µs",
+                f"{d['wall_us_per_log_metric']} µs",
+                f"{d['default_sync_one_process_wall_us']} µs",
+                f"`{name}`",
+            ]
+        )
     return [
         "## MLflow logging in the ranks",
         "",
@@ -311,8 +372,21 @@ def mlflow_logging() -> list[str]:
         "default sqlite store; CPU and wall time per `mlflow.log_metric` (asynchronous, batched) in the ranks,",
         "and a synchronous `log_metric` in one plain process for comparison.",
         "",
-        *table(["machine", "date", "MLflow", "ranks × steps", "stored / logged", "\"database is locked\"",
-                "CPU per call", "wall per call", "synchronous, one process", "file"], rows),
+        *table(
+            [
+                "machine",
+                "date",
+                "MLflow",
+                "ranks × steps",
+                "stored / logged",
+                '"database is locked"',
+                "CPU per call",
+                "wall per call",
+                "synchronous, one process",
+                "file",
+            ],
+            rows,
+        ),
     ]
 
 
@@ -352,8 +426,10 @@ def ray() -> list[str]:
     ]
     for name in matching("ray_launch*.json"):
         d = load(name)
-        rows = [["start the simulated 3-node cluster", s(d["cluster_start_s"])],
-                ["`ray_init(address)`: join it", s(d["ray_init_join_s"])]]
+        rows = [
+            ["start the simulated 3-node cluster", s(d["cluster_start_s"])],
+            ["`ray_init(address)`: join it", s(d["ray_init_join_s"])],
+        ]
         for what, times in d["seconds"].items():
             rows.append([f"{what}: first call", s(d["first_s"][what])])
             rows.append([f"{what}: later calls", ", ".join(s(t) for t in times[1:])])
@@ -372,15 +448,28 @@ def ray() -> list[str]:
             "",
             f"Machine: {machine_of(g, gname)}. Date: {date_of(g)}. " + source_line([gname]),
             "",
-            *table(["what", "figure"], [
-                ["how", g.get("how", "?")],
-                ["local launcher, first call", s(g.get("local s"))],
-                ["Ray launcher, first / second call", f"{s(g.get('ray first call s'))} / {s(g.get('ray second call s'))}"],
-                ["same losses through both", "yes" if g.get("same losses") else "no"],
-                ["GPUs free in Ray afterwards / total", " / ".join(map(str, g.get("ray GPUs free after / total", [])))],
-                ["GPU MiB in use before / after", " / ".join(
-                    ", ".join(map(str, g.get(f"GPU MiB used {when}", []))) for when in ("before", "after"))],
-            ]),
+            *table(
+                ["what", "figure"],
+                [
+                    ["how", g.get("how", "?")],
+                    ["local launcher, first call", s(g.get("local s"))],
+                    [
+                        "Ray launcher, first / second call",
+                        f"{s(g.get('ray first call s'))} / {s(g.get('ray second call s'))}",
+                    ],
+                    ["same losses through both", "yes" if g.get("same losses") else "no"],
+                    [
+                        "GPUs free in Ray afterwards / total",
+                        " / ".join(map(str, g.get("ray GPUs free after / total", []))),
+                    ],
+                    [
+                        "GPU MiB in use before / after",
+                        " / ".join(
+                            ", ".join(map(str, g.get(f"GPU MiB used {when}", []))) for when in ("before", "after")
+                        ),
+                    ],
+                ],
+            ),
         ]
     return lines
 
@@ -393,8 +482,17 @@ def gpu_demos() -> list[str]:
         for row in d["rows"]:
             for part, times in row["step_time_ms"].items():
                 demo = row["notebook"].removesuffix(".ipynb") + (f" {part}" if part else "")
-                rows.append([demo, ", ".join(row["ranks"]), " / ".join(ms(t) for t in times),
-                             f"{row['wall_s']} s", machine_of(d, name), date_of(d), f"`{name}`"])
+                rows.append(
+                    [
+                        demo,
+                        ", ".join(row["ranks"]),
+                        " / ".join(ms(t) for t in times),
+                        f"{row['wall_s']} s",
+                        machine_of(d, name),
+                        date_of(d),
+                        f"`{name}`",
+                    ]
+                )
     return [
         "## Demo notebooks on GPUs",
         "",
@@ -421,7 +519,17 @@ def raw_records() -> list[str]:
 
 
 SECTIONS: list[Callable[[], list[str]]] = [
-    launch, ddp_step, faults, panel, mlflow_launch, first_calls, mlflow_logging, data_read, ray, gpu_demos, raw_records,
+    launch,
+    ddp_step,
+    faults,
+    panel,
+    mlflow_launch,
+    first_calls,
+    mlflow_logging,
+    data_read,
+    ray,
+    gpu_demos,
+    raw_records,
 ]
 
 
@@ -437,7 +545,9 @@ def scripts() -> list[str]:
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         summary = doc.split("\n\n")[0].replace("\n", " ").strip()
         # Command lines as the docstrings write them, without a trailing comment or note after two spaces.
-        commands = [line[line.find("python bench/"):].split("  ")[0] for line in doc.splitlines() if "python bench/" in line]
+        commands = [
+            line[line.find("python bench/") :].split("  ")[0] for line in doc.splitlines() if "python bench/" in line
+        ]
         usage = "<br>".join(f"`{c}`" for c in commands) or "(no command line: another script runs it)"
         rows.append([f"`{path.name}`", summary.replace("|", "\\|"), usage.replace("|", "\\|")])
     return table(["script", "what it measures", "how to run it"], rows)
@@ -452,7 +562,7 @@ def render() -> str:
         "",
         "Each script below measures one thing and writes its figures to `bench/results/`; the tables that",
         "follow are generated from those files by `python bench/report.py`, with the machine, date and load",
-        "average each file records (\"not recorded\" where it does not). Figures from a loaded or",
+        'average each file records ("not recorded" where it does not). Figures from a loaded or',
         "shared machine are inflated; compare rows of one file. `make bench` runs `bench/launch.py`; on a GPU",
         "node `bash bench/gpu_run.sh OUTDIR bench demos mlflow ...` runs the GPU benchmarks.",
         "",

@@ -98,10 +98,16 @@ def main() -> None:
     for rank, peak in sorted(sampler.peaks().items()):
         print(f"rank {rank}: done · {peak_text(peak)}")
     print("metrics handed to MLflow:", len(logged), "batches; last:", logged[-1] if logged else None)
-    print(f"one sample of {world} live rank(s): median {statistics.median(sampler.costs) * 1000:.2f} ms, "
-          f"max {max(sampler.costs) * 1000:.2f} ms over {len(sampler.costs)}")
-    print("call time (s) with the sampler:", [f"{t:.2f}" for t in times["with"]],
-          "without:", [f"{t:.2f}" for t in times["without"]])
+    print(
+        f"one sample of {world} live rank(s): median {statistics.median(sampler.costs) * 1000:.2f} ms, "
+        f"max {max(sampler.costs) * 1000:.2f} ms over {len(sampler.costs)}"
+    )
+    print(
+        "call time (s) with the sampler:",
+        [f"{t:.2f}" for t in times["with"]],
+        "without:",
+        [f"{t:.2f}" for t in times["without"]],
+    )
     torch = sys.modules.get("torch")
     print("this process initialized CUDA:", bool(torch is not None and torch.cuda.is_initialized()))
 

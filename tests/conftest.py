@@ -34,7 +34,13 @@ def no_leftover_processes(request):
 def _describe(proc: psutil.Process) -> tuple:
     try:
         env = proc.environ()
-        return (proc.pid, proc.cmdline()[:3], proc.status(), proc.ppid(), {k: v for k, v in env.items() if k.startswith("AIR_MAGIC")})
+        return (
+            proc.pid,
+            proc.cmdline()[:3],
+            proc.status(),
+            proc.ppid(),
+            {k: v for k, v in env.items() if k.startswith("AIR_MAGIC")},
+        )
     except psutil.Error as exc:
         return (proc.pid, repr(exc))
 
@@ -43,7 +49,11 @@ def _live_supervisor(proc: psutil.Process) -> bool:
     """A kernel's supervisor (and its local MLflow UI) is meant to outlive a test while its kernel lives."""
     try:
         cmd = " ".join(proc.cmdline())
-        return ("air_magic.launch.local.supervisor" in cmd or "air_magic.tracking.ui" in cmd) and proc.ppid() != 1 and psutil.pid_exists(proc.ppid())
+        return (
+            ("air_magic.launch.local.supervisor" in cmd or "air_magic.tracking.ui" in cmd)
+            and proc.ppid() != 1
+            and psutil.pid_exists(proc.ppid())
+        )
     except psutil.Error:
         return False
 

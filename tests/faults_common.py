@@ -92,7 +92,7 @@ class Recorder(Listener):
         if self.cancel_when and self.cancelled_at is None:
             # Output arrives in pieces cut anywhere: look for the trigger across the end of the last piece too.
             seen = self.tails.get(rank, "") + text
-            self.tails[rank] = seen[-len(self.cancel_when):]
+            self.tails[rank] = seen[-len(self.cancel_when) :]
             if self.cancel_when in seen:
                 self.cancelled_at = time.time()
                 self.ctx.cancel()

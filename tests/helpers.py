@@ -189,7 +189,11 @@ class Kernel:
 
 
 def execute_headless(
-    cells: list[str], cwd: Path, extra_env: dict[str, str] | None = None, *, allow_errors: bool = False,
+    cells: list[str],
+    cwd: Path,
+    extra_env: dict[str, str] | None = None,
+    *,
+    allow_errors: bool = False,
     unset: tuple[str, ...] = (),
 ) -> Any:
     """Run `cells` as a notebook, top to bottom, in a fresh kernel started in `cwd` (nbclient, as `jupyter nbconvert
@@ -204,7 +208,11 @@ def execute_headless(
     for name in unset:
         env.pop(name, None)
     NotebookClient(
-        nb, kernel_name="python3", timeout=240, allow_errors=allow_errors, resources={"metadata": {"path": str(cwd)}},
+        nb,
+        kernel_name="python3",
+        timeout=240,
+        allow_errors=allow_errors,
+        resources={"metadata": {"path": str(cwd)}},
         extra_arguments=["--HistoryManager.enabled=False"],
     ).execute(env=env)
     return nb
@@ -241,7 +249,10 @@ def is_supervisor(proc: psutil.Process) -> bool:
 
 
 def leftover_processes(
-    before: set[int], wait: float = 10.0, kind: str | None = None, allowed: Callable[[psutil.Process], bool] | None = None
+    before: set[int],
+    wait: float = 10.0,
+    kind: str | None = None,
+    allowed: Callable[[psutil.Process], bool] | None = None,
 ) -> list[psutil.Process]:
     """air_magic processes that were not there before, after waiting up to `wait` s for them to go.
 

@@ -31,8 +31,12 @@ from helpers import ROOT, process_env
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
 ]
 ARTIFACTS = ROOT / "test-artifacts"
 
@@ -47,8 +51,7 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
     """A notebook of code cells with the python3 kernel."""
     nb = {
         "cells": [
-            {"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
-             "source": src}
+            {"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [], "source": src}
             for i, src in enumerate(cells)
         ],
         "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
@@ -84,12 +87,21 @@ class Lab:
         self.log = open(root / "jupyterlab.log", "wb")  # noqa: SIM115 - open as long as the server runs
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-                f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={self.port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={root}",
                 "--allow-root",
             ],
-            cwd=root, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+            cwd=root,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         try:
             self._wait_ready()
@@ -108,7 +120,9 @@ class Lab:
     def api(self, path: str, method: str = "GET", body: dict | None = None) -> Any:
         """Call the server's REST API (`path` after /api/) with the token; the decoded JSON answer."""
         req = urllib.request.Request(
-            f"{self.base}/api/{path}", method=method, data=None if body is None else json.dumps(body).encode(),
+            f"{self.base}/api/{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
             headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=30) as resp:
@@ -126,17 +140,36 @@ class Lab:
 
         ws = websocket.create_connection(
             f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels",
-            header=[f"Authorization: token {self.token}"], timeout=timeout,
+            header=[f"Authorization: token {self.token}"],
+            timeout=timeout,
         )
         try:
             msg_id = uuid.uuid4().hex
-            ws.send(json.dumps({
-                "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test", "session": "t",
-                           "version": "5.3", "date": ""},
-                "parent_header": {}, "metadata": {}, "channel": "shell",
-                "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                            "allow_stdin": False, "stop_on_error": True},
-            }))
+            ws.send(
+                json.dumps(
+                    {
+                        "header": {
+                            "msg_id": msg_id,
+                            "msg_type": "execute_request",
+                            "username": "test",
+                            "session": "t",
+                            "version": "5.3",
+                            "date": "",
+                        },
+                        "parent_header": {},
+                        "metadata": {},
+                        "channel": "shell",
+                        "content": {
+                            "code": code,
+                            "silent": False,
+                            "store_history": False,
+                            "user_expressions": {},
+                            "allow_stdin": False,
+                            "stop_on_error": True,
+                        },
+                    }
+                )
+            )
             out, shown = "", ""
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ class Raises(Listener):
 
     def __getattribute__(self, name: str):
         if name in HOOKS:
+
             def boom(*args, **kwargs):
                 raise RuntimeError(f"{name} is broken")
 
@@ -132,7 +133,7 @@ def test_the_package_has_no_import_cycle():
         stack.append(node)
         for nxt in sorted(graph.get(node, set())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)

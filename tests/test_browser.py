@@ -132,9 +132,9 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
             time.sleep(0.1)
         errors = cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
         assert "was cancelled" in errors.last.inner_text() and "Traceback" not in cell.inner_text()
-        assert [t.strip().split(" · ")[0] for t in cell.locator(".air-magic-record-rank > summary").all_inner_texts()] == [
-            "rank 0: stopped", "rank 1: stopped"
-        ]
+        assert [
+            t.strip().split(" · ")[0] for t in cell.locator(".air-magic-record-rank > summary").all_inner_texts()
+        ] == ["rank 0: stopped", "rank 1: stopped"]
         assert "cancelled" in _record(cell)
         nb.screenshot("panel-cancelled.png")
 
@@ -275,7 +275,9 @@ def test_a_saved_notebook_shows_its_record_without_a_kernel(lab, tmp_path):
     """A notebook executed headless and reopened in JupyterLab with no kernel shows every call's record."""
     import nbformat
 
-    nb = execute_headless(CELLS[:2], tmp_path, {"AIR_MAGIC_RUNS_DIR": str(lab.root / "runs"), "AIR_MAGIC_DISPLAY": "panel"})
+    nb = execute_headless(
+        CELLS[:2], tmp_path, {"AIR_MAGIC_RUNS_DIR": str(lab.root / "runs"), "AIR_MAGIC_DISPLAY": "panel"}
+    )
     nb.metadata.pop("kernelspec", None)  # nothing to start: the page is all there is
     nb.metadata.pop("language_info", None)
     nbformat.write(nb, lab.root / "saved.ipynb")

@@ -67,10 +67,17 @@ print(json.dumps(out))
 
 def _run(code: str, tmp_path: Path) -> object:
     root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(root), "AIR_MAGIC_DISPLAY": "text",
-           "AIR_MAGIC_RUNS_DIR": str(tmp_path), "AIR_MAGIC_FORCE_CPU": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
-                         cwd=tmp_path, check=True)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PYTHONPATH": str(root),
+        "AIR_MAGIC_DISPLAY": "text",
+        "AIR_MAGIC_RUNS_DIR": str(tmp_path),
+        "AIR_MAGIC_FORCE_CPU": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

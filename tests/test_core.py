@@ -116,7 +116,9 @@ except TrainingDiverged as e:
 elapsed = time.monotonic() - t0
 """
     ).check()
-    out = nb.execute("print(type(caught).__name__, elapsed < 15, caught.__notes__, type(caught.__cause__).__name__, caught.__cause__)").check()
+    out = nb.execute(
+        "print(type(caught).__name__, elapsed < 15, caught.__notes__, type(caught.__cause__).__name__, caught.__cause__)"
+    ).check()
     assert "TrainingDiverged True" in out.stdout
     assert "rank 1 of 2" in out.stdout
     assert "RemoteTraceback" in out.stdout and "loss is nan" in out.stdout
@@ -177,12 +179,19 @@ def hangs():
     assert err.ename == "DistributedTimeoutError"
     assert "timeout of 6 s" in err.traceback and "timeout=" in err.traceback
     assert took < 6 + 10
-    assert nb.execute("isinstance(_ if False else None, type(None)); issubclass(__import__('air_magic.errors').errors.DistributedTimeoutError, TimeoutError)").result == "True"
+    assert (
+        nb.execute(
+            "isinstance(_ if False else None, type(None)); issubclass(__import__('air_magic.errors').errors.DistributedTimeoutError, TimeoutError)"
+        ).result
+        == "True"
+    )
 
 
 def test_interrupt_stops_workers_and_next_call_works(nb):
     """A kernel interrupt during a call stops every worker and raises KeyboardInterrupt; the next call runs."""
-    nb.execute("@distributed(2, timeout=None)\ndef sleeper():\n    import time\n    print('sleeping', flush=True)\n    time.sleep(300)").check()
+    nb.execute(
+        "@distributed(2, timeout=None)\ndef sleeper():\n    import time\n    print('sleeping', flush=True)\n    time.sleep(300)"
+    ).check()
     msg = nb.send("sleeper.distributed()")
     time.sleep(4)
     nb.interrupt()

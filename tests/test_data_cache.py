@@ -112,7 +112,9 @@ class CachePeak:
         self.peak = 0
 
     def __enter__(self) -> Self:
-        self._proc = subprocess.Popen([sys.executable, "-c", SAMPLER, str(self.cache)], stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", SAMPLER, str(self.cache)], stdout=subprocess.PIPE, text=True
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -138,7 +140,12 @@ def test_cache_peak_stays_within_the_limit_plus_one_file_per_worker(s3: S3, tmp_
 
 
 def two_ranks_read_paths(
-    url: str, cache: Path, limit: int, monkeypatch: pytest.MonkeyPatch, transform=None, prefetch_factor: int = 2,
+    url: str,
+    cache: Path,
+    limit: int,
+    monkeypatch: pytest.MonkeyPatch,
+    transform=None,
+    prefetch_factor: int = 2,
 ) -> list[tuple[str, str]]:
     """2 ranks x 2 DataLoader workers, batch size 2, stepped in lockstep from this process; (name, sha256) of every file the loop got."""
     loaders = []
@@ -170,7 +177,9 @@ def quarter_mib_files(s3: S3, tmp_path: Path) -> tuple[str, dict[str, str]]:
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_pinned_paths_under_a_cap_too_small_for_them_are_refused_when_the_dataloader_is_made(
-    quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    quarter_mib_files,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ):
     """2 ranks x 2 workers handing out paths pin 32 files of 256 KiB: a 2 MiB cap is refused up front, with the numbers and the ways out (also without workers, and iterating the bare dataset)."""
     url, _ = quarter_mib_files
@@ -180,23 +189,37 @@ def test_pinned_paths_under_a_cap_too_small_for_them_are_refused_when_the_datalo
     with pytest.raises(ValueError) as err:
         DataLoader(ds, batch_size=2, num_workers=2)
     message = str(err.value)
-    for part in ("cache_limit=2097152 bytes (2.0 MiB)", "4 reading processes (2 ranks on this machine x 2 DataLoader workers)",
-                 "(prefetch_factor 2 + 2) x batch_size 2 = 8", "8388608 bytes (8.0 MiB)", "transform", "num_workers",
-                 "prefetch_factor"):
+    for part in (
+        "cache_limit=2097152 bytes (2.0 MiB)",
+        "4 reading processes (2 ranks on this machine x 2 DataLoader workers)",
+        "(prefetch_factor 2 + 2) x batch_size 2 = 8",
+        "8388608 bytes (8.0 MiB)",
+        "transform",
+        "num_workers",
+        "prefetch_factor",
+    ):
         assert part in message, message
     with_transform = StreamingFileDataset(url, transform=digest, cache_dir=tmp_path / "cache", cache_limit="2MiB")
     DataLoader(with_transform, batch_size=2, num_workers=2)  # read in the worker, released at once: it fits
-    with pytest.raises(ValueError, match=r"2 reading processes \(the ranks on this machine, no DataLoader workers\) "
-                       r"each keep the last 2 x batch_size 8 = 16 paths"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 reading processes \(the ranks on this machine, no DataLoader workers\) "
+        r"each keep the last 2 x batch_size 8 = 16 paths",
+    ):
         DataLoader(ds, batch_size=8)
-    with pytest.raises(ValueError, match=r"2 reading processes on this machine each keep the last keep_yielded=16 .* "
-                       r"up to 8388608 bytes \(8.0 MiB\).* lower keep_yielded"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 reading processes on this machine each keep the last keep_yielded=16 .* "
+        r"up to 8388608 bytes \(8.0 MiB\).* lower keep_yielded",
+    ):
         next(iter(StreamingFileDataset(url, cache_dir=tmp_path / "cache", cache_limit="2MiB")))
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_paths_from_two_ranks_and_two_workers_each_stay_within_the_cap(
-    quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    quarter_mib_files,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ):
     """2 ranks x 2 workers (prefetch_factor 1) handing out paths of 40 files of 256 KiB under a 6.5 MiB cap: the cache never holds more than the cap plus one file, and every file reaches the loop once, still readable."""
     url, digests = quarter_mib_files
@@ -210,7 +233,9 @@ def test_paths_from_two_ranks_and_two_workers_each_stay_within_the_cap(
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_a_transform_reads_through_a_small_cap_from_two_ranks_and_two_workers_each(
-    quarter_mib_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    quarter_mib_files,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ):
     """With a transform, the measured layout (2 ranks x 2 workers, batch 2, 40 x 256 KiB) reads every file once under a 2 MiB cap, never above it plus one file."""
     url, digests = quarter_mib_files
@@ -224,7 +249,9 @@ def test_a_transform_reads_through_a_small_cap_from_two_ranks_and_two_workers_ea
 def test_cache_limit_smaller_than_the_largest_file_is_an_error_at_once(remote, tmp_path: Path):
     """A cap below the largest file fails when the dataset is made, naming the file, instead of waiting forever."""
     url, _ = remote
-    with pytest.raises(ValueError, match=r"cache_limit=10000 bytes is smaller than the largest file, f000.bin \(16384 bytes\)"):
+    with pytest.raises(
+        ValueError, match=r"cache_limit=10000 bytes is smaller than the largest file, f000.bin \(16384 bytes\)"
+    ):
         StreamingFileDataset(url, cache_dir=tmp_path / "c", cache_limit="10KB")
 
 
@@ -273,7 +300,11 @@ def test_sigkill_mid_epoch_then_the_same_cache_serves_two_concurrent_runs(remote
     def start(delay: float, workers: int) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [sys.executable, str(script), url, str(cache), str(expected), str(delay), str(workers)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
 
     victim = start(0.1, 2)  # killed with its DataLoader workers, mid-epoch

@@ -117,7 +117,11 @@ def test_ddp_and_fsdp2_saved_on_2_ranks_load_identically_on_2_1_and_4(s3: S3, he
         assert len(model) == 4 and len(optim["state"]) == 4, f"{kind}: expected 4 parameters with Adam state"
     fs = s3.fs()
     for name in ("ckpt/ddp", "ckpt/fsdp", "async/ddp", "async/fsdp"):
-        assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/{name}")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/{name}")) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
     for world in (2, 1, 4):
         loaded = distributed(world, accelerator_type="CPU", mlflow=False)(_checkpoint_job).distributed("load", urls)[0]
         assert sorted(loaded) == sorted(f"{k} from {w}" for k in ("ddp", "fsdp") for w in urls)
@@ -186,7 +190,9 @@ def test_metadata_is_published_last_and_an_interrupted_overwrite_never_loads(s3:
     dcp.load(back, storage_reader=CheckpointReader(url))
     assert torch.equal(back["w"], state["w"]) and back["step"] == 3
 
-    with pytest.raises(CheckpointException, match=rf"could not upload {re.escape(url)}/__0_0\.distcp after 2 attempts: ConnectionError"):
+    with pytest.raises(
+        CheckpointException, match=rf"could not upload {re.escape(url)}/__0_0\.distcp after 2 attempts: ConnectionError"
+    ):
         dcp.save({"w": torch.ones(1000), "step": 4}, storage_writer=_recording_writer(url, {"__0_0.distcp"}))
     assert not s3.fs().exists(f"{url}/.metadata")
     # torch 2.13 names the missing .metadata; earlier versions only say "metadata is None".

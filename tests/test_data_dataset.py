@@ -127,7 +127,7 @@ def test_global_order_is_the_same_whatever_the_ranks_and_workers(data: Path, mon
             got = set()
             for loader in loaders:
                 got |= set(names(next(loader), data))
-            assert got == set(expected[step * 2 * world:(step + 1) * 2 * world]), (world, workers, step)
+            assert got == set(expected[step * 2 * world : (step + 1) * 2 * world]), (world, workers, step)
         for loader in loaders:
             assert next(loader, None) is None
 
@@ -136,8 +136,11 @@ def test_global_order_is_the_same_whatever_the_ranks_and_workers(data: Path, mon
 def test_ranks_may_use_different_worker_counts_and_start_methods(data: Path, monkeypatch: pytest.MonkeyPatch):
     """Rank 0 with no workers, rank 1 with 1 spawned and rank 2 with 3 forked workers read the epoch exactly once."""
     seen: list[str] = []
-    kinds = [{"num_workers": 0}, {"num_workers": 1, "multiprocessing_context": "spawn"},
-             {"num_workers": 3, "multiprocessing_context": "fork"}]
+    kinds = [
+        {"num_workers": 0},
+        {"num_workers": 1, "multiprocessing_context": "spawn"},
+        {"num_workers": 3, "multiprocessing_context": "fork"},
+    ]
     for rank, kw in enumerate(kinds):
         set_rank(monkeypatch, rank, 3)
         for batch in DataLoader(StreamingFileDataset(data, seed=1), batch_size=2, **kw):
@@ -184,7 +187,9 @@ def test_resume_from_2_ranks_x_2_workers_on_1_rank_x_3_workers(data: Path, monke
     assert after == order_names(data, 24, 5, 0)[12:]
 
 
-def test_epochs_advance_automatically_and_set_epoch_keeps_a_resumed_position(data: Path, monkeypatch: pytest.MonkeyPatch):
+def test_epochs_advance_automatically_and_set_epoch_keeps_a_resumed_position(
+    data: Path, monkeypatch: pytest.MonkeyPatch
+):
     """A finished iteration moves to the next epoch; set_epoch(current) after a resume keeps the position."""
     set_rank(monkeypatch, 0, 1)
     loader = DataLoader(StreamingFileDataset(data, seed=1), batch_size=4)
@@ -208,8 +213,9 @@ def test_changed_listing_is_a_clear_error(data: Path, monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match=r"changed since this state was saved \(24 files then, 25 now"):
         DataLoader(StreamingFileDataset(data), batch_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
-        DataLoader(StreamingFileDataset(data, seed=9), batch_size=2).load_state_dict({**state, "num_files": 25,
-                   "fingerprint": StreamingFileDataset(data).listing.fingerprint})
+        DataLoader(StreamingFileDataset(data, seed=9), batch_size=2).load_state_dict(
+            {**state, "num_files": 25, "fingerprint": StreamingFileDataset(data).listing.fingerprint}
+        )
 
 
 def test_loader_refuses_persistent_workers_and_other_datasets(data: Path):
@@ -259,8 +265,15 @@ def test_public_names_and_uc_aliases():
     import air_magic.data as data
 
     assert sorted(data.__all__) == sorted(
-        ["StreamingFileDataset", "DataLoader", "CheckpointWriter", "CheckpointReader",
-         "UCVolumeDataset", "UCVolumeWriter", "UCVolumeReader"]
+        [
+            "StreamingFileDataset",
+            "DataLoader",
+            "CheckpointWriter",
+            "CheckpointReader",
+            "UCVolumeDataset",
+            "UCVolumeWriter",
+            "UCVolumeReader",
+        ]
     )
     assert data.UCVolumeDataset is data.StreamingFileDataset
     assert data.UCVolumeWriter is data.CheckpointWriter and data.UCVolumeReader is data.CheckpointReader

@@ -22,18 +22,26 @@ def test_data_resume_notebook_resumes_model_optimizer_and_data_on_another_number
         '"exactly_once": exactly_once, "mean_loss": mean_loss}'
     )
     run = run_py.execute(
-        DEMOS / "data_resume.ipynb", workdir=tmp_path, output=tmp_path / "data_resume.ipynb", timeout=900,
+        DEMOS / "data_resume.ipynb",
+        workdir=tmp_path,
+        output=tmp_path / "data_resume.ipynb",
+        timeout=900,
         env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
         append=[f"import json as _json\nprint({PROBE!r} + _json.dumps({probe}))"],
     )
-    logs = "\n".join(f"--- {log}\n" + "\n".join(log.read_text().splitlines()[-15:])
-                     for d in run.run_dirs for log in sorted(d.glob("rank-*.log")))
+    logs = "\n".join(
+        f"--- {log}\n" + "\n".join(log.read_text().splitlines()[-15:])
+        for d in run.run_dirs
+        for log in sorted(d.glob("rank-*.log"))
+    )
     assert run.error is None, f"data_resume.ipynb failed:\n{run.error}\nlast lines of every rank:\n{logs}"
     text = run_py.stream_text(run.notebook)
     assert "interrupted: simulated preemption at step 11" in text
-    assert sorted(len(list(d.glob("rank-*.log"))) for d in run.run_dirs) == [1, 2], "expected a 2-rank run, then a 1-rank run"
+    assert sorted(len(list(d.glob("rank-*.log"))) for d in run.run_dirs) == [1, 2], (
+        "expected a 2-rank run, then a 1-rank run"
+    )
     line = next(ln for ln in run_py.cell_text(run.notebook.cells[-1]).splitlines() if ln.startswith(PROBE))
-    got = json.loads(line[len(PROBE):])
+    got = json.loads(line[len(PROBE) :])
     [result] = got["results"]
     assert result["world"] == 1 and result["resumed_from"].endswith("/step-00008") and result["last_step"] == 28
     assert "resumed from" in text and "epoch 1, 32 of its files done, step 8, on 1 rank(s)" in text

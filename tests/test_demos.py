@@ -66,11 +66,11 @@ def run_demo(name: str, workdir: Path, probe: str) -> dict:
         assert sorted(p.name for p in run_dir.glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
     printed = demo_run.cell_text(run.notebook.cells[-1])
     line = next(ln for ln in printed.splitlines() if ln.startswith(PROBE))
-    return json.loads(line[len(PROBE):])
+    return json.loads(line[len(PROBE) :])
 
 
 def assert_loss_goes_down(losses: list[float], what: str) -> None:
-    head, tail = losses[: max(1, len(losses) // 4)], losses[-max(1, len(losses) // 4):]
+    head, tail = losses[: max(1, len(losses) // 4)], losses[-max(1, len(losses) // 4) :]
     assert sum(tail) / len(tail) < 0.8 * sum(head) / len(head), f"{what}: loss did not go down: {losses}"
 
 
@@ -81,9 +81,21 @@ def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_sto
     env["AIR_MAGIC_RUNS_DIR"] = str(demo_dir / "runs")
     copy = demo_dir / "executed-quickstart.ipynb"
     proc = subprocess.run(
-        [sys.executable, str(DEMOS / "run.py"), str(DEMOS / "quickstart.ipynb"), "--workdir", str(demo_dir),
-         "--output", str(copy), "--timeout", "600"],
-        capture_output=True, text=True, env=env, timeout=900,
+        [
+            sys.executable,
+            str(DEMOS / "run.py"),
+            str(DEMOS / "quickstart.ipynb"),
+            "--workdir",
+            str(demo_dir),
+            "--output",
+            str(copy),
+            "--timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -150,7 +162,9 @@ def test_fsdp_notebook_shards_every_parameter_across_the_ranks(demo_dir):
 def test_deepspeed_notebook_runs_zero_stage_2_and_3(demo_dir):
     """The DeepSpeed demo: the engine reports ZeRO stage 2, then 3, as asked; under stage 3 each rank holds only its partition; the loss goes down."""
     if importlib.util.find_spec("deepspeed") is None:
-        pytest.fail("DeepSpeed is not installed: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed (make test does)")
+        pytest.fail(
+            "DeepSpeed is not installed: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed (make test does)"
+        )
     got = run_demo(
         "deepspeed.ipynb",
         demo_dir,
@@ -191,7 +205,11 @@ def test_every_demo_picks_its_backend_in_one_visible_line_and_says_so():
     line = 'backend = "nccl" if torch.cuda.is_available() else "gloo"'
     notebooks = sorted(DEMOS.glob("*.ipynb"))
     assert {p.name for p in notebooks} >= {
-        "quickstart.ipynb", "ddp.ipynb", "fsdp.ipynb", "deepspeed.ipynb", "distributed_magic.ipynb"
+        "quickstart.ipynb",
+        "ddp.ipynb",
+        "fsdp.ipynb",
+        "deepspeed.ipynb",
+        "distributed_magic.ipynb",
     }
     for path in notebooks:
         nb = json.loads(path.read_text())
@@ -205,7 +223,9 @@ def test_every_demo_picks_its_backend_in_one_visible_line_and_says_so():
 @pytest.mark.timeout(900)
 def test_large_captured_dataset_warns_with_its_size_and_small_arguments_reach_every_rank(kernel):
     """A 267 MiB tensor captured from the notebook gives a PayloadSizeWarning naming it, its size and the advice, in every cell that sends it; the call still works."""
-    kernel.execute("import torch\nfrom air_magic import distributed\nbig = torch.arange(70_000_000, dtype=torch.float32)").check()
+    kernel.execute(
+        "import torch\nfrom air_magic import distributed\nbig = torch.arange(70_000_000, dtype=torch.float32)"
+    ).check()
     kernel.execute(
         "@distributed(2)\ndef uses_big(offset):\n    import os\n"
         "    return (int(os.environ['RANK']), big.numel(), float(big[12345]) + offset)"

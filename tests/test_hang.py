@@ -189,7 +189,9 @@ except Exception as exc:
     for r in (0, 1):
         log = (_run_dir(report["message"]) / f"rank-{r}.log").read_text()
         assert log.count("air_magic: stacks of pid") == 1, log  # the stop, not again as the stopped pool is released
-    out = kernel.execute("%load_ext air_magic\nprint('PIDS', json.dumps(where.distributed()))\n%distributed_release").check()
+    out = kernel.execute(
+        "%load_ext air_magic\nprint('PIDS', json.dumps(where.distributed()))\n%distributed_release"
+    ).check()
     pids = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PIDS "))[5:])
     _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)
     assert not alive

@@ -207,12 +207,16 @@ def test_cells_with_keep_alive_log_each_call_to_its_own_run_and_interrupt_or_rel
         assert pid in hot and not [n for n in names if "MLflow" in n or "ThreadPoolExecutor" in n], names
 
     before = {p.pid for p in psutil.process_iter()}
-    msg = kernel.send("%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    msg = kernel.send(
+        "%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)"
+    )
     out = kernel.collect(msg, timeout=120, interrupt_when=lambda o: o.stdout.count("] sleeping") == 2)
     assert out.ename == "KeyboardInterrupt"
     assert alive(hot) == [] and leftover_processes(before, wait=10, kind="job") == []
 
-    again = eval(kernel.execute("%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport os\nos.getpid()").check().result)
+    again = eval(
+        kernel.execute("%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport os\nos.getpid()").check().result
+    )
     assert alive(again) == again and not set(again) & set(hot)
     kernel.execute("%distributed_release").check()
     deadline = time.monotonic() + 15

@@ -42,11 +42,16 @@ def test_load_twice_is_harmless_and_unload_removes_the_magic_and_supervisor(nb):
     """%load_ext registers %%distributed once however often it runs; %unload_ext removes it and stops the supervisor."""
     assert "Cell magic `%%distributed` not found" in nb.execute("%%distributed\n1").stderr
     nb.execute("%load_ext air_magic").check(clean_stderr=True)
-    second = nb.execute("%load_ext air_magic\nimport air_magic\nair_magic.load_ipython_extension(get_ipython())").check(clean_stderr=True)
+    second = nb.execute("%load_ext air_magic\nimport air_magic\nair_magic.load_ipython_extension(get_ipython())").check(
+        clean_stderr=True
+    )
     assert "already loaded" in second.stdout
     count = "sum(type(c).__name__ == 'DistributedMagics' for c in get_ipython().configurables)"
     assert nb.value(count) == "1"
-    assert nb.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])").check(clean_stderr=True).result == "[0, 1]"
+    assert (
+        nb.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])").check(clean_stderr=True).result
+        == "[0, 1]"
+    )
     sup = supervisor_pid(nb)
     assert sup is not None and psutil.pid_exists(sup)
 
@@ -58,7 +63,12 @@ def test_load_twice_is_harmless_and_unload_removes_the_magic_and_supervisor(nb):
     assert supervisor_pid(nb) is None
 
     nb.execute("%load_ext air_magic").check(clean_stderr=True)
-    assert nb.execute("%%distributed --num-accelerators 2\nimport os\nint(os.environ['RANK'])").check(clean_stderr=True).result == "[0, 1]"
+    assert (
+        nb.execute("%%distributed --num-accelerators 2\nimport os\nint(os.environ['RANK'])")
+        .check(clean_stderr=True)
+        .result
+        == "[0, 1]"
+    )
 
 
 def test_help_lists_every_option(loaded):
@@ -134,7 +144,9 @@ def test_cell_runs_with_the_notebook_globals_it_uses_and_returns_per_rank_values
     assert loaded.value("type(ranks).__name__, len(ranks)") == "('list', 2)"
     assert loaded.value("get_ipython().magics_manager.registry['DistributedMagics'].last_result.spec.mlflow") == "False"
 
-    quiet = loaded.execute("%%distributed --gpus 2 --out quiet\nimport os\nos.environ['WORLD_SIZE'];").check(clean_stderr=True)
+    quiet = loaded.execute("%%distributed --gpus 2 --out quiet\nimport os\nos.environ['WORLD_SIZE'];").check(
+        clean_stderr=True
+    )
     assert quiet.result is None, "a trailing semicolon shows no result"
     assert loaded.value("quiet") == "['2', '2']"
     no_value = loaded.execute("%%distributed --gpus 2\nx = 1").check(clean_stderr=True)
@@ -193,12 +205,17 @@ def test_syntax_error_names_the_cell_line_and_nothing_starts(loaded, workdir):
 def test_interrupt_during_a_cell_stops_every_worker_and_the_next_cell_runs(loaded):
     """A kernel interrupt sent while a %%distributed cell runs gives KeyboardInterrupt, ends its workers, and the next cell works."""
     before = {p.pid for p in psutil.process_iter()}
-    msg = loaded.send("%%distributed --gpus 2 --timeout none\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    msg = loaded.send(
+        "%%distributed --gpus 2 --timeout none\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)\n"
+    )
     out = loaded.collect(msg, timeout=120, interrupt_when=lambda o: o.stdout.count("] sleeping") == 2)
     assert out.ename == "KeyboardInterrupt", out.traceback
     assert "[rank 0] sleeping" in out.stdout and "[rank 1] sleeping" in out.stdout
     assert leftover_processes(before, wait=10, kind="job") == []
-    assert loaded.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])").check(clean_stderr=True).result == "[0, 1]"
+    assert (
+        loaded.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])").check(clean_stderr=True).result
+        == "[0, 1]"
+    )
 
 
 CONFIG_OVERRIDES = """
@@ -219,10 +236,14 @@ def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_p
     notebook = Kernel(workdir, {**kernel_env(workdir), "IPYTHONDIR": str(tmp_path / "ipython")})
     try:
         magics = "get_ipython().magics_manager.registry['DistributedMagics']"
-        defaults = notebook.value(f"{magics}.settings('').timeout, {magics}.settings('').accelerator_type, {magics}.settings('').mlflow")
+        defaults = notebook.value(
+            f"{magics}.settings('').timeout, {magics}.settings('').accelerator_type, {magics}.settings('').mlflow"
+        )
         assert defaults == "(4.0, 'CPU', False)"
         # a first call on a busy machine may take longer than the configured 4 s: this cell gives its own limit
-        out = notebook.execute("%%distributed --timeout 600\nimport os\nint(os.environ['WORLD_SIZE'])").check(clean_stderr=True)
+        out = notebook.execute("%%distributed --timeout 600\nimport os\nint(os.environ['WORLD_SIZE'])").check(
+            clean_stderr=True
+        )
         assert out.result == "[3, 3, 3]"
         spec = f"{magics}.last_result.spec"
         assert notebook.value(f"{spec}.accelerator_type, {spec}.mlflow") == "('CPU', False)"

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy 
 
 #: A rank function that imports mlflow and logs one metric per rank, and reports which module files
 #: ran meanwhile (Python's "exec" audit event fires for each module body executed on import).
-LOGS_AND_COUNTS_IMPORTS = '''
+LOGS_AND_COUNTS_IMPORTS = """
 def logs_once(key):
     import os, sys
     executed = []
@@ -28,13 +28,15 @@ def logs_once(key):
     import mlflow
     mlflow.log_metric(key, float(os.environ["RANK"]))
     return [f for f in executed if f.endswith(".py")]
-'''
+"""
 
 
 def supervisor_pids(kernel: Kernel) -> set[int]:
-    return {p.pid for p in psutil.Process(kernel.pid).children() if "air_magic.launch.local.supervisor" in " ".join(p.cmdline())}
-
-
+    return {
+        p.pid
+        for p in psutil.Process(kernel.pid).children()
+        if "air_magic.launch.local.supervisor" in " ".join(p.cmdline())
+    }
 
 
 def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
@@ -73,8 +75,16 @@ def test_site_packages_are_watched_by_their_top_level_entry(tmp_path, monkeypatc
         watched = Preloaded(warm=False)
         watched._watch([fakepkg, fakepkg.sub, mine])
         assert set(watched.files) == {str(own / "mine.py"), str(site / "fakepkg")}, "one entry per installed package"
-        msg = LaunchJob(job="j", world_size=1, fork=True, executable=sys.executable, sys_path=sys.path,
-                        run_dir="", env=dict(os.environ), package_parent="")
+        msg = LaunchJob(
+            job="j",
+            world_size=1,
+            fork=True,
+            executable=sys.executable,
+            sys_path=sys.path,
+            run_dir="",
+            env=dict(os.environ),
+            package_parent="",
+        )
         assert watched.stale_reason(msg) is None
         (site / "fakepkg" / "__init__.py").unlink()  # what pip does on upgrade: old files out, new files in
         (site / "fakepkg" / "__init__.py").write_text("from . import sub\nNEW = 1\n")
@@ -92,10 +102,15 @@ def test_site_packages_are_watched_by_their_top_level_entry(tmp_path, monkeypatc
 @pytest.fixture(scope="module")
 def preload_nb(workdir):
     """A kernel whose warm helper preloads mlflow at start (AIR_MAGIC_PRELOAD), tracking to a sqlite store."""
-    k = Kernel(workdir, env={
-        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "AIR_MAGIC_PRELOAD": "torch,mlflow",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/preload.db",
-    })
+    k = Kernel(
+        workdir,
+        env={
+            "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
+            "AIR_MAGIC_DISPLAY": "text",
+            "AIR_MAGIC_PRELOAD": "torch,mlflow",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/preload.db",
+        },
+    )
     k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
     yield k
     sup = psutil.Process(k.pid).children()
@@ -109,7 +124,8 @@ def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb
         "@distributed(num_accelerators=2, accelerator_type='CPU', warm=True)\n"
         "def parent():\n    import os\n    return os.getppid()\n"
         "logs = distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once)\n"
-        "first = parent.distributed()", timeout=300
+        "first = parent.distributed()",
+        timeout=300,
     ).check()
     helper = supervisor_pids(preload_nb)
     assert len(helper) == 1
@@ -159,8 +175,13 @@ def test_an_interrupted_mlflow_warm_up_leaves_a_helper_whose_workers_log(tmp_pat
     imports mlflow and logs to the store (no library is left half set up)."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.MlflowClient(uri).search_experiments()  # the store exists, as the notebook makes it first
-    done = subprocess.run([sys.executable, "-c", INTERRUPTED_WARM_UP, str(ROOT), uri, str(asks)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WARM_UP, str(ROOT), uri, str(asks)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0 and done.stdout.split()[-1:] == ["0"], done.stderr[-3000:]
 
 
@@ -192,7 +213,9 @@ def test_later_calls_import_mlflow_from_the_warm_helper_and_log_to_their_run(nb,
 
 def test_ranks_that_do_not_import_mlflow_do_not_see_it(nb):
     """Ranks of a warm helper that preloaded mlflow do not have it (or its dependencies) loaded unless their code imports it."""
-    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')", timeout=300).check()
+    nb.execute(
+        "distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')", timeout=300
+    ).check()
     out = nb.execute(
         """
 @distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
@@ -204,14 +227,17 @@ def untouched():
     import mlflow.tracking
     return loaded, found, still, mlflow.tracking.__name__, mlflow.__spec__.name
 untouched.distributed()
-""", timeout=300
+""",
+        timeout=300,
     ).check()
     assert eval(out.result) == [([], True, False, "mlflow.tracking", "mlflow")] * 2
 
 
 def test_set_experiment_in_a_rank_still_warns_with_mlflow_preloaded(nb):
     """The rank-side set_experiment guard still applies when mlflow comes from the warm helper."""
-    nb.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')", timeout=300).check()
+    nb.execute(
+        "distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('warm')", timeout=300
+    ).check()
     out = nb.execute(
         """
 @distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
@@ -220,7 +246,8 @@ def stubborn():
     mlflow.set_experiment("somewhere-else")
     mlflow.log_metric("y", 2.0)
 stubborn.distributed()
-""", timeout=300
+""",
+        timeout=300,
     ).check()
     assert "mlflow.set_experiment('somewhere-else') ignored on rank 1" in out.stdout
 
@@ -244,7 +271,10 @@ def server(tmp_path_factory):
 
 def test_ranks_log_through_a_tracking_server_at_warm_speed(server, workdir):
     """With a tracking server, later calls' ranks import mlflow from the helper and every metric reaches the server's run."""
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": server})
+    k = Kernel(
+        workdir,
+        env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": server},
+    )
     try:
         k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
         k.execute("""
@@ -262,7 +292,10 @@ def steps(n):
             assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
         (helper,) = supervisor_pids(k)
         wait_idle(helper)
-        out = k.execute("distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')", timeout=300).check()
+        out = k.execute(
+            "distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')",
+            timeout=300,
+        ).check()
         assert out.result == "[[], []]"
         assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
     finally:
@@ -274,7 +307,10 @@ def steps(n):
 def test_worker_module_keeps_mlflow_out_of_its_imports():
     """The worker-side hook module imports mlflow only inside warm_up and flush, never at import."""
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import air_magic.tracking.hook, air_magic.launch.worker; print('mlflow' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 #: A trivial 2-rank gloo all-reduce, and a timer of one call of it (the text display writes nothing to wait for).
@@ -319,8 +355,10 @@ def test_first_and_second_calls_after_loading_the_extension_cost_about_a_warm_ca
     """Once the work %load_ext starts in the background is done (the helper's MLflow warm-up included), the first
     and the second call with MLflow on (a fresh default store) each cost at most 1.5 x a warm call + 0.3 s."""
     (tmp_path / "runs").mkdir()
-    k = Kernel(tmp_path, env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "text",
-                              "MLFLOW_TRACKING_URI": ""})
+    k = Kernel(
+        tmp_path,
+        env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""},
+    )
     try:
         k.execute("%load_ext air_magic").check()
         k.execute("from air_magic.tracking import prepare\nprepare.wait()", timeout=180).check()
@@ -353,7 +391,9 @@ prepare.wait()
 print(len(names), "mlflow" in sys.modules, os.path.exists("mlflow.db"), "torch" in sys.modules)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env
+    )
     assert done.stdout.split() == ["1", "True", "True", "False"]
 
 
@@ -375,16 +415,21 @@ print(len(started), os.path.exists("mlflow.db"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("how", "off", "expected"), [
-    ("import air_magic", False, "1 True"),
-    ("%load_ext air_magic", False, "1 True"),
-    ("%load_ext air_magic", True, "0 False"),
-])
+@pytest.mark.parametrize(
+    ("how", "off", "expected"),
+    [
+        ("import air_magic", False, "1 True"),
+        ("%load_ext air_magic", False, "1 True"),
+        ("%load_ext air_magic", True, "0 False"),
+    ],
+)
 def test_loading_in_ipython_prepares_mlflow_unless_cells_are_configured_without_it(tmp_path, how, off, expected):
     """`import air_magic` or `%load_ext` in an IPython shell start MLflow's set-up; `DistributedMagics.mlflow = False`
     in the config makes no store."""
     code = SHELL_LOADS.format(root=str(ROOT), off=off, how=how)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["AIR_MAGIC_WARM"] = "0"  # no helper process: this is about the notebook's side
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env
+    )
     assert done.stdout.split()[-2:] == expected.split()

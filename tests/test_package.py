@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 def run(*cmd: str | Path, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> str:
-    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    done = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -103,8 +105,10 @@ def test_kernel_of_the_venv_runs_two_ranks(venv, tmp_path):
     """`%load_ext air_magic` in a kernel of the venv, then a 2-rank CPU call whose ranks import the installed
     air_magic, and a %%distributed cell."""
     (tmp_path / "runs").mkdir()
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(
-        kernel_dirs=[str(venv / "share" / "jupyter" / "kernels")]))
+    km = KernelManager(
+        kernel_name="python3",
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(venv / "share" / "jupyter" / "kernels")]),
+    )
     env = {**outside_env(), **kernel_env(tmp_path)}
     km.start_kernel(cwd=str(tmp_path), env=env, extra_arguments=["--HistoryManager.enabled=False"])
     kc = km.client()

@@ -198,8 +198,9 @@ sleepy.distributed()
             seen["interrupted"] = True
             lab_kernel.interrupt()
 
-    out = run_cell(lab_kernel, "sleepy.with_overrides(timeout=None).distributed()", mirror,
-                   while_running=interrupt_once_running)
+    out = run_cell(
+        lab_kernel, "sleepy.with_overrides(timeout=None).distributed()", mirror, while_running=interrupt_once_running
+    )
     assert seen and out.ename == "KeyboardInterrupt"
     record = out.displays[-1]["data"]
     assert "interrupted" in record["text/plain"] and "rank 1: stopped" in record["text/html"]
@@ -252,9 +253,11 @@ def test_the_kernel_stays_busy_while_jupyterlab_talks_to_widgets_on_its_own_subs
         kc.control_channel.send(request)
         reply = kc.control_channel.get_msg(timeout=30)
         subshell = reply["content"]["subshell_id"]
-        (tab_id, _), = m.of_model("TabModel")[-1:]
-        for data in ({"method": "update", "state": {"selected_index": 1}, "buffer_paths": []},
-                     {"method": "custom", "content": {"event": "click"}}):
+        ((tab_id, _),) = m.of_model("TabModel")[-1:]
+        for data in (
+            {"method": "update", "state": {"selected_index": 1}, "buffer_paths": []},
+            {"method": "custom", "content": {"event": "click"}},
+        ):
             comm_id = tab_id if data["method"] == "update" else m.panel()["button"]
             msg = kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
             msg["header"]["subshell_id"] = subshell
@@ -284,7 +287,7 @@ forever.distributed()
         act(mirror)
     assert "clicked" in sent and out.ename == "JobCancelledError", out.traceback
     mine = [i for i, s in enumerate(mirror.statuses) if s[2] == msg_id]
-    during = mirror.statuses[mine[0]:mine[-1] + 1]
+    during = mirror.statuses[mine[0] : mine[-1] + 1]
     assert during[0] == ("busy", "execute_request", msg_id) and during[-1] == ("idle", "execute_request", msg_id)
     others = [i for i, s in enumerate(during[:-1]) if s[0] == "idle"]
     assert others, "the subshell's requests published their own idle"
@@ -364,8 +367,11 @@ def test_a_notebook_executed_headless_keeps_a_static_record_that_nbconvert_shows
 
     (tmp_path / "runs").mkdir()
     nb = execute_headless(
-        HEADLESS_CELLS, tmp_path, {"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "panel"},
-        allow_errors=True, unset=("MLFLOW_TRACKING_URI",),  # MLflow's own default: ./mlflow.db beside the notebook
+        HEADLESS_CELLS,
+        tmp_path,
+        {"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "panel"},
+        allow_errors=True,
+        unset=("MLFLOW_TRACKING_URI",),  # MLflow's own default: ./mlflow.db beside the notebook
     )
     nbformat.write(nb, tmp_path / "record.ipynb")
 
@@ -451,7 +457,11 @@ def test_terminal_ipython_gets_the_plain_text_display(tmp_path):
     )
     done = subprocess.run(
         [sys.executable, "-m", "IPython", "--HistoryManager.enabled=False", "--colors=nocolor", "-c", code],
-        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     assert "display: TextDisplay" in done.stdout

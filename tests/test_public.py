@@ -10,10 +10,27 @@ import air_magic
 from air_magic import AcceleratorType, GPUType, distributed
 
 PUBLIC = {
-    "AcceleratorType", "AirMagicError", "ConfigurationError", "DistributedTimeoutError", "GPUType",
-    "JobCancelledError", "JobResult", "JobStatus", "PayloadSizeWarning", "RankFailedError", "RankResult",
-    "RankState", "ResultSizeWarning", "RunDirectoryFullError", "SerializationError", "WorkerDiedError",
-    "__version__", "distributed", "load_ipython_extension", "ray_init", "unload_ipython_extension",
+    "AcceleratorType",
+    "AirMagicError",
+    "ConfigurationError",
+    "DistributedTimeoutError",
+    "GPUType",
+    "JobCancelledError",
+    "JobResult",
+    "JobStatus",
+    "PayloadSizeWarning",
+    "RankFailedError",
+    "RankResult",
+    "RankState",
+    "ResultSizeWarning",
+    "RunDirectoryFullError",
+    "SerializationError",
+    "WorkerDiedError",
+    "__version__",
+    "distributed",
+    "load_ipython_extension",
+    "ray_init",
+    "unload_ipython_extension",
 }
 
 
@@ -26,7 +43,9 @@ def test_all_lists_exactly_the_public_names_and_each_exists():
 
     exceptions = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.AirMagicError)}
     assert exceptions <= set(air_magic.__all__)
-    assert issubclass(air_magic.ResultSizeWarning, UserWarning) and issubclass(air_magic.PayloadSizeWarning, UserWarning)
+    assert issubclass(air_magic.ResultSizeWarning, UserWarning) and issubclass(
+        air_magic.PayloadSizeWarning, UserWarning
+    )
 
 
 def test_accelerator_type_members_are_strings_accepted_where_a_string_is():

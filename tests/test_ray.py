@@ -371,7 +371,7 @@ def test_ray_init_starts_ray_on_loopback_only_and_twice_is_harmless(tmp_path):
     call returns the same context."""
     code = f"""
 import sys, psutil
-sys.path.insert(0, {str(ROOT / 'tests')!r})
+sys.path.insert(0, {str(ROOT / "tests")!r})
 import ray_cluster  # noqa: F401 - only for patient_raylets below; its loopback setting is undone here
 import os
 os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
@@ -413,12 +413,19 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
     the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store; Ctrl-C
     while ranks hang on both nodes is a KeyboardInterrupt that leaves nothing held."""
     store = f"sqlite:///{workdir}/ray-mlflow.db"
-    k = Kernel(workdir, env={
-        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": store,
-    })
+    k = Kernel(
+        workdir,
+        env={
+            "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
+            "AIR_MAGIC_DISPLAY": "text",
+            "MLFLOW_TRACKING_URI": store,
+        },
+    )
     try:
-        k.execute(f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
-                  "%load_ext air_magic").check()
+        k.execute(
+            f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
+            "%load_ext air_magic"
+        ).check()
         out = k.execute(
             "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --out got\n"
             "import os, ray, mlflow\n"
@@ -436,8 +443,10 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
         ).check()
         assert check.stdout.strip() == "2 2 [0.0, 1.0] FINISHED", check.stdout
         # Ctrl-C while the ranks hang on both nodes: KeyboardInterrupt, and (all_free_after) nothing left held
-        msg_id = k.send("%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow\n"
-                        "import time\nprint('READY', flush=True)\ntime.sleep(600)\n")
+        msg_id = k.send(
+            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow\n"
+            "import time\nprint('READY', flush=True)\ntime.sleep(600)\n"
+        )
         seen = ""
         deadline = time.monotonic() + 240
         while not ("[rank 0] READY" in seen and "[rank 1] READY" in seen):
@@ -458,10 +467,14 @@ def test_hot_ranks_of_a_kernel_over_two_nodes_end_with_the_kernel(cluster, workd
     exit leaves every CPU of the cluster free and no actor alive."""
     k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
     try:
-        k.execute(f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
-                  "%load_ext air_magic").check()
-        cell = ("%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --keep-alive 600 --out pids\n"
-                "import os\nos.getpid()\n")
+        k.execute(
+            f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
+            "%load_ext air_magic"
+        ).check()
+        cell = (
+            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --keep-alive 600 --out pids\n"
+            "import os\nos.getpid()\n"
+        )
         k.execute(cell, timeout=300).check()
         k.execute("first = list(pids)").check()
         k.execute(cell, timeout=300).check()
@@ -514,7 +527,9 @@ def test_stacks_of_ray_ranks_on_request_and_in_the_cancel_error(cluster):
     result = run(hangs_in_two_places, listener=rec, timeout=240)
     assert isinstance(result.error, JobCancelledError), result.error
     message = str(result.error)
-    assert "rank 0: in stuck_in_data_loading (" in message and "rank 1: in waiting_for_the_slow_rank (" in message, message
+    assert "rank 0: in stuck_in_data_loading (" in message and "rank 1: in waiting_for_the_slow_rank (" in message, (
+        message
+    )
     for rank in (0, 1):
         log = (result.run_dir / f"rank-{rank}.log").read_text()
         assert log.count("air_magic: stacks of pid") >= 2, log  # on request, then before stopping

@@ -64,7 +64,9 @@ def mlflow_run(nb, stdout: str) -> str:
 
 def test_a_rank_killed_in_the_first_attempt_restarts_the_call_which_returns_the_second_attempts_results(nb):
     """SIGKILL of rank 1 with max_restarts=1: every rank starts again and the call returns attempt 1's values."""
-    out = nb.execute("result = killed_once.run()\nprint(result.values, result.attempts, result.status.value)", timeout=180).check()
+    out = nb.execute(
+        "result = killed_once.run()\nprint(result.values, result.attempts, result.status.value)", timeout=180
+    ).check()
     assert "[(0, 1, '1'), (1, 1, '1')] 2 FINISHED" in out.stdout
     assert "attempt 2 of 2, every rank starts again after: rank 1 was killed by signal 9 (SIGKILL)" in out.stdout
     [run_dir] = run_dirs(out.stdout)
@@ -104,7 +106,10 @@ def test_the_cell_magic_takes_max_restarts_from_its_option_or_the_configured_def
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "int(os.environ['TORCHELASTIC_RESTART_COUNT'])"
     )
-    assert nb.execute(f"%%distributed --gpus 2 --no-mlflow --max-restarts 1\n{cell}", timeout=180).check().result == "[1, 1]"
+    assert (
+        nb.execute(f"%%distributed --gpus 2 --no-mlflow --max-restarts 1\n{cell}", timeout=180).check().result
+        == "[1, 1]"
+    )
     err = nb.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180)
     assert err.ename == "WorkerDiedError"
     nb.execute("%config DistributedMagics.default_max_restarts = 1").check()
@@ -202,7 +207,11 @@ def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):
     assert "attempt 2 of 2 (after: rank 1 was killed by signal 9 (SIGKILL))" in panel["status"]
     assert panel["titles"] == ["rank 0: done", "rank 1: done"]
     log = panel["logs"][1]
-    assert log.index("rank 1 in attempt 0") < log.index("===== air_magic: attempt 2 of 2") < log.index("rank 1 in attempt 1")
+    assert (
+        log.index("rank 1 in attempt 0")
+        < log.index("===== air_magic: attempt 2 of 2")
+        < log.index("rank 1 in attempt 1")
+    )
     record = out.displays[-1]["data"]
     assert "attempt 2 of 2" in record["text/html"] and "attempt 1: rank 1 was killed" in record["text/plain"]
 
@@ -215,23 +224,32 @@ def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_on
     (tmp_path / "runs").mkdir()
     probe = '{"results": results, "attempts": result.attempts, "earlier": result.earlier_failures, "exactly_once": exactly_once}'
     run = demo_run.execute(
-        DEMOS / "restarts.ipynb", workdir=tmp_path, output=tmp_path / "restarts.ipynb", timeout=600,
+        DEMOS / "restarts.ipynb",
+        workdir=tmp_path,
+        output=tmp_path / "restarts.ipynb",
+        timeout=600,
         env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
         append=[f"import json as _json\nprint({PROBE!r} + _json.dumps({probe}))"],
     )
     assert run.error is None, f"restarts.ipynb failed:\n{run.error}"
     line = next(ln for ln in demo_run.cell_text(run.notebook.cells[-1]).splitlines() if ln.startswith(PROBE))
-    got = json.loads(line[len(PROBE):])
+    got = json.loads(line[len(PROBE) :])
     assert got["attempts"] == 2 and got["earlier"] == ["rank 1 was killed by signal 9 (SIGKILL)"]
     assert [(r["attempt"], r["last_step"]) for r in got["results"]] == [(1, 24), (1, 24)]
     assert all(r["resumed_from"].endswith("/step-00010") for r in got["results"])
     assert got["exactly_once"] == {"0": True, "1": True, "2": True}
     [run_dir] = run.run_dirs
     log = (run_dir / "rank-1.log").read_text()
-    assert log.index("killed at step 11") < log.index("===== air_magic: attempt 2 of 3") < log.index("resumed from step-00010")
+    assert (
+        log.index("killed at step 11")
+        < log.index("===== air_magic: attempt 2 of 3")
+        < log.index("resumed from step-00010")
+    )
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
-        rows = db.execute("SELECT r.status, t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-                          "WHERE t.key = 'air_magic.restarts'").fetchall()
+        rows = db.execute(
+            "SELECT r.status, t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+            "WHERE t.key = 'air_magic.restarts'"
+        ).fetchall()
     assert rows == [("FINISHED", "1")]
 
 

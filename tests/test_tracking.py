@@ -69,7 +69,9 @@ def nb(store):
     """A kernel with no MLflow configuration; killed outright at the end, after which no MLflow UI may remain."""
     ui_before = {p.pid for p in mlflow_ui_processes()}
     procs_before = {p.pid for p in psutil.process_iter()}
-    k = Kernel(store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""})
+    k = Kernel(
+        store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""}
+    )
     k.execute("import os, time, re\nimport mlflow\nfrom air_magic import distributed").check()
     # The import set the default store up in the background; the tests' own client opens it only after that.
     k.execute("from air_magic.tracking import prepare\nprepare.wait()").check()
@@ -89,8 +91,6 @@ def nb(store):
 @pytest.fixture
 def client(store):
     return mlflow.MlflowClient(f"sqlite:///{store}/mlflow.db")
-
-
 
 
 def test_call_makes_a_finished_run_with_settings_metrics_and_logs(nb, store, client):

@@ -17,8 +17,11 @@ def nb(workdir):
     (pkg / "__init__.py").write_text("VERSION = 1\n")
     k = Kernel(
         workdir,
-        env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_PRELOAD": "torch,mypkg",
-             "PYTHONPATH": str(workdir / "pkgs")},
+        env={
+            "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
+            "AIR_MAGIC_PRELOAD": "torch,mypkg",
+            "PYTHONPATH": str(workdir / "pkgs"),
+        },
     )
     k.execute("import sys; sys.path.insert(0, %r)\nfrom air_magic import distributed" % str(workdir / "pkgs")).check()
     yield k

@@ -43,11 +43,14 @@ class WidgetMirror:
         _, tab = tabs[-1]
         pages = [self.models[ref.removeprefix("IPY_MODEL_")] for ref in tab["children"]]
         # a tab holds the rank's usage line over its log (or, in a panel without usage, the log alone)
-        parts = [[self.models[r.removeprefix("IPY_MODEL_")] for r in p["children"]] if "children" in p else [p]
-                 for p in pages]
+        parts = [
+            [self.models[r.removeprefix("IPY_MODEL_")] for r in p["children"]] if "children" in p else [p]
+            for p in pages
+        ]
         logs = [next(m["value"] for m in part if "air-magic-usage" not in m.get("_dom_classes", ())) for part in parts]
-        usages = [next((m["value"] for m in part if "air-magic-usage" in m.get("_dom_classes", ())), "")
-                  for part in parts]
+        usages = [
+            next((m["value"] for m in part if "air-magic-usage" in m.get("_dom_classes", ())), "") for part in parts
+        ]
         buttons = self.of_model("ButtonModel")
         htmls = [s["value"] for _, s in self.of_model("HTMLModel")]
         return {

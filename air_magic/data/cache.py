@@ -67,8 +67,11 @@ def _close_held_in_child() -> None:
     _FORK_GUARD = threading.Lock()
 
 
-os.register_at_fork(before=lambda: _FORK_GUARD.acquire(), after_in_parent=lambda: _FORK_GUARD.release(),
-                    after_in_child=_close_held_in_child)
+os.register_at_fork(
+    before=lambda: _FORK_GUARD.acquire(),
+    after_in_parent=lambda: _FORK_GUARD.release(),
+    after_in_child=_close_held_in_child,
+)
 
 
 def _alive(pid: int) -> bool:
@@ -119,8 +122,14 @@ class FileCache:
     """The cache in `directory`; one instance per process (it keeps that process's pins)."""
 
     def __init__(
-        self, directory: str, limit: int | None, min_free: int, retries: int = 5, backoff: float = 0.5,
-        poll: float = 0.02, stall_report: float = 60.0,
+        self,
+        directory: str,
+        limit: int | None,
+        min_free: int,
+        retries: int = 5,
+        backoff: float = 0.5,
+        poll: float = 0.02,
+        stall_report: float = 60.0,
     ) -> None:
         self.directory = os.path.abspath(directory)
         self.limit = limit
@@ -305,7 +314,12 @@ class FileCache:
                 self._publish()
 
     def fetch(
-        self, url: str, size: int, version: str, open_fs: Callable[[], Any], needed_now: Callable[[], bool],
+        self,
+        url: str,
+        size: int,
+        version: str,
+        open_fs: Callable[[], Any],
+        needed_now: Callable[[], bool],
         stop: threading.Event | None = None,
     ) -> str:
         """A local path holding `url`, pinned for this process (call `unpin(key)` when done).
@@ -383,7 +397,8 @@ class FileCache:
             f"pinned by live readers. Readers the DataLoader did not count hold them (another run sharing this "
             f"cache_dir, a plain torch DataLoader, ranks with more num_workers than this one): raise cache_limit, "
             f"give the other run its own cache_dir, or pass a transform",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
 
     def _fits(self, used: int, free: int, size: int) -> bool:

@@ -146,9 +146,14 @@ class StreamingFileDataset(IterableDataset[Any]):
         """What `rank` reads in the rest of the current epoch."""
         r, w = self._layout or _rank_and_world()
         return Plan(
-            len(self.listing), self.epoch, self._start,
-            r if rank is None else rank, w if world_size is None else world_size,
-            self.split, self.seed, self.shuffle,
+            len(self.listing),
+            self.epoch,
+            self._start,
+            r if rank is None else rank,
+            w if world_size is None else world_size,
+            self.split,
+            self.seed,
+            self.shuffle,
         )
 
     def __len__(self) -> int:
@@ -234,8 +239,8 @@ class StreamingFileDataset(IterableDataset[Any]):
             for pos in range(len(files)):
                 head[0] = pos
                 if pos % 64 == 0:  # publish the next files as pinned in one write (see FileCache.announce)
-                    cache.announce(keys[pos:pos + window] + list(yielded))
-                ahead = sum(sizes[pos + 1:submitted])  # fetched or fetching ahead of this one, held meanwhile
+                    cache.announce(keys[pos : pos + window] + list(yielded))
+                ahead = sum(sizes[pos + 1 : submitted])  # fetched or fetching ahead of this one, held meanwhile
                 while submitted < len(files) and submitted <= pos + self.prefetch:
                     if submitted > pos and budget is not None and ahead + sizes[submitted] > budget:
                         break  # this process's share of the cap is taken: fetch further when the head moves

@@ -20,8 +20,22 @@ from typing import Any
 import fsspec  # type: ignore[import-untyped]
 from fsspec.core import url_to_fs  # type: ignore[import-untyped]
 
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
-          "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
 
 
 def parse_size(value: int | str | None) -> int | None:
@@ -53,7 +67,7 @@ def local_path(url: str) -> str:
     """The filesystem path of a local URL."""
     for prefix in ("file://", "local://"):
         if url.startswith(prefix):
-            return url[len(prefix):]
+            return url[len(prefix) :]
     return url
 
 
@@ -84,7 +98,9 @@ def filesystem(protocol: str, storage_options: dict[str, Any]) -> fsspec.Abstrac
 
 
 def list_files(
-    url: str | os.PathLike[str], pattern: str | None = None, recursive: bool = False,
+    url: str | os.PathLike[str],
+    pattern: str | None = None,
+    recursive: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> Listing:
     """List the files under `url` once: sorted relative names, optionally recursive and glob-filtered.
@@ -114,7 +130,7 @@ def list_files(
     rows = []
     for name, info in entries.items():
         stripped = fs._strip_protocol(name)
-        rel = stripped[len(prefix):] if stripped.startswith(prefix) else os.path.basename(stripped)
+        rel = stripped[len(prefix) :] if stripped.startswith(prefix) else os.path.basename(stripped)
         if pattern is not None and not fnmatch.fnmatchcase(rel, pattern):
             continue
         version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""

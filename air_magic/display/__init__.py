@@ -39,9 +39,7 @@ def display_mode() -> str:
     """The chosen mode from $AIR_MAGIC_DISPLAY, checked."""
     mode = os.environ.get("AIR_MAGIC_DISPLAY", "auto").strip().lower() or "auto"
     if mode not in _MODES:
-        raise ConfigurationError(
-            f"AIR_MAGIC_DISPLAY={mode!r} is not a display mode; use one of {', '.join(_MODES)}."
-        )
+        raise ConfigurationError(f"AIR_MAGIC_DISPLAY={mode!r} is not a display mode; use one of {', '.join(_MODES)}.")
     return mode
 
 

@@ -106,7 +106,8 @@ def record_bundle(
     parts.append(charts_html(metrics))
     text = [
         f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}: {how}"
-        + (f" on {attempts}" if attempts else "") + f" in {result.elapsed:.1f} s",
+        + (f" on {attempts}" if attempts else "")
+        + f" in {result.elapsed:.1f} s",
     ]
     text += [f"earlier {line}" for line in earlier]
     if link:
@@ -118,16 +119,14 @@ def record_bundle(
     for rank in result.ranks:
         small = record_tail(tails[rank.rank])
         log = str(log_paths[rank.rank])
-        note = (
-            f"… {small.omitted:,} earlier line(s) not shown; full log: {log}" if small.omitted else f"log: {log}"
-        )
+        note = f"… {small.omitted:,} earlier line(s) not shown; full log: {log}" if small.omitted else f"log: {log}"
         title = f"rank {rank.rank}: {rank.state.value}"
         if peaks and rank.rank in peaks:
             title += f" · {peak_text(peaks[rank.rank])}"
         stopped = [d for d in (dumps or {}).get(rank.rank, []) if d.why == STOPPING]
         stack_html = "".join(
             f'<details class="air-magic-record-stacks" style="margin:2px 0 2px 1em"><summary style="cursor:pointer">'
-            f"{html.escape(d.summary())}</summary><pre style=\"{_PRE}\">{html.escape(d.text())}</pre></details>"
+            f'{html.escape(d.summary())}</summary><pre style="{_PRE}">{html.escape(d.text())}</pre></details>'
             for d in stopped
         )
         parts.append(

@@ -40,9 +40,12 @@ class StartingLine:
         text = f"{spec.name} · {spec.world_size} rank(s) · {spec.accelerator_type} · {waiting_for(spec)}"
         self.taken = False
         self.handle = display(
-            {"text/html": f'<div class="air-magic-starting" style="white-space:nowrap">{html.escape(text)}</div>',
-             "text/plain": f"air_magic: {text}"},
-            raw=True, display_id=True,
+            {
+                "text/html": f'<div class="air-magic-starting" style="white-space:nowrap">{html.escape(text)}</div>',
+                "text/plain": f"air_magic: {text}",
+            },
+            raw=True,
+            display_id=True,
         )
         shell = sys.modules["IPython"].get_ipython()
         if shell is not None:

@@ -258,7 +258,12 @@ class Panel(Listener):
         self._show_status(result.elapsed)
         self._show_link()
         bundle = record_bundle(
-            result, self.tails, self.ctx.log_paths, self.ctx.links.get("mlflow"), self.metrics, self.dumps,
+            result,
+            self.tails,
+            self.ctx.log_paths,
+            self.ctx.links.get("mlflow"),
+            self.metrics,
+            self.dumps,
             peaks=self.resources.peaks() if self.resources is not None else None,
         )
         # The widget's output becomes the static record: a saved or converted notebook keeps it.
@@ -300,14 +305,19 @@ class Panel(Listener):
         self.link.add_class("air-magic-link")
         # made before Cancel: a frontend lists buttons in the order they were made, Cancel stays the last
         self.stacks_button = w.Button(
-            description="Stacks", icon="search", tooltip="Show where every rank is now, stopping nothing",
+            description="Stacks",
+            icon="search",
+            tooltip="Show where every rank is now, stopping nothing",
             layout=w.Layout(width="auto", flex="0 0 auto"),
         )
         self.stacks_button.add_class("air-magic-stacks-button")
         self.stacks_button.on_click(self._stacks_clicked)
         self.stacks_view = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.cancel_button = w.Button(
-            description="Cancel", icon="stop", button_style="danger", tooltip="Stop every rank of this call",
+            description="Cancel",
+            icon="stop",
+            button_style="danger",
+            tooltip="Stop every rank of this call",
             # wide enough for "Cancelling…" with its icon, and never squeezed by the row
             layout=w.Layout(width="auto", min_width="9.5em", flex="0 0 auto"),
         )
@@ -322,9 +332,21 @@ class Panel(Listener):
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.box = w.VBox([header, self.charts, self.stacks_view, self.tabs])
         self.box.add_class("air-magic-panel")
-        self._widgets: list[Any] = [self.box, header, self.charts, self.stacks_view, self.tabs, *pages, *self.usages,
-                                    *self.logs, self.status, self.link, self.stacks_button, self.cancel_button,
-                                    self.cancel_hint]
+        self._widgets: list[Any] = [
+            self.box,
+            header,
+            self.charts,
+            self.stacks_view,
+            self.tabs,
+            *pages,
+            *self.usages,
+            *self.logs,
+            self.status,
+            self.link,
+            self.stacks_button,
+            self.cancel_button,
+            self.cancel_hint,
+        ]
         for widget in self._widgets:
             if widget not in (self.cancel_button, self.stacks_button):
                 keep_on_main_shell(widget)

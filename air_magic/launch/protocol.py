@@ -244,9 +244,7 @@ class LauncherDied(Event):
 # -- the wire ----------------------------------------------------------------------
 def encode(message: Message) -> bytes:
     """One JSON line."""
-    body = {
-        f.name: getattr(message, f.name) for f in dataclasses.fields(message) if f.metadata.get("wire", True)
-    }
+    body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message) if f.metadata.get("wire", True)}
     return (json.dumps({"type": type(message).__name__, **body}) + "\n").encode()
 
 
@@ -306,4 +304,3 @@ class RankReport:
     output: bytes
     metrics: bytes
     done: RankFiles | None = None
-

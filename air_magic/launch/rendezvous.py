@@ -27,8 +27,14 @@ def serve(fd: int, port: int, world_size: int) -> None:
     from torch.distributed import TCPStore
 
     store = TCPStore(
-        "127.0.0.1", port, world_size, True, timedelta(minutes=30),
-        wait_for_workers=False, master_listen_fd=fd, use_libuv=False,
+        "127.0.0.1",
+        port,
+        world_size,
+        True,
+        timedelta(minutes=30),
+        wait_for_workers=False,
+        master_listen_fd=fd,
+        use_libuv=False,
     )
     try:
         while True:

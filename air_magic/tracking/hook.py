@@ -165,8 +165,11 @@ def leave_run_to_notebook() -> None:
     """
     try:
         stack = _compat.active_run_stack()
-        if stack is not None and [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")] \
-                and not _compat.has_system_metrics_monitor():
+        if (
+            stack is not None
+            and [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")]
+            and not _compat.has_system_metrics_monitor()
+        ):
             stack.clear()
     except Exception:  # noqa: BLE001 - MLflow internals moved: keep MLflow's own behaviour
         return
@@ -212,8 +215,11 @@ def _send_queued(mlflow: ModuleType, timeout: float) -> None:
     sender.start()
     sender.join(timeout)
     if sender.is_alive():
-        print(f"air_magic: MLflow was still sending this rank's last metrics after {timeout:g} s; "
-              "the rank exits without waiting longer.", file=sys.stderr)
+        print(
+            f"air_magic: MLflow was still sending this rank's last metrics after {timeout:g} s; "
+            "the rank exits without waiting longer.",
+            file=sys.stderr,
+        )
 
 
 def warm_up(env: dict[str, str]) -> list[str]:
@@ -268,8 +274,16 @@ def warm_up(env: dict[str, str]) -> list[str]:
 
 #: Modules with (or behind) extension modules that `import mlflow` loads, in the order it loads them (warm_up).
 MLFLOW_EXTENSIONS = (
-    "google.protobuf.descriptor", "pydantic_core", "psutil", "charset_normalizer", "requests", "yaml", "pyarrow.fs",
-    "pandas", "numpy.random", "scipy.sparse",
+    "google.protobuf.descriptor",
+    "pydantic_core",
+    "psutil",
+    "charset_normalizer",
+    "requests",
+    "yaml",
+    "pyarrow.fs",
+    "pandas",
+    "numpy.random",
+    "scipy.sparse",
 )
 
 #: Tracking URIs whose store warm_up built in this process.

@@ -60,7 +60,6 @@ ASYNC_LOGGING_ENV = {
 }
 
 
-
 class MlflowTracker(Listener):
     """Makes and ends the MLflow run of one call; see the module docstring."""
 
@@ -273,6 +272,7 @@ class MlflowTracker(Listener):
         self.client.log_batch(
             self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True
         )
+
     def on_attempt(self, attempt: int, why: str) -> None:
         """The call restarts in the same run: tag how many times (`air_magic.restarts`) and why each time."""
         self._started()

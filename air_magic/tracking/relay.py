@@ -50,11 +50,16 @@ class Batch:
 
 def encode_batch(metrics: Iterable[Any], params: Iterable[Any], tags: Iterable[Any]) -> bytes:
     """One line for MLflow entities (Metric, Param, RunTag, or anything with the same attributes)."""
-    return (json.dumps({
-        "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
-        "params": [[p.key, p.value] for p in params],
-        "tags": [[t.key, t.value] for t in tags],
-    }) + "\n").encode()
+    return (
+        json.dumps(
+            {
+                "metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics],
+                "params": [[p.key, p.value] for p in params],
+                "tags": [[t.key, t.value] for t in tags],
+            }
+        )
+        + "\n"
+    ).encode()
 
 
 def decode_batch(line: bytes) -> Batch:
@@ -102,8 +107,13 @@ class RelayStore(AbstractStore):
 
     def get_run(self, run_id: str) -> Run:
         info = RunInfo(
-            run_id=run_id, experiment_id=self.experiment_id, user_id="", status=RunStatus.to_string(RunStatus.RUNNING),
-            start_time=int(time.time() * 1000), end_time=None, lifecycle_stage=LifecycleStage.ACTIVE,
+            run_id=run_id,
+            experiment_id=self.experiment_id,
+            user_id="",
+            status=RunStatus.to_string(RunStatus.RUNNING),
+            start_time=int(time.time() * 1000),
+            end_time=None,
+            lifecycle_stage=LifecycleStage.ACTIVE,
         )
         return Run(info, RunData())
 

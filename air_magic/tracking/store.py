@@ -47,7 +47,7 @@ def sqlite_artifact_root(tracking_uri: str) -> str | None:
     """`<folder of the database>/mlartifacts` for a local sqlite store, else None (MLflow decides)."""
     if not tracking_uri.startswith("sqlite:///"):
         return None
-    path = tracking_uri[len("sqlite:///"):]
+    path = tracking_uri[len("sqlite:///") :]
     if not path.startswith("/"):
         return None
     return str(Path(path).parent / ARTIFACTS_DIR)
@@ -57,7 +57,7 @@ def absolute_uri(uri: str) -> str:
     """`uri` with a relative sqlite or file path made absolute, so workers and the UI open the same store."""
     parsed = urlparse(uri)
     if parsed.scheme == "sqlite":
-        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        path = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else ""
         if path and not path.startswith("/") and path != ":memory:":
             return "sqlite:///" + os.path.abspath(path)
         return uri

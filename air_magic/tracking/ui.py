@@ -109,8 +109,12 @@ def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
             try:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", _BOOT, json.dumps(cmd), str(listener.fileno())],
-                    stdin=subprocess.PIPE, stdout=fd, stderr=fd, env=env,
-                    start_new_session=True, pass_fds=(listener.fileno(),),
+                    stdin=subprocess.PIPE,
+                    stdout=fd,
+                    stderr=fd,
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=(listener.fileno(),),
                 )
             finally:
                 os.close(fd)

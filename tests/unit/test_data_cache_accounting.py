@@ -62,7 +62,9 @@ def test_need_is_the_largest_files_that_the_readers_keep_each_counted_once():
 
 
 def test_the_file_needed_next_goes_over_the_cap_only_while_nothing_else_is_over(
-    files: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    files: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ):
     """With every cached file pinned, one needed file may go over a 2-file cap; the next one waits (asking others for room, and saying so on stderr when it lasts) until a file is released."""
     cache = FileCache(str(tmp_path / "cache"), limit=2 * SIZE, min_free=0, poll=0.005, stall_report=0.05)
@@ -82,7 +84,10 @@ def test_the_file_needed_next_goes_over_the_cap_only_while_nothing_else_is_over(
         assert got == [cache.path(key(files[3]))]
         assert cache.usage() == 3 * SIZE
         err = capsys.readouterr().err
-        assert err.count("has waited") == 1 and "cache_limit=2000 bytes, 3000 bytes cached or being fetched, 3000 of them pinned" in err, err
+        assert (
+            err.count("has waited") == 1
+            and "cache_limit=2000 bytes, 3000 bytes cached or being fetched, 3000 of them pinned" in err
+        ), err
         assert not os.path.exists(cache.path(key(files[0]))), "the released file was not the one evicted"
     finally:
         stop.set()

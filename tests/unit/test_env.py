@@ -6,15 +6,26 @@ from air_magic.launch.env import loopback_sockets, torchrun_env
 
 #: What torchrun (torch.distributed.elastic's local agent) sets for each worker, besides TORCHELASTIC_RUN_ID.
 TORCHRUN = {
-    "RANK", "LOCAL_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+    "RANK",
+    "LOCAL_RANK",
+    "ROLE_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
 }
 
 
 def test_a_rank_gets_the_variables_torchrun_sets():
     """Rank 3 of 8 on the second of two nodes sees the names and values torchrun would give it, all strings."""
-    env = torchrun_env(rank=7, world_size=8, local_rank=3, local_world_size=4, node_rank=1, master_addr="10.0.0.1",
-                       master_port=29500)
+    env = torchrun_env(
+        rank=7, world_size=8, local_rank=3, local_world_size=4, node_rank=1, master_addr="10.0.0.1", master_port=29500
+    )
     assert TORCHRUN <= set(env)
     assert all(isinstance(v, str) for v in env.values())
     assert env["RANK"] == env["ROLE_RANK"] == "7" and env["LOCAL_RANK"] == "3"

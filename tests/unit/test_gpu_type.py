@@ -9,10 +9,18 @@ from air_magic.errors import ConfigurationError
 from air_magic.launch.ray.cluster import check_shape
 
 
-@pytest.mark.parametrize(("text", "parsed"), [
-    ("GPU_2xH100", (2, "H100")), (" gpu_8xh200 ", (8, "h200")), ("GPU", (None, None)),
-    ("GPU_2", None), ("H100", None), ("GPU_x2H100", None), ("CPU", None),
-])
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("GPU_2xH100", (2, "H100")),
+        (" gpu_8xh200 ", (8, "h200")),
+        ("GPU", (None, None)),
+        ("GPU_2", None),
+        ("H100", None),
+        ("GPU_x2H100", None),
+        ("CPU", None),
+    ],
+)
 def test_type_strings_parse_to_count_and_model(text, parsed):
     """Count and model, or None for what is not a GPU type string."""
     assert parse_gpu_type(text) == parsed

@@ -93,7 +93,11 @@ def test_a_warm_up_request_reaches_every_used_launcher(monkeypatch):
     monkeypatch.setattr(launch, "_used", [])
     first, second = launch.used(Plain()), launch.used(Plain())
     launch.warm_up(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})
-    assert first.warmed == second.warmed == [(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})]
+    assert (
+        first.warmed
+        == second.warmed
+        == [(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})]
+    )
     Launcher.warm_up(first, ["h"], {})
 
 

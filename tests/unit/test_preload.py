@@ -13,8 +13,16 @@ from air_magic.launch.protocol import LaunchJob
 
 
 def _msg(**kw) -> LaunchJob:
-    base = {"job": "j", "world_size": 1, "fork": True, "executable": sys.executable, "sys_path": list(sys.path),
-            "run_dir": "", "env": dict(os.environ), "package_parent": ""}
+    base = {
+        "job": "j",
+        "world_size": 1,
+        "fork": True,
+        "executable": sys.executable,
+        "sys_path": list(sys.path),
+        "run_dir": "",
+        "env": dict(os.environ),
+        "package_parent": "",
+    }
     return LaunchJob(**{**base, **kw})
 
 
@@ -190,7 +198,9 @@ def test_a_warm_up_does_not_give_way_where_it_would_drop_an_extension_module(tmp
     import importlib.machinery
 
     _package(tmp_path, "extpkg", "from . import fakeext\nfrom . import after\n")
-    (tmp_path / "extpkg" / "fakeext.py").write_text(f"__file__ = __file__[:-3] + {importlib.machinery.EXTENSION_SUFFIXES[0]!r}\n")
+    (tmp_path / "extpkg" / "fakeext.py").write_text(
+        f"__file__ = __file__[:-3] + {importlib.machinery.EXTENSION_SUFFIXES[0]!r}\n"
+    )
     (tmp_path / "extpkg" / "after.py").write_text("")
     _package(tmp_path, "purepkg", "from . import inner\n")
     (tmp_path / "purepkg" / "inner.py").write_text("")

@@ -11,9 +11,19 @@ from air_magic.launch import protocol as p
 #: One instance of every message the wire carries; a new message type without one here fails the coverage test.
 SAMPLES: list[p.Message] = [
     p.LaunchJob(
-        job="j1", world_size=2, fork=True, executable="/usr/bin/python3", sys_path=["/a", "/b"], run_dir="/runs/x",
-        env={"A": "1"}, package_parent="/src", keep_alive=60.0, world_key="k", hooks=["air_magic.tracking.hook"],
-        restart_count=1, max_restarts=2,
+        job="j1",
+        world_size=2,
+        fork=True,
+        executable="/usr/bin/python3",
+        sys_path=["/a", "/b"],
+        run_dir="/runs/x",
+        env={"A": "1"},
+        package_parent="/src",
+        keep_alive=60.0,
+        world_key="k",
+        hooks=["air_magic.tracking.hook"],
+        restart_count=1,
+        max_restarts=2,
     ),
     p.StopJob(job="j1", reason="cancelled", grace=3.0),
     p.DumpStacks(job="j1"),
@@ -61,17 +71,34 @@ def test_a_line_that_is_no_message_is_refused():
 
 def test_launch_job_defaults_keep_old_lines_readable():
     """A LaunchJob line without the optional fields decodes with their defaults."""
-    line = json.dumps({
-        "type": "LaunchJob", "job": "j", "world_size": 1, "fork": False, "executable": "py", "sys_path": [],
-        "run_dir": "/r", "env": {}, "package_parent": "/s",
-    })
+    line = json.dumps(
+        {
+            "type": "LaunchJob",
+            "job": "j",
+            "world_size": 1,
+            "fork": False,
+            "executable": "py",
+            "sys_path": [],
+            "run_dir": "/r",
+            "env": {},
+            "package_parent": "/s",
+        }
+    )
     msg = p.decode(line)
     assert isinstance(msg, p.LaunchJob) and msg.hooks == [] and msg.keep_alive is None
 
 
 def _request(**kw) -> p.JobRequest:
-    base = {"job_id": "id", "name": "train", "world_size": 2, "payload": b"x", "env": {}, "sys_path": ["/a"],
-            "cwd": "/w", "hooks": ("air_magic.tracking.hook",)}
+    base = {
+        "job_id": "id",
+        "name": "train",
+        "world_size": 2,
+        "payload": b"x",
+        "env": {},
+        "sys_path": ["/a"],
+        "cwd": "/w",
+        "hooks": ("air_magic.tracking.hook",),
+    }
     return p.JobRequest(**{**base, **kw})
 
 

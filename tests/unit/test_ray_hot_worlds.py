@@ -21,8 +21,18 @@ def ended(monkeypatch):
 
 
 def request(key: str = "k", keep_alive: float | None = 30.0, nodes: int = 2) -> p.JobRequest:
-    return p.JobRequest(job_id="j", name="f", world_size=2 * nodes, payload=b"", env={}, sys_path=[], cwd="/",
-                        keep_alive=keep_alive, world_key=key, num_nodes=nodes)
+    return p.JobRequest(
+        job_id="j",
+        name="f",
+        world_size=2 * nodes,
+        payload=b"",
+        env={},
+        sys_path=[],
+        cwd="/",
+        keep_alive=keep_alive,
+        world_key=key,
+        num_nodes=nodes,
+    )
 
 
 def world(req: p.JobRequest, actors: list[str], keep_alive: float = 30.0) -> HotWorld:

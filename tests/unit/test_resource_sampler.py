@@ -57,12 +57,16 @@ def test_metrics_are_named_per_rank_in_mib():
     """A sample becomes system/rank_N/... metrics; GPU figures only where a GPU was read."""
     sample = {0: Usage(50.0, 412 * MiB, "0", 87.0, 1024 * MiB, 80 * GiB), 1: Usage(12.34, 100 * MiB)}
     assert metrics(sample) == {
-        "system/rank_0/cpu_percent": 50.0, "system/rank_0/memory_mib": 412.0,
-        "system/rank_0/gpu_utilization_percent": 87.0, "system/rank_0/gpu_memory_mib": 1024.0,
-        "system/rank_1/cpu_percent": 12.3, "system/rank_1/memory_mib": 100.0,
+        "system/rank_0/cpu_percent": 50.0,
+        "system/rank_0/memory_mib": 412.0,
+        "system/rank_0/gpu_utilization_percent": 87.0,
+        "system/rank_0/gpu_memory_mib": 1024.0,
+        "system/rank_1/cpu_percent": 12.3,
+        "system/rank_1/memory_mib": 100.0,
     }
     assert peak_metrics({0: Peak(412 * MiB, 2 * GiB), 1: Peak(MiB)}) == {
-        "system/rank_0/memory_peak_mib": 412.0, "system/rank_0/gpu_memory_peak_mib": 2048.0,
+        "system/rank_0/memory_peak_mib": 412.0,
+        "system/rank_0/gpu_memory_peak_mib": 2048.0,
         "system/rank_1/memory_peak_mib": 1.0,
     }
 
@@ -93,8 +97,9 @@ def test_the_record_names_each_rank_s_peak(tmp_path: Path):
     """With peaks, each rank's line in the record reads 'rank 0: done · peak memory 412 MiB', in HTML and text."""
     result = JobResult(spec(), tmp_path, [RankResult(0, RankState.DONE), RankResult(1, RankState.FAILED)])
     peaks = {0: Peak(412 * MiB), 1: Peak(100 * MiB, int(61.2 * GiB))}
-    bundle = record_bundle(result, [TailBuffer(), TailBuffer()], [tmp_path / "0.log", tmp_path / "1.log"], None,
-                           peaks=peaks)
+    bundle = record_bundle(
+        result, [TailBuffer(), TailBuffer()], [tmp_path / "0.log", tmp_path / "1.log"], None, peaks=peaks
+    )
     for kind in ("text/html", "text/plain"):
         assert "rank 0: done · peak memory 412 MiB" in bundle[kind]
         assert "rank 1: failed · peak memory 100 MiB · GPU memory peak 61.2 GiB" in bundle[kind]
@@ -117,7 +122,8 @@ def test_the_sampler_follows_a_real_process_and_its_children_and_logs_its_peak(t
     ends, and the sinks get its figures and its peak."""
     parent = subprocess.Popen(
         [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {HOLDS!r}])"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"

@@ -47,7 +47,9 @@ class ScriptedJob(JobHandle):
         elif plan == "die":
             self.exit(1, -signal.SIGKILL, p.RankOutcome())
         elif plan == "raise":
-            self.exit(0, 1, p.RankOutcome(error=Diverged(f"loss is nan in attempt {self.attempt}"), error_at=time.time()))
+            self.exit(
+                0, 1, p.RankOutcome(error=Diverged(f"loss is nan in attempt {self.attempt}"), error_at=time.time())
+            )
 
     def exit(self, rank: int, code: int, outcome: p.RankOutcome) -> None:
         self.running.discard(rank)
@@ -108,9 +110,20 @@ def _target() -> None:
     return None
 
 
-def call(launcher: ScriptedLauncher, max_restarts: int, timeout: float | None = 60, heard: Heard | None = None) -> JobResult:
-    spec = JobSpec(target=_target, args=(), kwargs={}, name="f", world_size=WORLD, accelerator_type="CPU",
-                   timeout=timeout, mlflow=False, max_restarts=max_restarts)
+def call(
+    launcher: ScriptedLauncher, max_restarts: int, timeout: float | None = 60, heard: Heard | None = None
+) -> JobResult:
+    spec = JobSpec(
+        target=_target,
+        args=(),
+        kwargs={},
+        name="f",
+        world_size=WORLD,
+        accelerator_type="CPU",
+        timeout=timeout,
+        mlflow=False,
+        max_restarts=max_restarts,
+    )
     return runner.run(spec, [heard or Heard()], launcher)
 
 
@@ -124,7 +137,7 @@ def test_a_rank_that_died_starts_the_world_again_and_the_second_attempt_answers(
     assert launcher.requests[0].job_id != launcher.requests[1].job_id
     assert heard.attempts == [(1, "rank 1 was killed by signal 9 (SIGKILL)")]
     assert result.earlier_failures == ["rank 1 was killed by signal 9 (SIGKILL)"]
-    assert (1, RankState.PENDING) in heard.states[heard.states.index((1, RankState.FAILED)):]
+    assert (1, RankState.PENDING) in heard.states[heard.states.index((1, RankState.FAILED)) :]
     log = result.ranks[0].log_path.read_text()  # type: ignore[union-attr]
     assert "attempt 2 of 2; every rank starts again after: rank 1 was killed by signal 9 (SIGKILL)" in log
 

@@ -57,8 +57,8 @@ def test_the_thread_that_asked_for_the_dump_is_left_out():
     """A rank that asks itself (a Ray rank) does not show its own asking thread."""
     asking = f"""
 Thread 0x00007f0000000003 (most recent call first):
-  File "{ROOT / 'air_magic' / 'launch' / 'stacks.py'}", line 199 in _dump_round
-  File "{ROOT / 'air_magic' / 'launch' / 'stacks.py'}", line 180 in request
+  File "{ROOT / "air_magic" / "launch" / "stacks.py"}", line 199 in _dump_round
+  File "{ROOT / "air_magic" / "launch" / "stacks.py"}", line 180 in request
   File "/home/me/proj/actor.py", line 3 in dump_stacks
 """
     [dump] = parse(DUMP.replace("\nThread 0x00007f0000000001", asking + "\nThread 0x00007f0000000001"))
@@ -74,7 +74,9 @@ def test_the_scanner_finds_the_same_dump_however_the_output_is_cut_and_passes_th
         out += text
         dumps += found
     assert [d.pid for d in dumps] == [4242]
-    assert out.startswith("step 1\n\n[pid 4242 (the rank), before stopping it at 12:00:01: in waiting_for_the_slow_rank")
+    assert out.startswith(
+        "step 1\n\n[pid 4242 (the rank), before stopping it at 12:00:01: in waiting_for_the_slow_rank"
+    )
     assert out.endswith("every thread in the log]\nstep 2\npartial")
     assert "File" not in out and "most recent call first" not in out
 
@@ -126,7 +128,8 @@ def test_a_rank_outside_its_call_is_in_no_user_code():
     """After its call returned, a rank's main thread is air_magic's own: the boot line that started it is not user code."""
     after = DUMP.replace(f'  File "{WORKER}", line 95 in run', f'  File "{WORKER}", line 133 in finish').replace(
         f'  File "{SITE}", line 4000 in barrier\n  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank\n'
-        '  File "/tmp/ipykernel_1/123.py", line 12 in train\n', ""
+        '  File "/tmp/ipykernel_1/123.py", line 12 in train\n',
+        "",
     )
     [dump] = parse(after)
     call = next(t for t in dump.threads if t.current)

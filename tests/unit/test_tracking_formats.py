@@ -33,8 +33,14 @@ def test_chart_lines_round_trip_and_are_private(tmp_path):
 
 def test_chart_reader_skips_what_is_not_a_finite_value():
     """Half lines, other JSON and non-finite values are no points (the charts skip them)."""
-    for line in (b'{"key": "x", "value"', b"[]", b'{"value": 1}', b'{"key": "x", "value": NaN}',
-                 b'{"key": "x", "value": "Infinity"}', b'{"key": "x", "value": "soon"}'):
+    for line in (
+        b'{"key": "x", "value"',
+        b"[]",
+        b'{"value": 1}',
+        b'{"key": "x", "value": NaN}',
+        b'{"key": "x", "value": "Infinity"}',
+        b'{"key": "x", "value": "soon"}',
+    ):
         assert tee.decode(line) is None, line
     assert tee.decode(b'{"key": "x", "value": 1, "step": 4}') == ("x", 1.0, 4.0, 0.0)
 
@@ -51,8 +57,9 @@ def test_chart_lines_of_two_threads_never_mix(tmp_path):
     """Each write is one line-aligned append, so concurrent writers leave only whole lines."""
     path = tmp_path / "m.jsonl"
     writer = tee.TeeWriter(path)
-    threads = [threading.Thread(target=lambda k=k: [writer.write([(f"k{k}", i, i)] * 3) for i in range(200)])
-               for k in range(4)]
+    threads = [
+        threading.Thread(target=lambda k=k: [writer.write([(f"k{k}", i, i)] * 3) for i in range(200)]) for k in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -111,9 +118,11 @@ def test_every_private_mlflow_name_is_there_in_the_installed_mlflow(monkeypatch)
 
 def test_worker_side_modules_import_no_mlflow_ipython_or_widgets():
     """A rank that imports the hook, the chart writer and the worker has no mlflow, IPython or ipywidgets."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-            "import air_magic.tracking.hook, air_magic.tracking.tee, air_magic.launch.worker; "
-            "print(sorted(m for m in ('mlflow', 'IPython', 'ipywidgets') if m in sys.modules))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+        "import air_magic.tracking.hook, air_magic.tracking.tee, air_magic.launch.worker; "
+        "print(sorted(m for m in ('mlflow', 'IPython', 'ipywidgets') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -127,4 +136,3 @@ def test_jupyter_base_url_comes_from_the_parent_servers_runtime_file(tmp_path, m
     (tmp_path / "jpserver-424242.json").write_text(json.dumps({"base_url": "/user/ann"}))
     assert jupyter_base_url() == "/user/ann/"
     assert absolute_proxy_path("/user/ann/", 5000) == "/user/ann/proxy/absolute/5000"
-

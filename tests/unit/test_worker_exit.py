@@ -20,7 +20,9 @@ print(len(torch_libs), sum(f.atexit for f in torch_libs), kept._finalizer.atexit
 def test_only_torchs_library_teardown_is_skipped_at_exit():
     """torch's Library finalizers no longer run at exit; a temporary directory's cleanup still does."""
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True, cwd=root
+    )
     found, still_at_exit, others_kept = out.stdout.split()
     assert int(found) > 0, "torch registers library finalizers (else this test checks nothing)"
     assert int(still_at_exit) == 0

@@ -387,7 +387,16 @@ def main() -> None:
 
 def _rank_env(env: dict[str, str], msg: p.LaunchJob, rank: int, port: int, agent_store: bool = True) -> dict[str, str]:
     """`env` plus the torchrun variables of `rank` in the job `msg` starts (every rank on this machine)."""
-    return dict(env, **torchrun_env(
-        rank=rank, world_size=msg.world_size, local_rank=rank, local_world_size=msg.world_size, master_port=port,
-        agent_store=agent_store, restart_count=msg.restart_count, max_restarts=msg.max_restarts,
-    ))
+    return dict(
+        env,
+        **torchrun_env(
+            rank=rank,
+            world_size=msg.world_size,
+            local_rank=rank,
+            local_world_size=msg.world_size,
+            master_port=port,
+            agent_store=agent_store,
+            restart_count=msg.restart_count,
+            max_restarts=msg.max_restarts,
+        ),
+    )

@@ -71,7 +71,6 @@ class _Stopped(Exception):
     """A stop came while the job was being placed or started."""
 
 
-
 @dataclass(eq=False)
 class HotWorld:
     """Actors kept between calls of one world: their placement group, where they run, where their group meets."""
