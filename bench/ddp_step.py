@@ -17,8 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from air_magic import distributed  # noqa: E402
-from ddp_job import train  # noqa: E402
+from ddp_job import train
+
+from air_magic import distributed
 
 
 def via_torchrun(ranks: int, steps: int) -> float:

@@ -27,8 +27,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from air_magic import distributed, runner  # noqa: E402
-from air_magic.listeners import Listener  # noqa: E402
+from air_magic import distributed, runner
+from air_magic.listeners import Listener
 
 LINES = 200
 

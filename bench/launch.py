@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers import Kernel  # noqa: E402
+from helpers import Kernel
 
 JOB = """
 import os, torch, torch.distributed as dist

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from air_magic import distributed  # noqa: E402
+from air_magic import distributed
 
 
 def job(destroy: bool) -> dict:

@@ -32,7 +32,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from lab import Lab, Notebook, browser_page, write_notebook  # noqa: E402
+from lab import Lab, Notebook, browser_page, write_notebook
 
 LINES = 200
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import ray_cluster  # noqa: E402  (sets Ray's loopback variable before Ray is imported)
+import ray_cluster
 
 
 def job() -> tuple[float, int]:

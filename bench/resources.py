@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from air_magic import accelerators, runner
 from air_magic.display.text import TextDisplay
-from air_magic.listeners import Listener
 from air_magic.job import JobSpec
+from air_magic.listeners import Listener
 from air_magic.resources import ResourceSampler, peak_text, usage_text
 
 

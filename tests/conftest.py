@@ -15,6 +15,10 @@ os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests that want MLflow set t
 # kernels helpers.REAL_NODE, which lets air_magic see the node's real GPUs again.
 os.environ["AIR_MAGIC_FORCE_CPU"] = "1"
 
+# Fixtures kept next to what they serve, registered once for every module: `lab` (a JupyterLab server,
+# tests/lab.py) and `s3` (an S3 API on 127.0.0.1, tests/s3_server.py).
+pytest_plugins = ("lab", "s3_server")
+
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes(request):
@@ -63,6 +67,23 @@ def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("nb")
     (path / "runs").mkdir()
     return path
+
+
+def _nothing() -> int:
+    return 0
+
+
+@pytest.fixture(scope="module")
+def here_runs(tmp_path_factory):
+    """Runs started from the test process keep their directories under pytest's temporary directory for this
+    module, and that process's supervisor is started before the first test (so no leak check waits on it)."""
+    from faults_common import run_here
+
+    root = tmp_path_factory.mktemp("here-runs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIR_MAGIC_RUNS_DIR", str(root))
+        run_here(_nothing, num_accelerators=1)
+        yield root
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import psutil
-import pytest
 from helpers import leftover_processes
 
 from air_magic import distributed, runner
@@ -118,18 +118,3 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
     spec = wrapped.settings.spec(func, args, {}, func.__name__)
     return runner.run(spec, [listener or Recorder()]).raise_for_status()
 
-
-def _nothing() -> int:
-    return 0
-
-
-@pytest.fixture(scope="module")
-def here_runs(tmp_path_factory):
-    """Runs started from the test process keep their directories under pytest's temporary directory,
-    and that process's supervisor is started before the first test (so no leak check waits on it)."""
-    patch = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("here-runs")
-    patch.setenv("AIR_MAGIC_RUNS_DIR", str(root))
-    run_here(_nothing)
-    yield root
-    patch.undo()

@@ -4,8 +4,8 @@
 private root directory (its own settings, so no news or update pop-ups), with
 the project's jupyter-config/ on its config path (the MLflow proxy route) and
 air_magic importable by its kernels; its environment comes from
-helpers.process_env. The `lab` fixture starts one per test module: import it
-(`from lab import lab`) to use it. `browser_page` drives Debian's Chromium
+helpers.process_env. The `lab` fixture starts one per test module (tests/conftest.py registers
+this module's fixtures). `browser_page` drives Debian's Chromium
 (/usr/bin/chromium) through Playwright; no browser is downloaded. `Notebook`
 runs cells by keyboard, as a user would; `Lab.execute` runs code in a kernel
 over the server's websocket, as a frontend does.
@@ -21,9 +21,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest

@@ -1,14 +1,10 @@
-"""Fixtures of the air_magic.data tests: a real S3 API, and air_magic runs started from the test process.
+"""The S3 API of the air_magic.data tests: moto's server on 127.0.0.1, as the `s3` fixture.
 
-`s3`: moto's S3 server on 127.0.0.1, started once per pytest session. Import it
-into a test module (`from s3_server import s3`). It sets
+`s3`: moto's S3 server on 127.0.0.1, started once per pytest session that asks for it (tests/conftest.py
+registers this module's fixtures). It sets
 `AWS_ENDPOINT_URL` and dummy credentials in this process's environment, so
 s3fs and boto3 here, in workers and in DataLoader workers reach the server
 with no options; each test makes its own bucket with `s3.bucket()`.
-
-`here_runs`: run directories for calls made from the test process, and that
-process's supervisor started before the module's first test, so the leak
-check does not wait on it.
 """
 
 from __future__ import annotations
@@ -75,19 +71,3 @@ def s3() -> Iterator[S3]:
             else:
                 os.environ[key] = value
 
-
-def _nothing() -> int:
-    return 0
-
-
-@pytest.fixture(scope="module")
-def here_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """AIR_MAGIC_RUNS_DIR under pytest's temporary directory for this module, with the supervisor already up."""
-    from air_magic import distributed
-
-    patch = pytest.MonkeyPatch()
-    root = tmp_path_factory.mktemp("data-runs")
-    patch.setenv("AIR_MAGIC_RUNS_DIR", str(root))
-    distributed(1, accelerator_type="CPU", mlflow=False)(_nothing).distributed()
-    yield root
-    patch.undo()

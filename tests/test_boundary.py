@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from faults_common import Recorder, here_runs  # noqa: F401 - here_runs is a fixture
+from faults_common import Recorder
 from helpers import ROOT, run_id_of
 
 from air_magic import runner

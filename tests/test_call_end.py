@@ -9,26 +9,22 @@ from pathlib import Path
 
 import pytest
 
-_LATENCY = """
-import json, time
+_LEFTOVER_THREAD = """
+import json
 from air_magic import distributed
 
 def job():
-    import time
+    import os, threading, time
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo")
     dist.all_reduce(torch.ones(1))
     dist.destroy_process_group()
-    return time.time()
+    threading.Thread(target=time.sleep, args=(3600,)).start()  # not a daemon: an interpreter exit would wait
+    return os.getpid()
 
 f = distributed(2, accelerator_type="CPU", mlflow=False, warm=True)(job)
-f.distributed()
-gaps = []
-for _ in range(7):
-    res = f.run()
-    gaps.append(time.time() - max(res.values))
-print(json.dumps(sorted(gaps)))
+print(json.dumps([f.distributed() for _ in range(2)]))
 """
 
 _STRAY = """
@@ -56,10 +52,8 @@ def alive(pid):
 out = {}
 for warm in (True, False):
     res = leaves_a_stray.with_overrides(warm=warm).run(warm)
-    back = time.time()
     (pid, _), _ = res.values
-    returned = max(t for _, t in res.values)
-    out[str(warm)] = {"back": back - returned, "stray alive after the call": psutil.pid_exists(pid),
+    out[str(warm)] = {"stray alive after the call": psutil.pid_exists(pid),
                       "stray alive in the next call": any(alive.distributed(pid))}
 print(json.dumps(out))
 """
@@ -82,18 +76,17 @@ def _run(code: str, tmp_path: Path) -> object:
 
 
 @pytest.mark.slow
-def test_results_come_back_soon_after_the_last_rank_returns(tmp_path):
-    """The median time from the last rank's return to the results in the caller is well under a tenth of a second
-    (it once waited for each rank's exit, which spent 0.15 s resetting torch's operator libraries)."""
-    gaps = _run(_LATENCY, tmp_path)
-    assert gaps[len(gaps) // 2] < 0.1, gaps
+def test_results_come_back_without_waiting_for_the_ranks_interpreter_teardown(tmp_path):
+    """Ranks that leave a non-daemon thread running still end once their function returns, and the next call gets
+    new ranks (a rank ends without Python's teardown; how soon the results follow: bench/call_end.py)."""
+    first, second = _run(_LEFTOVER_THREAD, tmp_path)
+    assert len(set(first + second)) == 4, (first, second)
 
 
 @pytest.mark.slow
 def test_a_stray_process_does_not_hold_the_results_but_is_gone_before_the_next_call(tmp_path):
-    """A rank's child that ignores SIGTERM no longer delays the results by the stop grace, warm or fresh; the next
-    call starts only once it is gone."""
+    """A rank's child that ignores SIGTERM does not hold the results back until the stop grace kills it (it is still
+    alive when they come), warm or fresh; the next call starts only once it is gone (timings: bench/call_end.py)."""
     for warm, seen in _run(_STRAY, tmp_path).items():
-        assert seen["back"] < 2.0, (warm, seen)
         assert seen["stray alive after the call"], (warm, seen)
         assert not seen["stray alive in the next call"], (warm, seen)

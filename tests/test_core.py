@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from faults_common import here_runs, run_here  # noqa: F401 - here_runs is a fixture
+from faults_common import run_here
 from helpers import Kernel, leftover_processes
 
 #: Real kernels and processes: seconds each.
@@ -107,19 +107,17 @@ def fails():
     if os.environ["RANK"] == "1":
         print("about to fail", flush=True)
         raise TrainingDiverged("loss is nan")
-    time.sleep(120)
-t0 = time.monotonic()
+    time.sleep(3600)  # only the stop ends rank 0 (how soon: bench/faults.py)
 try:
     fails.distributed()
 except TrainingDiverged as e:
     caught = e
-elapsed = time.monotonic() - t0
 """
     ).check()
     out = nb.execute(
-        "print(type(caught).__name__, elapsed < 15, caught.__notes__, type(caught.__cause__).__name__, caught.__cause__)"
+        "print(type(caught).__name__, caught.__notes__, type(caught.__cause__).__name__, caught.__cause__)"
     ).check()
-    assert "TrainingDiverged True" in out.stdout
+    assert out.stdout.startswith("TrainingDiverged ")
     assert "rank 1 of 2" in out.stdout
     assert "RemoteTraceback" in out.stdout and "loss is nan" in out.stdout
     err = nb.execute("fails.distributed()")
@@ -173,12 +171,9 @@ def hangs():
         print("batch", flush=True)
 """
     ).check()
-    t0 = time.monotonic()
-    err = nb.execute("hangs.distributed()", timeout=60)
-    took = time.monotonic() - t0
+    err = nb.execute("hangs.distributed()", timeout=60)  # how long the stop takes: bench/faults.py
     assert err.ename == "DistributedTimeoutError"
     assert "timeout of 6 s" in err.traceback and "timeout=" in err.traceback
-    assert took < 6 + 10
     assert (
         nb.execute(
             "isinstance(_ if False else None, type(None)); issubclass(__import__('air_magic.errors').errors.DistributedTimeoutError, TimeoutError)"

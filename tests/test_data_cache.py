@@ -15,7 +15,7 @@ from typing import Self
 
 import pytest
 from helpers import ROOT
-from s3_server import S3, s3  # noqa: F401 - s3 is a fixture
+from s3_server import S3
 
 from air_magic.data import DataLoader, StreamingFileDataset
 from air_magic.data.cache import CacheFullError

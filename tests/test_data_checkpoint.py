@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from s3_server import S3, here_runs, s3  # noqa: F401 - here_runs, s3: fixtures
+from s3_server import S3
 from torch.distributed.checkpoint import CheckpointException
 
 from air_magic import distributed

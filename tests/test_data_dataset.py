@@ -13,7 +13,6 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-from s3_server import here_runs  # noqa: F401 - a fixture
 
 from air_magic import distributed
 from air_magic.data import DataLoader, StreamingFileDataset, UCVolumeDataset

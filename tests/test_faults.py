@@ -18,20 +18,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-from faults_common import (  # noqa: F401 - here_runs is a fixture
+from faults_common import (
     Recorder,
     alive,
     assert_nothing_left,
     assert_nothing_lost,
-    fault_time,
-    here_runs,
     pids_in,
     run_dirs,
     run_here,
 )
 from helpers import Kernel, leftover_processes
 
-from air_magic import accelerators, distributed, runner
+from air_magic import accelerators, distributed
 from air_magic.errors import (
     ConfigurationError,
     JobCancelledError,
@@ -116,7 +114,6 @@ report(error, ended)
     # scheduler; what is guaranteed is that it is never named as the cause.
     assert not any("raised on rank 0" in note for note in rep["notes"])
     (run_dir,) = run_dirs(out.stdout)
-    assert rep["ended"] - fault_time(run_dir, 1) < 30  # the figure is measured in bench/faults.py
     assert_nothing_left(before)
     assert_nothing_lost(run_dir, {0: steps(0), 1: steps(1)}, out.stdout)
 
@@ -167,7 +164,7 @@ def test_with_no_timeout_the_cancel_path_stops_a_hang():
         run_here(_hangs_without_timeout, listener=rec, timeout=None)
     assert rec.result is not None and rec.result.status is JobStatus.KILLED
     assert [rec.states[r][-1] for r in (0, 1)] == [RankState.STOPPED, RankState.STOPPED]
-    assert time.time() - (rec.cancelled_at or 0) < 30
+    assert rec.cancelled_at is not None  # how soon after the cancel it ends: bench/faults.py
     assert_nothing_left(before)
     assert_nothing_lost(rec.result.run_dir, {0: ["rank 0 waiting forever"], 1: ["rank 1 waiting forever"]})
 
@@ -203,8 +200,6 @@ report(error, ended)
     assert rep["type"] == "KeyError" and "rank 1 of 2" in rep["notes"][0]
     (run_dir,) = run_dirs(out.stdout)
     assert "SIGTERM ignored" in RunDir(run_dir).log(0).read_text(), "SIGTERM reached the rank and was ignored"
-    took = rep["ended"] - fault_time(run_dir, 1)
-    assert runner.STOP_GRACE <= took + 0.5 and took < runner.STOP_GRACE + 25
     assert alive(pids_in(run_dir, 0) + pids_in(run_dir, 1)) == []
     assert_nothing_left(before)
     assert_nothing_lost(run_dir, {0: steps(0), 1: steps(1)}, out.stdout)
@@ -434,7 +429,7 @@ def test_a_rendezvous_store_that_dies_stops_the_job_with_a_clear_message_instead
     rec = _KillsTheStore()
     with pytest.raises(Exception, match="rendezvous store") as info:
         run_here(_joins_late, listener=rec, timeout=120)
-    assert rec.cancelled_at is not None and time.time() - rec.cancelled_at < 30
+    assert rec.cancelled_at is not None
     assert "was killed by signal 9" in str(info.value) + " ".join(getattr(info.value, "__notes__", []))
     assert_nothing_left(before)
     assert rec.result is not None

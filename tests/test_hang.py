@@ -47,16 +47,15 @@ def _run_dir(text: str) -> Path:
 
 def test_a_timeout_names_the_innermost_user_frame_of_each_rank_and_logs_every_stack(kernel):
     """The DistributedTimeoutError names stuck_in_data_loading on rank 0 and waiting_for_the_slow_rank on rank 1, the
-    logs hold every thread's stack, and the stop takes no longer than the timeout plus the usual grace."""
+    logs hold every thread's stack (how long the stop takes: bench/faults.py)."""
     kernel.execute(SETUP).check()
     out = kernel.execute(
         HANG.format(timeout=15)
         + """
-started = time.monotonic()
 try:
     train.distributed()
 except Exception as exc:
-    print("REPORT " + json.dumps({"type": type(exc).__name__, "message": str(exc), "took": time.monotonic() - started}))
+    print("REPORT " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
 """,
         timeout=120,
     ).check()
@@ -65,7 +64,6 @@ except Exception as exc:
     assert report["type"] == "DistributedTimeoutError", message
     assert re.search(r"rank 0: in stuck_in_data_loading \(.+, line \d+\)", message), message
     assert re.search(r"rank 1: in waiting_for_the_slow_rank \(.+, line \d+\)", message), message
-    assert report["took"] < 15 + 6, report  # the timeout, plus the stop (stacks take well under a second)
     run_dir = _run_dir(message)
     logs = [(run_dir / f"rank-{r}.log").read_text() for r in (0, 1)]
     assert "in stuck_in_data_loading" in logs[0] and "air_magic: stacks of pid" in logs[0]

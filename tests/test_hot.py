@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from faults_common import Recorder, alive, here_runs, run_here  # noqa: F401 - here_runs is a fixture
+from faults_common import Recorder, alive, run_here
 from helpers import leftover_processes, run_id_of
 
 from air_magic.launch.local import local_launcher
@@ -169,11 +169,9 @@ def test_a_hot_call_is_not_held_up_by_the_helpers_warm_up(tmp_path, monkeypatch)
         launcher.warm_up(["slowwarmhook"], {"MARKS": str(marks)})
         _wait_for(lambda: marks.exists(), 60)
         time.sleep(0.5)
-        start = time.monotonic()
         second = run_here(allreduce, 0, keep_alive=60)
-        took = time.monotonic() - start
         assert pids(second) == pids(first)
-        assert took < 5.0, f"the hot call took {took:.2f} s: it waited for the warm-up"
+        assert "done" not in marks.read_text(), "the hot call came back only once the warm-up had finished"
         _wait_for(lambda: marks.read_text().endswith("done\n"), 120)
         assert marks.read_text().split() == ["start", "start", "done"]
     finally:

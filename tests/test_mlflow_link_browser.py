@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from lab import CHROMIUM, browser_page, lab  # noqa: F401 - lab is the module's JupyterLab fixture
+from lab import CHROMIUM, browser_page
 
 pytestmark = [
     pytest.mark.slow,

@@ -156,11 +156,9 @@ forever.distributed()
         mirror,
         while_running=click_once_running,
     )
-    ended = time.monotonic()
     assert "clicked" in seen, "the panel never showed both ranks running"
     assert out.ename == "JobCancelledError", out.traceback
     assert len(out.error["traceback"]) == 1 and "was cancelled" in out.traceback
-    assert ended - seen["clicked"] < 5.0
     panel = mirror.panel()
     assert panel["titles"] == ["rank 0: stopped", "rank 1: stopped"]
     assert "cancelled" in panel["status"]

@@ -8,7 +8,7 @@ import sqlite3
 import time
 
 import pytest
-from faults_common import alive, here_runs, run_dirs, run_here  # noqa: F401 - here_runs is a fixture
+from faults_common import alive, run_dirs, run_here
 from helpers import Kernel, leftover_processes, run_id_of
 from widget_state import WidgetMirror, run_cell
 

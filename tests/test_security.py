@@ -14,11 +14,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from faults_common import (  # noqa: F401 - here_runs is a fixture
+from faults_common import (
     Recorder,
     assert_nothing_left,
     assert_nothing_lost,
-    here_runs,
     run_here,
 )
 

@@ -215,9 +215,7 @@ def test_a_request_writes_the_stacks_of_a_process_and_its_forked_child_in_turn(t
         import psutil
 
         children = [c.pid for c in psutil.Process(proc.pid).children()]
-        started = time.monotonic()
         assert stacks.request([proc.pid], children, why=STOPPING) == 2
-        assert time.monotonic() - started < stacks.REQUEST_LIMIT + 0.2
         dumps = parse(log.read_text())
         assert [d.of_rank for d in dumps] == [True, False]
         assert dumps[0].user_frame().function == "stuck_in_data_loading"
