@@ -1,7 +1,8 @@
 """Cost of the live-chart copy of each `mlflow.log_metric` call in a worker (air_magic/tracking/hook.py).
 
 In one plain process set up as a worker of a call is (MLflow's asynchronous logging,
-`MLFLOW_RUN_ID` of a run in a fresh local store, `AIR_MAGIC_RUN_DIR`, `RANK`), times (CPU time of the calling thread)
+`MLFLOW_RUN_ID` of a run in a fresh local store, `AIR_MAGIC_INTERNAL_RUN_DIR`, `RANK`), times
+(CPU time of the calling thread)
 `mlflow.log_metric` without and with the copy to the rank's chart file (`RunDir.chart_metrics`), interleaved
 in rounds of `--calls` calls, and the same for `mlflow.log_metrics` with 4 values; then
 the copy alone (the same wrapper around functions that do nothing), which is what the
@@ -57,13 +58,13 @@ import types
 fake = types.ModuleType("fake")
 fake.log_metric = lambda *a, **k: None
 fake.log_metrics = lambda *a, **k: None
-run_dir = os.environ["AIR_MAGIC_RUN_DIR"]
-os.environ["AIR_MAGIC_RUN_DIR"] = os.path.join(run_dir, "alone")
-os.mkdir(os.environ["AIR_MAGIC_RUN_DIR"], 0o700)
+run_dir = os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"]
+os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"] = os.path.join(run_dir, "alone")
+os.mkdir(os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], 0o700)
 hook._tee_metrics(fake, run)
 out["tee_alone_metric_us"] = [time_loop(fake.log_metric, False) for _ in range(rounds)]
 out["tee_alone_metrics4_us"] = [time_loop(fake.log_metrics, True) for _ in range(rounds)]
-os.environ["AIR_MAGIC_RUN_DIR"] = run_dir
+os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"] = run_dir
 mlflow.flush_async_logging()
 from pathlib import Path
 from air_magic.launch.rundir import RunDir
@@ -83,7 +84,7 @@ def main() -> None:
     env = dict(
         os.environ,
         PYTHONPATH=str(ROOT),
-        AIR_MAGIC_RUN_DIR=str(work / "run"),
+        AIR_MAGIC_INTERNAL_RUN_DIR=str(work / "run"),
         MLFLOW_TRACKING_URI=f"sqlite:///{work}/mlflow.db",
     )
     done = subprocess.run(

@@ -33,7 +33,8 @@ def assert_nothing_left(before: set[int]) -> None:
 
 
 def assert_nothing_lost(run_dir: Path, printed: dict[int, list[str]], shown: str | None = None) -> int:
-    """Every line each rank printed is in its log file (and in the display's output when given); returns lines checked."""
+    """Every line each rank printed is in its log file (and in the display's output when given); returns lines
+    checked."""
     checked = 0
     for rank, lines in printed.items():
         log = RunDir(run_dir).log(rank).read_bytes().decode("utf-8", errors="replace")
@@ -117,4 +118,3 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
     wrapped = distributed(**settings)(func)
     spec = wrapped.settings.spec(func, args, {}, func.__name__)
     return runner.run(spec, [listener or Recorder()]).raise_for_status()
-

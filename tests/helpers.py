@@ -1,4 +1,5 @@
-"""Test helpers: a real Jupyter kernel to run cells in (live, or a whole notebook headless), and a finder for leftover processes."""
+"""Test helpers: a real Jupyter kernel to run cells in (live, or a whole notebook headless), and a finder for leftover
+processes."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def run_id_of(stdout: str) -> str:
 
 
 def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a kernel or Jupyter server a test starts: ours, plus `extra`, with this checkout first on PYTHONPATH."""
+    """The environment of a kernel or Jupyter server a test starts: ours, plus `extra`, with this checkout first on
+    PYTHONPATH."""
     env = dict(os.environ)
     env.update(extra or {})
     paths = [str(ROOT), (extra or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]

@@ -70,4 +70,3 @@ def s3() -> Iterator[S3]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-

@@ -49,7 +49,8 @@ def _fails() -> int:
 
 
 def test_a_listener_that_raises_in_every_hook_is_a_warning_and_changes_nothing():
-    """Each failing hook is a ListenerWarning naming the listener and hook; results and the other listeners are intact."""
+    """Each failing hook is a ListenerWarning naming the listener and hook; results and the other listeners are
+    intact."""
     rec = Recorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -117,7 +118,8 @@ def _module_path(module: str) -> Path | None:
 
 
 def test_the_package_has_no_import_cycle():
-    """No air_magic module imports, directly or through others, a module that imports it back (lazy imports included)."""
+    """No air_magic module imports, directly or through others, a module that imports it back (lazy imports
+    included)."""
     graph = {}
     for path in (ROOT / "air_magic").rglob("*.py"):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")

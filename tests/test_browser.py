@@ -85,7 +85,8 @@ def _gone(pids: list[int]) -> bool:
 
 
 def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
-    """Each tab shows its own rank's lines while the call runs; Cancel mid-run stops every process; each call leaves its record."""
+    """Each tab shows its own rank's lines while the call runs; Cancel mid-run stops every process; each call leaves its
+    record."""
     with browser_page() as page:
         nb = Notebook(page, notebooks, "panel.ipynb")
         nb.run(0)

@@ -50,7 +50,8 @@ def train(offset, scale):
 
 
 def test_workers_get_torchrun_variables_and_the_callers_context(nb, workdir):
-    """Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, ..., and the notebook's cwd, sys.path and environment at call time."""
+    """Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, ..., and the notebook's cwd, sys.path and environment at call
+    time."""
     sub = workdir / "elsewhere"
     sub.mkdir(exist_ok=True)
     nb.execute(
@@ -153,7 +154,8 @@ def dies():
 
 
 def test_timeout_stops_workers_and_their_children(nb, workdir):
-    """On expiry every worker, a subprocess it spawned and its DataLoader workers are stopped; a TimeoutError says how to change the limit."""
+    """On expiry every worker, a subprocess it spawned and its DataLoader workers are stopped; a TimeoutError says how
+    to change the limit."""
     nb.execute(
         """
 @distributed(2, timeout=6)
@@ -198,7 +200,8 @@ def test_interrupt_stops_workers_and_next_call_works(nb):
 
 
 def test_errors_before_anything_starts(nb):
-    """Unpicklable arguments and globals, impossible accelerator settings and bad timeouts fail with the culprit named."""
+    """Unpicklable arguments and globals, impossible accelerator settings and bad timeouts fail with the culprit
+    named."""
     nb.execute("import threading\nlock = threading.Lock()").check()
     err = nb.execute("@distributed(2)\ndef uses_lock():\n    return lock.locked()\nuses_lock.distributed()")
     assert err.ename == "SerializationError" and "global 'lock'" in err.traceback
@@ -266,6 +269,7 @@ def _visible_devices():
 
 @pytest.mark.usefixtures("here_runs")
 def test_cpu_workers_see_no_gpu_unless_told_to():
-    """Ranks of a CPU call get CUDA_VISIBLE_DEVICES empty (so code picking nccl by torch.cuda.is_available() picks gloo)."""
+    """Ranks of a CPU call get CUDA_VISIBLE_DEVICES empty (so code picking nccl by torch.cuda.is_available() picks
+    gloo)."""
     assert run_here(_visible_devices).values == ["", ""]
     assert run_here(_visible_devices, env={"CUDA_VISIBLE_DEVICES": "0"}).values == ["0", "0"]

@@ -126,7 +126,8 @@ class CachePeak:
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_cache_peak_stays_within_the_limit_plus_one_file_per_worker(s3: S3, tmp_path: Path):
-    """Iterating 40 files of 64 KiB with a 256 KiB cap and 3 workers prefetching, the cache never holds more than 256 + 64 KiB."""
+    """Iterating 40 files of 64 KiB with a 256 KiB cap and 3 workers prefetching, the cache never holds more than 256 +
+    64 KiB."""
     digests = make_files(tmp_path / "src", 40, 64 * KIB)
     url = f"s3://{s3.bucket()}/big"
     s3.upload(tmp_path / "src", url)
@@ -147,7 +148,8 @@ def two_ranks_read_paths(
     transform=None,
     prefetch_factor: int = 2,
 ) -> list[tuple[str, str]]:
-    """2 ranks x 2 DataLoader workers, batch size 2, stepped in lockstep from this process; (name, sha256) of every file the loop got."""
+    """2 ranks x 2 DataLoader workers, batch size 2, stepped in lockstep from this process; (name, sha256) of every file
+    the loop got."""
     loaders = []
     for rank in range(2):
         monkeypatch.setenv("RANK", str(rank))
@@ -181,7 +183,8 @@ def test_pinned_paths_under_a_cap_too_small_for_them_are_refused_when_the_datalo
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """2 ranks x 2 workers handing out paths pin 32 files of 256 KiB: a 2 MiB cap is refused up front, with the numbers and the ways out (also without workers, and iterating the bare dataset)."""
+    """2 ranks x 2 workers handing out paths pin 32 files of 256 KiB: a 2 MiB cap is refused up front, with the numbers
+    and the ways out (also without workers, and iterating the bare dataset)."""
     url, _ = quarter_mib_files
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -221,7 +224,8 @@ def test_paths_from_two_ranks_and_two_workers_each_stay_within_the_cap(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """2 ranks x 2 workers (prefetch_factor 1) handing out paths of 40 files of 256 KiB under a 6.5 MiB cap: the cache never holds more than the cap plus one file, and every file reaches the loop once, still readable."""
+    """2 ranks x 2 workers (prefetch_factor 1) handing out paths of 40 files of 256 KiB under a 6.5 MiB cap: the cache
+    never holds more than the cap plus one file, and every file reaches the loop once, still readable."""
     url, digests = quarter_mib_files
     cache, limit = tmp_path / "cache", 6 * 2**20 + 512 * KIB
     with CachePeak(cache) as peak:
@@ -237,7 +241,8 @@ def test_a_transform_reads_through_a_small_cap_from_two_ranks_and_two_workers_ea
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """With a transform, the measured layout (2 ranks x 2 workers, batch 2, 40 x 256 KiB) reads every file once under a 2 MiB cap, never above it plus one file."""
+    """With a transform, the measured layout (2 ranks x 2 workers, batch 2, 40 x 256 KiB) reads every file once under a
+    2 MiB cap, never above it plus one file."""
     url, digests = quarter_mib_files
     cache, limit = tmp_path / "cache", 2 * 2**20
     with CachePeak(cache) as peak:
@@ -290,7 +295,8 @@ if __name__ == "__main__":
 
 
 def test_sigkill_mid_epoch_then_the_same_cache_serves_two_concurrent_runs(remote, tmp_path: Path):
-    """A reader killed with SIGKILL mid-epoch leaves a cache that the next run uses, and two runs sharing it at once both read correct bytes."""
+    """A reader killed with SIGKILL mid-epoch leaves a cache that the next run uses, and two runs sharing it at once
+    both read correct bytes."""
     url, digests = remote
     script, expected, cache = tmp_path / "reader.py", tmp_path / "expected.json", tmp_path / "cache"
     script.write_text(READER)
@@ -337,7 +343,8 @@ def test_free_disk_floor_is_kept(remote, tmp_path: Path):
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_yielded_paths_stay_until_the_training_loop_opens_them(s3: S3, tmp_path: Path):
-    """Without a transform, every path a DataLoader hands over (after prefetching) still holds its file, under a cap that forces eviction."""
+    """Without a transform, every path a DataLoader hands over (after prefetching) still holds its file, under a cap
+    that forces eviction."""
     digests = make_files(tmp_path / "src", 100, 8 * KIB)
     url = f"s3://{s3.bucket()}/paths"
     s3.upload(tmp_path / "src", url)

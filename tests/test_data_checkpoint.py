@@ -31,7 +31,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not 
 
 
 def _checkpoint_job(role: str, urls: dict[str, str]) -> dict[str, Any]:
-    """On each rank: train and save DDP and FSDP2 (role "save"), or load them from every URL; rank 0 returns full states."""
+    """On each rank: train and save DDP and FSDP2 (role "save"), or load them from every URL; rank 0 returns full
+    states."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -108,7 +109,8 @@ def assert_same(a: Any, b: Any, where: str) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.filterwarnings("ignore:4 CPU workers:ResourceWarning")
 def test_ddp_and_fsdp2_saved_on_2_ranks_load_identically_on_2_1_and_4(s3: S3, here_runs: Path, tmp_path: Path):
-    """Model and optimizer of DDP and FSDP2, saved on 2 ranks locally, on S3 and with async_save, load back identical on 2, 1 and 4 ranks."""
+    """Model and optimizer of DDP and FSDP2, saved on 2 ranks locally, on S3 and with async_save, load back identical on
+    2, 1 and 4 ranks."""
     bucket = s3.bucket()
     urls = {"local": str(tmp_path / "ckpt"), "s3": f"s3://{bucket}/ckpt", "s3-async": f"s3://{bucket}/async"}
     saved = distributed(2, accelerator_type="CPU", mlflow=False)(_checkpoint_job).distributed("save", urls)[0]
@@ -180,7 +182,8 @@ def _recording_writer(url: str, fail: set[str], **kw: Any) -> CheckpointWriter:
 
 
 def test_metadata_is_published_last_and_an_interrupted_overwrite_never_loads(s3: S3, one_rank: None):
-    """Every data file is uploaded and checked before .metadata appears; a save that fails midway leaves nothing loadable."""
+    """Every data file is uploaded and checked before .metadata appears; a save that fails midway leaves nothing
+    loadable."""
     url = f"s3://{s3.bucket()}/ck"
     state = {"w": torch.arange(1000.0), "step": 3}
     dcp.save(state, storage_writer=_recording_writer(url, set(), thread_count=2))

@@ -166,7 +166,8 @@ def test_state_counts_delivered_batches_not_prefetched_ones(data: Path, monkeypa
 
 @MANY_WORKERS
 def test_resume_from_2_ranks_x_2_workers_on_1_rank_x_3_workers(data: Path, monkeypatch: pytest.MonkeyPatch):
-    """Part of an epoch on 2 ranks x 2 workers, state from rank 0 only, the rest on 1 rank x 3 workers: every file once."""
+    """Part of an epoch on 2 ranks x 2 workers, state from rank 0 only, the rest on 1 rank x 3 workers: every file
+    once."""
     loaders, iters = [], []
     for rank in range(2):
         set_rank(monkeypatch, rank, 2)

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(1500)
 def test_data_resume_notebook_resumes_model_optimizer_and_data_on_another_number_of_ranks(tmp_path: Path):
-    """Trained on 2 ranks and interrupted at step 11, it resumes from step 8 on 1 rank and trains on every file exactly once per epoch."""
+    """Trained on 2 ranks and interrupted at step 11, it resumes from step 8 on 1 rank and trains on every file exactly
+    once per epoch."""
     run_py = demo_run
     (tmp_path / "runs").mkdir()
     probe = (

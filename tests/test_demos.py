@@ -76,7 +76,8 @@ def assert_loss_goes_down(losses: list[float], what: str) -> None:
 
 @pytest.mark.timeout(900)
 def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_store(demo_dir):
-    """`run.py quickstart.ipynb` trains on 2 ranks, logs the loss at every step to MLflow's local default store and prints where the copy, results and run are."""
+    """`run.py quickstart.ipynb` trains on 2 ranks, logs the loss at every step to MLflow's local default store and
+    prints where the copy, results and run are."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # MLflow's own default
     env["AIR_MAGIC_RUNS_DIR"] = str(demo_dir / "runs")
     copy = demo_dir / "executed-quickstart.ipynb"
@@ -120,7 +121,8 @@ def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_sto
 
 @pytest.mark.timeout(900)
 def test_ddp_notebook_ships_the_notebooks_model_and_keeps_replicas_identical(demo_dir):
-    """The DDP demo: every rank gets the model built in the notebook, the loss goes down, and parameters are identical on every rank after training."""
+    """The DDP demo: every rank gets the model built in the notebook, the loss goes down, and parameters are identical
+    on every rank after training."""
     got = run_demo(
         "ddp.ipynb",
         demo_dir,
@@ -160,7 +162,8 @@ def test_fsdp_notebook_shards_every_parameter_across_the_ranks(demo_dir):
 
 @pytest.mark.timeout(1200)
 def test_deepspeed_notebook_runs_zero_stage_2_and_3(demo_dir):
-    """The DeepSpeed demo: the engine reports ZeRO stage 2, then 3, as asked; under stage 3 each rank holds only its partition; the loss goes down."""
+    """The DeepSpeed demo: the engine reports ZeRO stage 2, then 3, as asked; under stage 3 each rank holds only its
+    partition; the loss goes down."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.fail(
             "DeepSpeed is not installed: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed (make test does)"
@@ -187,7 +190,8 @@ def test_deepspeed_notebook_runs_zero_stage_2_and_3(demo_dir):
 
 @pytest.mark.timeout(900)
 def test_distributed_magic_notebook_trains_ddp_from_a_cell(demo_dir):
-    """The %%distributed demo: a cell using the notebook's class and helper trains DDP on 2 ranks; loss goes down, replicas identical."""
+    """The %%distributed demo: a cell using the notebook's class and helper trains DDP on 2 ranks; loss goes down,
+    replicas identical."""
     got = run_demo(
         "distributed_magic.ipynb",
         demo_dir,
@@ -222,7 +226,8 @@ def test_every_demo_picks_its_backend_in_one_visible_line_and_says_so():
 
 @pytest.mark.timeout(900)
 def test_large_captured_dataset_warns_with_its_size_and_small_arguments_reach_every_rank(kernel):
-    """A 267 MiB tensor captured from the notebook gives a PayloadSizeWarning naming it, its size and the advice, in every cell that sends it; the call still works."""
+    """A 267 MiB tensor captured from the notebook gives a PayloadSizeWarning naming it, its size and the advice, in
+    every cell that sends it; the call still works."""
     kernel.execute(
         "import torch\nfrom air_magic import distributed\nbig = torch.arange(70_000_000, dtype=torch.float32)"
     ).check()

@@ -82,7 +82,8 @@ def steps(rank: int, n: int = 3) -> list[str]:
 
 
 def test_rank_raising_while_its_peer_waits_in_a_collective_stops_the_peer(nb):
-    """The original exception comes back naming rank 1, the peer blocked in all_reduce is stopped, every line printed is kept."""
+    """The original exception comes back naming rank 1, the peer blocked in all_reduce is stopped, every line printed is
+    kept."""
     before = procs()
     out = nb.execute(
         """
@@ -173,7 +174,8 @@ def test_with_no_timeout_the_cancel_path_stops_a_hang():
 
 
 def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(nb):
-    """A rank and its child that ignore SIGTERM are SIGKILLed after the grace; the call returns the real failure promptly."""
+    """A rank and its child that ignore SIGTERM are SIGKILLed after the grace; the call returns the real failure
+    promptly."""
     before = procs()
     out = nb.execute(
         """
@@ -209,7 +211,8 @@ report(error, ended)
 
 
 def test_a_failure_stops_subprocesses_dataloader_workers_and_detached_processes(nb):
-    """When a rank fails, its peer's subprocess, DataLoader workers, new-session child and a detached daemon with no environment are all ended."""
+    """When a rank fails, its peer's subprocess, DataLoader workers, new-session child and a detached daemon with no
+    environment are all ended."""
     before = procs()
     out = nb.execute(
         """
@@ -218,7 +221,7 @@ def spawns():
     import os, subprocess, time, torch
     from torch.utils.data import DataLoader, Dataset
     rank = int(os.environ["RANK"])
-    flag = os.path.join(os.environ["AIR_MAGIC_RUN_DIR"], "children-up")
+    flag = os.path.join(os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], "children-up")
     if rank == 1:
         while not os.path.exists(flag):
             time.sleep(0.05)
@@ -227,8 +230,8 @@ def spawns():
     plain = subprocess.Popen(["sleep", "300"])
     session = subprocess.Popen(["sleep", "301"], start_new_session=True)
     # a daemon: its shell exits at once, so it is re-parented, and it carries no environment at all
-    subprocess.run(["/bin/sh", "-c", "setsid sleep 302 & echo $! > daemon.pid"], env={}, cwd=os.environ["AIR_MAGIC_RUN_DIR"], check=True)
-    daemon = int(open(os.path.join(os.environ["AIR_MAGIC_RUN_DIR"], "daemon.pid")).read())
+    subprocess.run(["/bin/sh", "-c", "setsid sleep 302 & echo $! > daemon.pid"], env={}, cwd=os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], check=True)
+    daemon = int(open(os.path.join(os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], "daemon.pid")).read())
     class Slow(Dataset):
         def __len__(self): return 10**6
         def __getitem__(self, i):
@@ -266,7 +269,7 @@ def forever(tag):
     import os, subprocess, time
     child = subprocess.Popen(["sleep", "300"])
     print("PIDS", os.getpid(), child.pid, flush=True)
-    print(tag, "port", os.environ["MASTER_PORT"], "dir", os.environ["AIR_MAGIC_RUN_DIR"], flush=True)
+    print(tag, "port", os.environ["MASTER_PORT"], "dir", os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], flush=True)
     for i in range(3):
         print(f"rank {os.environ['RANK']} step {i}", flush=True)
     time.sleep(300)
@@ -286,7 +289,8 @@ def _wait_for_logs(runs: Path, tag: str, timeout: float = 90) -> Path:
 
 
 def test_two_kernels_run_side_by_side_and_a_shutdown_or_restart_mid_run_leaves_nothing(workdir):
-    """Two kernels' jobs get their own ports and run directories; shutting one down and restarting the other mid-run leaves no worker."""
+    """Two kernels' jobs get their own ports and run directories; shutting one down and restarting the other mid-run
+    leaves no worker."""
     before = procs()
     runs_a, runs_b = workdir / "runs-a", workdir / "runs-b"
     env = {"AIR_MAGIC_DISPLAY": "text", "AIR_MAGIC_WARM": "0"}
@@ -342,7 +346,7 @@ def summed(k):
         dist.all_reduce(t)
         t /= 2
     print(f"job {k} rank {dist.get_rank()} done", flush=True)
-    return (t.item(), os.environ["MASTER_PORT"], os.environ["AIR_MAGIC_RUN_DIR"])
+    return (t.item(), os.environ["MASTER_PORT"], os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"])
 results = {}
 threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, summed.distributed(k))) for k in (1, 2)]
 [t.start() for t in threads]; [t.join(120) for t in threads]
@@ -384,7 +388,8 @@ def _try_to_take_the_port() -> dict:
 
 
 def test_the_master_port_is_held_from_choice_to_use_so_no_program_can_take_it():
-    """MASTER_PORT is bound by the launcher before any rank starts: another program cannot take it, and ranks still join."""
+    """MASTER_PORT is bound by the launcher before any rank starts: another program cannot take it, and ranks still
+    join."""
     import errno
 
     before = procs()
@@ -440,7 +445,8 @@ def test_a_rendezvous_store_that_dies_stops_the_job_with_a_clear_message_instead
 
 
 def test_unpicklable_returns_a_gigabyte_and_unpicklable_exceptions_give_a_result_or_a_clear_error(nb):
-    """A lock returned, 1 GiB returned by rank 0, an exception that will not pickle or whose str() fails: each is a value or a clear error."""
+    """A lock returned, 1 GiB returned by rank 0, an exception that will not pickle or whose str() fails: each is a
+    value or a clear error."""
     before = procs()
     out = nb.execute(
         """
@@ -505,7 +511,8 @@ print("REPORT " + json.dumps(summary))
 
 
 def test_lambdas_and_closures_work_and_unpicklable_or_huge_arguments_are_named(nb):
-    """A lambda and a closure from the notebook run on every rank; a socket argument is named before anything starts; a huge tensor warns with its size."""
+    """A lambda and a closure from the notebook run on every rank; a socket argument is named before anything starts; a
+    huge tensor warns with its size."""
     before = procs()
     out = nb.execute(
         """
@@ -564,7 +571,8 @@ BAD_SETTINGS = [
 
 
 def test_bad_settings_are_clear_errors_and_start_nothing(tmp_path, monkeypatch):
-    """Every bad count, type or timeout raises a ConfigurationError naming the setting, with no run directory or process made."""
+    """Every bad count, type or timeout raises a ConfigurationError naming the setting, with no run directory or process
+    made."""
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path / "runs"))
     before = procs()
     for settings, message in BAD_SETTINGS:
@@ -587,7 +595,8 @@ def test_bad_settings_are_clear_errors_and_start_nothing(tmp_path, monkeypatch):
 
 
 def test_odd_bytes_unfinished_lines_and_progress_bars_are_kept_and_shown(nb):
-    """Invalid UTF-8, a last line with no newline, carriage-return progress bars and C-level writes crash nothing and are all in the logs."""
+    """Invalid UTF-8, a last line with no newline, carriage-return progress bars and C-level writes crash nothing and
+    are all in the logs."""
     before = procs()
     out = nb.execute(
         """
@@ -722,7 +731,8 @@ def test_a_rank_that_fails_on_a_full_disk_still_reports_its_own_exception(tiny_d
 
 
 def test_an_error_record_too_long_for_its_reserve_keeps_the_end_of_its_traceback(tmp_path):
-    """A huge message and traceback still fit the space set aside: the record stays readable and keeps where it failed."""
+    """A huge message and traceback still fit the space set aside: the record stays readable and keeps where it
+    failed."""
     from air_magic.launch.errorfile import read_error_file, write_error_file
 
     run = RunDir(tmp_path)
@@ -756,7 +766,8 @@ def test_a_run_that_succeeds_gives_back_the_room_set_aside_for_errors(here_runs)
 
 
 def test_a_full_disk_under_the_run_directory_is_a_clear_error_and_stops_every_worker(tiny_disk, monkeypatch):
-    """When the run directory's disk fills up, the call stops every rank and names the disk, the free space and the fix."""
+    """When the run directory's disk fills up, the call stops every rank and names the disk, the free space and the
+    fix."""
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tiny_disk))
     before = procs()
     # a result larger than the disk: a clear error, and the half-written result does not keep the disk full

@@ -135,7 +135,8 @@ def test_nccl_job_listens_on_loopback_only(kernel):
 
 
 def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the_kernel(workdir):
-    """A rank returning CUDA tensors (a state_dict) or raising with one hands the kernel CPU tensors; CUDA stays off there."""
+    """A rank returning CUDA tensors (a state_dict) or raising with one hands the kernel CPU tensors; CUDA stays off
+    there."""
     kernel = Kernel(workdir, env=kernel_env(workdir, **REAL_NODE))  # a kernel that never touched CUDA itself
     try:
         _tensors_come_back_on_cpu(kernel)
@@ -165,7 +166,8 @@ def _tensors_come_back_on_cpu(kernel: Kernel) -> None:
 
 
 def test_hot_ranks_keep_their_cuda_context_and_free_the_gpu_when_released(kernel):
-    """With keep_alive the next call runs in the same GPU processes; %distributed_release leaves no GPU memory in use."""
+    """With keep_alive the next call runs in the same GPU processes; %distributed_release leaves no GPU memory in
+    use."""
     kernel.execute(DDP).check()
     kernel.execute("%load_ext air_magic").check()
     before = gpu_pids()

@@ -1,4 +1,5 @@
-"""When ranks hang: where every rank is, in the timeout and cancel errors, the logs, the record, and live in the panel."""
+"""When ranks hang: where every rank is, in the timeout and cancel errors, the logs, the record, and live in the
+panel."""
 
 from __future__ import annotations
 
@@ -246,7 +247,8 @@ except Exception as exc:
 
 
 def test_an_interrupt_names_where_each_rank_was(kernel):
-    """The kernel's interrupt button stops the hang, and the KeyboardInterrupt carries each rank's innermost user frame."""
+    """The kernel's interrupt button stops the hang, and the KeyboardInterrupt carries each rank's innermost user
+    frame."""
     kernel.execute(SETUP).check()
     msg_id = kernel.send(HANG.format(timeout=None) + "train.distributed()\n")
     seen: list[float] = []

@@ -120,7 +120,8 @@ def test_setting_that_does_not_fit_the_node_fails_before_anything_starts(loaded,
 
 
 def test_cell_runs_with_the_notebook_globals_it_uses_and_returns_per_rank_values(loaded):
-    """Functions, classes, constants and modules from earlier cells reach every rank; the last expression comes back per rank."""
+    """Functions, classes, constants and modules from earlier cells reach every rank; the last expression comes back per
+    rank."""
     loaded.execute(
         "import json as js\n"
         "SCALE = 10\n"
@@ -203,7 +204,8 @@ def test_syntax_error_names_the_cell_line_and_nothing_starts(loaded, workdir):
 
 
 def test_interrupt_during_a_cell_stops_every_worker_and_the_next_cell_runs(loaded):
-    """A kernel interrupt sent while a %%distributed cell runs gives KeyboardInterrupt, ends its workers, and the next cell works."""
+    """A kernel interrupt sent while a %%distributed cell runs gives KeyboardInterrupt, ends its workers, and the next
+    cell works."""
     before = {p.pid for p in psutil.process_iter()}
     msg = loaded.send(
         "%%distributed --gpus 2 --timeout none\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)\n"
@@ -227,7 +229,8 @@ c.DistributedMagics.mlflow = False
 
 
 def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_path):
-    """jupyter-config/ipython_kernel_config.py loads air_magic in a new kernel; c.DistributedMagics.* set the defaults."""
+    """jupyter-config/ipython_kernel_config.py loads air_magic in a new kernel; c.DistributedMagics.* set the
+    defaults."""
     profile = tmp_path / "ipython" / "profile_default"
     profile.mkdir(parents=True)
     shutil.copy(ROOT / "jupyter-config" / "ipython_kernel_config.py", profile / "ipython_kernel_config.py")
@@ -263,7 +266,8 @@ def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_p
 
 
 def test_black_with_the_project_settings_formats_distributed_cells_as_python():
-    """pyproject.toml's python_cell_magics makes black format the body of a %%distributed cell, which it skips otherwise."""
+    """pyproject.toml's python_cell_magics makes black format the body of a %%distributed cell, which it skips
+    otherwise."""
     import black
 
     config = black.parse_pyproject_toml(str(ROOT / "pyproject.toml"))

@@ -36,7 +36,8 @@ def ui_processes(root: Path) -> set[int]:
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (make browser)")
 def test_link_opens_the_run_with_its_metric_through_jupyter(lab):
-    """Under Jupyter the link goes through Jupyter's authenticated proxy and opens the run, with its metric, in MLflow's training view."""
+    """Under Jupyter the link goes through Jupyter's authenticated proxy and opens the run, with its metric, in MLflow's
+    training view."""
     ui_before = ui_processes(lab.root)
     kernel = lab.api("kernels", "POST", {"name": "python3"})["id"]
     try:

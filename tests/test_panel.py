@@ -42,7 +42,8 @@ def lab_kernel(workdir):
 
 
 def test_panel_shows_a_tab_per_rank_with_its_own_output_and_final_state(lab_kernel):
-    """Each rank's stdout and stderr land in its own tab, titled with its state, and nothing floods the cell's stdout."""
+    """Each rank's stdout and stderr land in its own tab, titled with its state, and nothing floods the cell's
+    stdout."""
     mirror = WidgetMirror()
     out = run_cell(
         lab_kernel,
@@ -129,7 +130,8 @@ holds.distributed()
 
 
 def test_cancel_click_while_the_cell_runs_stops_every_process_and_the_kernel_stays_usable(lab_kernel):
-    """A Button click sent while the cell is busy ends every worker and child within 5 s with a one-line 'cancelled' error."""
+    """A Button click sent while the cell is busy ends every worker and child within 5 s with a one-line 'cancelled'
+    error."""
     mirror = WidgetMirror()
     seen: dict[str, float] = {}
 
@@ -205,7 +207,8 @@ sleepy.distributed()
 
 
 def test_a_call_that_never_starts_leaves_no_starting_line(lab_kernel):
-    """The line shown the moment a call begins is emptied when the call fails before its panel (an argument that cannot be pickled)."""
+    """The line shown the moment a call begins is emptied when the call fails before its panel (an argument that cannot
+    be pickled)."""
     out = run_cell(
         lab_kernel,
         """
@@ -310,7 +313,7 @@ def flood():
         print("flood done")
     else:
         print("quiet rank")
-    return os.environ["AIR_MAGIC_RUN_DIR"]
+    return os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"]
 run_dir = flood.distributed()[0]
 """,
         mirror,
@@ -359,7 +362,8 @@ untracked.distributed()""",
 
 
 def test_a_notebook_executed_headless_keeps_a_static_record_that_nbconvert_shows(tmp_path):
-    """Run headless with the panel, saved and converted: every call's status, link, ranks' last lines and charts stay, with no widget state and no MLflow noise."""
+    """Run headless with the panel, saved and converted: every call's status, link, ranks' last lines and charts stay,
+    with no widget state and no MLflow noise."""
     import nbformat
     from nbconvert import HTMLExporter
 

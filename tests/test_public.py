@@ -35,7 +35,8 @@ PUBLIC = {
 
 
 def test_all_lists_exactly_the_public_names_and_each_exists():
-    """air_magic.__all__ is the agreed public list, every name in it resolves, and every exception users catch is in it."""
+    """air_magic.__all__ is the agreed public list, every name in it resolves, and every exception users catch is in
+    it."""
     assert set(air_magic.__all__) == PUBLIC
     for name in air_magic.__all__:
         assert getattr(air_magic, name) is not None, name

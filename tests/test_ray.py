@@ -512,7 +512,8 @@ def hangs_in_two_places():
 
 
 def test_stacks_of_ray_ranks_on_request_and_in_the_cancel_error(cluster):
-    """Ray ranks write their stacks on request without stopping, and Cancel's error names each one's innermost user frame."""
+    """Ray ranks write their stacks on request without stopping, and Cancel's error names each one's innermost user
+    frame."""
 
     class AskThenCancel(WhenAll):
         def poll(self) -> None:

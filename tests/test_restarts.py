@@ -98,7 +98,8 @@ def test_a_rank_that_always_raises_gets_three_attempts_then_its_exception_lists_
 
 
 def test_the_cell_magic_takes_max_restarts_from_its_option_or_the_configured_default(nb):
-    """%%distributed --max-restarts 1 restarts a killed rank; so does c.DistributedMagics.default_max_restarts; -1 is refused."""
+    """%%distributed --max-restarts 1 restarts a killed rank; so does c.DistributedMagics.default_max_restarts; -1 is
+    refused."""
     nb.execute("%load_ext air_magic").check()
     cell = (
         "import os, signal, time\n"
@@ -174,7 +175,8 @@ def test_hot_ranks_that_fail_end_and_the_restart_runs_in_fresh_ranks():
 
 
 def test_the_log_and_the_record_keep_every_attempt(nb):
-    """The static record (text/plain twin) shows 'attempt 2 of 2' and the earlier failure; each log keeps both attempts."""
+    """The static record (text/plain twin) shows 'attempt 2 of 2' and the earlier failure; each log keeps both
+    attempts."""
     out = nb.execute(
         "from air_magic.display.record import record_bundle\n"
         "from air_magic.display.tail import TailBuffer\n"
@@ -199,7 +201,8 @@ def panel_kernel(workdir):
 
 
 def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):
-    """After a restart the panel's status says 'attempt 2 of 2' and why attempt 1 ended; each tab keeps both attempts."""
+    """After a restart the panel's status says 'attempt 2 of 2' and why attempt 1 ended; each tab keeps both
+    attempts."""
     mirror = WidgetMirror()
     out = run_cell(panel_kernel, "killed_once.with_overrides(mlflow=False).distributed()", mirror).check()
     assert out.result == "[(0, 1, '1'), (1, 1, '1')]"
@@ -218,7 +221,8 @@ def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):
 
 @pytest.mark.timeout(900)
 def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_once_per_epoch(tmp_path):
-    """restarts.ipynb: rank 1 SIGKILLed at step 11, the call restarts from step 10 and every file counts once per epoch."""
+    """restarts.ipynb: rank 1 SIGKILLed at step 11, the call restarts from step 10 and every file counts once per
+    epoch."""
     from test_demos import DEMOS, PROBE, demo_run
 
     (tmp_path / "runs").mkdir()

@@ -49,7 +49,8 @@ def inet_sockets(proc: psutil.Process) -> list:
 
 
 def test_every_socket_a_run_opens_is_on_loopback_and_the_supervisor_has_none(nb, workdir):
-    """While a gloo job runs, every listening socket of its processes is on 127.0.0.1, every peer is local, and the supervisor uses pipes only."""
+    """While a gloo job runs, every listening socket of its processes is on 127.0.0.1, every peer is local, and the
+    supervisor uses pipes only."""
     before = {p.pid for p in psutil.process_iter()}
     kernel_listening = {c.laddr for c in inet_sockets(psutil.Process(nb.pid)) if c.status == psutil.CONN_LISTEN}
     msg = nb.send(
@@ -61,7 +62,7 @@ def waits():
     t = torch.ones(1)
     dist.all_reduce(t)
     print(f"rank {dist.get_rank()} ready with {t.item()}", flush=True)
-    flag = os.path.join(os.environ["AIR_MAGIC_RUN_DIR"], "go")
+    flag = os.path.join(os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], "go")
     while not os.path.exists(flag):
         time.sleep(0.05)
     return t.item()
@@ -179,12 +180,13 @@ def test_payloads_results_errors_and_logs_are_private_files_in_private_directori
 def _names_its_run_dir() -> str:
     import os
 
-    print("rank", os.environ["RANK"], "in", os.environ["AIR_MAGIC_RUN_DIR"], flush=True)
-    return os.environ["AIR_MAGIC_RUN_DIR"]
+    print("rank", os.environ["RANK"], "in", os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], flush=True)
+    return os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"]
 
 
 def test_run_directories_are_never_reused_nor_guessable_and_shared_roots_are_refused(tmp_path, monkeypatch):
-    """Each call gets a fresh 0700 directory with a random name; a runs directory others can write or own is refused before anything starts."""
+    """Each call gets a fresh 0700 directory with a random name; a runs directory others can write or own is refused
+    before anything starts."""
     root = tmp_path / "runs"
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(root))
     before = {p.pid for p in psutil.process_iter()}

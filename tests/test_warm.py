@@ -31,7 +31,8 @@ def nb(workdir):
 
 
 def test_warm_and_fresh_workers_give_the_same_results_and_errors(nb):
-    """The same function returns the same values and raises the same error whether workers are forked warm or spawned fresh."""
+    """The same function returns the same values and raises the same error whether workers are forked warm or spawned
+    fresh."""
     nb.execute(
         """
 @distributed(2)

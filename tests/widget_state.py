@@ -38,7 +38,8 @@ class WidgetMirror:
         return [(cid, s) for cid, s in self.models.items() if s.get("_model_name") == name]
 
     def panel(self) -> dict[str, Any]:
-        """The last panel shown: its tab titles, each tab's log and usage HTML, its status and link text, its button id."""
+        """The last panel shown: its tab titles, each tab's log and usage HTML, its status and link text, its button
+        id."""
         tabs = self.of_model("TabModel")
         assert tabs, "no panel was displayed"
         _, tab = tabs[-1]

@@ -52,7 +52,8 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
 
 
 def test_need_is_the_largest_files_that_the_readers_keep_each_counted_once():
-    """The pinned paths of 2 readers keeping 2 files each may be the 4 largest files, and never more than all of them."""
+    """The pinned paths of 2 readers keeping 2 files each may be the 4 largest files, and never more than all of
+    them."""
     sizes = [5, 1, 9, 3, 7, 2]
     assert cache_need(sizes, readers=2, keep=2) == 9 + 7 + 5 + 3
     assert cache_need(sizes, readers=4, keep=8) == sum(sizes)
@@ -66,7 +67,8 @@ def test_the_file_needed_next_goes_over_the_cap_only_while_nothing_else_is_over(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ):
-    """With every cached file pinned, one needed file may go over a 2-file cap; the next one waits (asking others for room, and saying so on stderr when it lasts) until a file is released."""
+    """With every cached file pinned, one needed file may go over a 2-file cap; the next one waits (asking others for
+    room, and saying so on stderr when it lasts) until a file is released."""
     cache = FileCache(str(tmp_path / "cache"), limit=2 * SIZE, min_free=0, poll=0.005, stall_report=0.05)
     for url in files[:3]:
         fetch(cache, url)
@@ -118,7 +120,8 @@ def test_a_prefetch_never_goes_over_the_cap(files: list[str], tmp_path: Path):
 
 
 def test_while_someone_waits_for_room_only_live_pins_are_published(files: list[str], tmp_path: Path):
-    """Announced files and lazily released ones stop being protected once a process waits for room: settled at once on unpin, and by the watcher thread when idle."""
+    """Announced files and lazily released ones stop being protected once a process waits for room: settled at once on
+    unpin, and by the watcher thread when idle."""
     cache = FileCache(str(tmp_path / "cache"), limit=None, min_free=0, poll=0.005)
     for url in files[:3]:
         fetch(cache, url)
@@ -145,7 +148,8 @@ def test_while_someone_waits_for_room_only_live_pins_are_published(files: list[s
 
 
 def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path):
-    """A process forked while one of our threads holds the cache's lock (a DataLoader starting workers) does not keep the lock after the parent lets go."""
+    """A process forked while one of our threads holds the cache's lock (a DataLoader starting workers) does not keep
+    the lock after the parent lets go."""
     import fcntl
 
     cache = FileCache(str(tmp_path / "cache"), limit=None, min_free=0)

@@ -1,4 +1,5 @@
-"""What launchers declare and decide: supported settings, the local launcher's warm choice, the registry, the phase text."""
+"""What launchers declare and decide: supported settings, the local launcher's warm choice, the registry, the phase
+text."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def test_a_private_variable_a_library_sets_keeps_the_world_of_hot_ranks(monkeypa
 
 
 def test_a_retired_supervisor_leaves_no_pipe_open(tmp_path):
-    """A supervisor replaced as stale retires; once it has exited, its client's pipes are closed (no ResourceWarning)."""
+    """A supervisor replaced as stale retires; once it has exited, its client's pipes are closed (no
+    ResourceWarning)."""
     from air_magic.launch.local.launcher import SupervisorClient
 
     client = SupervisorClient(tmp_path / "supervisor.log", warm=False)

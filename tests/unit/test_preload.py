@@ -96,7 +96,8 @@ def hook(tmp_path, monkeypatch):
 
 
 def test_a_hooks_warm_up_runs_when_asked_and_what_it_imports_is_watched(hook):
-    """The hook modules of a call are warmed up later, with the call's environment; a hook without warm_up is skipped."""
+    """The hook modules of a call are warmed up later, with the call's environment; a hook without warm_up is
+    skipped."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["warmhook", "coldhook"], {"MLFLOW_TRACKING_URI": "sqlite:///x.db"})
     assert "warmedpkg" not in sys.modules, "asking runs nothing yet"

@@ -72,7 +72,8 @@ def test_metrics_are_named_per_rank_in_mib():
 
 
 def test_each_rank_s_gpu_is_its_entry_of_cuda_visible_devices():
-    """Rank r uses GPU r, or the r-th visible device (index or UUID); MIG instances, CPU and multi-node calls get none."""
+    """Rank r uses GPU r, or the r-th visible device (index or UUID); MIG instances, CPU and multi-node calls get
+    none."""
     assert rank_gpus(spec(2, "GPU_2xH100"), None) == {0: "0", 1: "1"}
     assert rank_gpus(spec(2, "GPU_2xH100"), "6,7") == {0: "6", 1: "7"}
     assert rank_gpus(spec(2, "GPU_2xH100"), "GPU-abc, MIG-def") == {0: "GPU-abc"}
@@ -193,7 +194,8 @@ class FakeNvml:
 
 
 def test_each_rank_reads_its_own_gpu_through_nvml(tmp_path: Path, monkeypatch):
-    """With NVML (a stand-in here; the GPU tests run the real one, started once per process), rank 0 reads GPU 0 by index and rank 1 its
+    """With NVML (a stand-in here; the GPU tests run the real one, started once per process), rank 0 reads GPU 0 by
+    index and rank 1 its
     UUID's device; their memory, utilization and peaks reach the sample, the metrics and the record's words."""
     nvml = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)

@@ -1,4 +1,5 @@
-"""The runner's restart policy against a scripted launcher: which failures start the world again, and what comes back."""
+"""The runner's restart policy against a scripted launcher: which failures start the world again, and what comes
+back."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def call(
 
 
 def test_a_rank_that_died_starts_the_world_again_and_the_second_attempt_answers():
-    """A SIGKILLed rank with a restart left: a new job with the next restart count, its values, 2 attempts, marked log."""
+    """A SIGKILLed rank with a restart left: a new job with the next restart count, its values, 2 attempts, marked
+    log."""
     launcher, heard = ScriptedLauncher("die", "ok"), Heard()
     result = call(launcher, max_restarts=1, heard=heard)
     assert result.error is None and result.status == JobStatus.FINISHED
@@ -189,7 +191,8 @@ def test_the_timeout_covers_every_attempt():
 
 
 def test_begin_attempt_keeps_the_earlier_attempts_files_apart_and_marks_each_log(runs_dir: Path):
-    """Results, error records, payload and job file move to attempt-0/; a log cut mid-line gets its marker on a new line."""
+    """Results, error records, payload and job file move to attempt-0/; a log cut mid-line gets its marker on a new
+    line."""
     rd = RunDir.create("f", 2)
     rd.result(0).write_bytes(b"old result")
     rd.error(1).write_text("{}")

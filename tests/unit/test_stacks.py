@@ -66,7 +66,8 @@ Thread 0x00007f0000000003 (most recent call first):
 
 
 def test_the_scanner_finds_the_same_dump_however_the_output_is_cut_and_passes_the_rest_through():
-    """Fed one character at a time, the scanner returns the text around the dump, a line in its place, and the dump once."""
+    """Fed one character at a time, the scanner returns the text around the dump, a line in its place, and the dump
+    once."""
     scanner = StackScanner()
     out, dumps = "", []
     for ch in "step 1\n" + DUMP + "step 2\npartial":
@@ -100,7 +101,8 @@ def test_output_between_a_dump_and_its_trailer_ends_the_dump_and_is_kept():
 
 
 def test_a_real_faulthandler_dump_of_this_process_parses():
-    """What faulthandler writes here, for every thread, reads back with this test's function as the innermost user frame."""
+    """What faulthandler writes here, for every thread, reads back with this test's function as the innermost user
+    frame."""
     ready, stop = threading.Event(), threading.Event()
 
     def helper_thread_waits():
@@ -125,7 +127,8 @@ def test_a_real_faulthandler_dump_of_this_process_parses():
 
 
 def test_a_rank_outside_its_call_is_in_no_user_code():
-    """After its call returned, a rank's main thread is air_magic's own: the boot line that started it is not user code."""
+    """After its call returned, a rank's main thread is air_magic's own: the boot line that started it is not user
+    code."""
     after = DUMP.replace(f'  File "{WORKER}", line 95 in run', f'  File "{WORKER}", line 133 in finish').replace(
         f'  File "{SITE}", line 4000 in barrier\n  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank\n'
         '  File "/tmp/ipykernel_1/123.py", line 12 in train\n',
