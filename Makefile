@@ -25,7 +25,8 @@ demo: $(VENV)/.installed
 	$(PY) demo_notebooks/run.py demo_notebooks/quickstart.ipynb
 
 test: $(VENV)/.installed browser
-	$(VENV)/bin/ruff check air_magic
+	$(VENV)/bin/ruff format --check air_magic tests bench
+	$(VENV)/bin/ruff check air_magic tests bench
 	$(VENV)/bin/mypy air_magic
 	$(MAKE) docs VENV=$(VENV)
 	$(PY) -m pytest -n 2 --dist loadfile

@@ -93,7 +93,7 @@ def main() -> None:
     )
     try:
         k.execute(SETUP.format(job=JOB, ranks=args.ranks, script=script, job_src=JOB)).check()
-        k.execute(f"NAME = {list(calls)[0]!r}\n" + calls[list(calls)[0]]).check()
+        k.execute(f"NAME = {next(iter(calls))!r}\n" + calls[next(iter(calls))]).check()
         for _ in range(args.repeat):
             for name, code in list(calls.items())[1:]:
                 k.execute(f"NAME = {name!r}\n" + code.format(script=script), timeout=300).check()

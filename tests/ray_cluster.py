@@ -36,8 +36,8 @@ def patient_raylets():
     take longer just to import. With the ports chosen here and written before the raylet starts,
     it goes on at once; the agents are given those same ports and bind them when they are up.
     """
-    import ray._private.services as services
     import ray._raylet as raylet
+    from ray._private import services
 
     original = services.start_raylet
     signature = inspect.signature(original)

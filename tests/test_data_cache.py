@@ -18,7 +18,7 @@ from helpers import ROOT
 from s3_server import S3
 
 from air_magic.data import DataLoader, StreamingFileDataset
-from air_magic.data.cache import CacheFullError
+from air_magic.data.cache import CacheFullError, FileCache
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow
@@ -356,3 +356,41 @@ def test_yielded_paths_stay_until_the_training_loop_opens_them(s3: S3, tmp_path:
         seen += [digest(path) for path in batch]
     assert sorted(seen) == sorted(digests.items())
     assert len(list((cache / "data").iterdir())) < 100, "nothing was evicted: the cap did not bite"
+
+
+def _wait_for(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path):
+    """A process forked while one of our threads holds the cache's lock (a DataLoader starting workers) does not keep
+    the lock after the parent lets go."""
+    import fcntl
+
+    cache = FileCache(str(tmp_path / "cache"), limit=None, min_free=0)
+    with cache._locked():
+        child = os.fork()
+        if child == 0:  # the child lives on, as a DataLoader worker would
+            time.sleep(30)
+            os._exit(0)
+
+    def free() -> bool:
+        fd = os.open(os.path.join(cache.directory, ".lock"), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    try:
+        assert _wait_for(free), "the forked child still holds the cache's lock"
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)

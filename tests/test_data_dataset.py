@@ -262,7 +262,7 @@ def test_resume_on_real_ranks_from_2x2_to_1x3(data: Path, here_runs: Path):
 
 def test_public_names_and_uc_aliases():
     """air_magic.data exports its classes, and the UCVolume names are the same classes (same arguments)."""
-    import air_magic.data as data
+    from air_magic import data
 
     assert sorted(data.__all__) == sorted(
         [

@@ -94,6 +94,7 @@ def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_sto
             "600",
         ],
         capture_output=True,
+        check=False,
         text=True,
         env=env,
         timeout=900,

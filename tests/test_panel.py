@@ -439,7 +439,9 @@ print(runner.run(spec, [Link(), display]).values)
     )
     env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs")})
     env.pop("AIR_MAGIC_DISPLAY", None)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, check=False, text=True, env=env, timeout=180
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "display: TextDisplay" in lines
@@ -460,6 +462,7 @@ def test_terminal_ipython_gets_the_plain_text_display(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "IPython", "--HistoryManager.enabled=False", "--colors=nocolor", "-c", code],
         capture_output=True,
+        check=False,
         text=True,
         env=env,
         timeout=120,

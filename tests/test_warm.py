@@ -23,7 +23,7 @@ def nb(workdir):
             "PYTHONPATH": str(workdir / "pkgs"),
         },
     )
-    k.execute("import sys; sys.path.insert(0, %r)\nfrom air_magic import distributed" % str(workdir / "pkgs")).check()
+    k.execute(f"import sys; sys.path.insert(0, {str(workdir / 'pkgs')!r})\nfrom air_magic import distributed").check()
     yield k
     sup = psutil.Process(k.pid).children()
     k.shutdown()

@@ -145,32 +145,3 @@ def test_while_someone_waits_for_room_only_live_pins_are_published(files: list[s
     cache.release_all()
     assert published(cache) == set()
     assert wait_for(lambda: cache._watcher is None), "the watcher outlived the pins"
-
-
-def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path):
-    """A process forked while one of our threads holds the cache's lock (a DataLoader starting workers) does not keep
-    the lock after the parent lets go."""
-    import fcntl
-
-    cache = FileCache(str(tmp_path / "cache"), limit=None, min_free=0)
-    with cache._locked():
-        child = os.fork()
-        if child == 0:  # the child lives on, as a DataLoader worker would
-            time.sleep(30)
-            os._exit(0)
-
-    def free() -> bool:
-        fd = os.open(os.path.join(cache.directory, ".lock"), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(fd)
-
-    try:
-        assert wait_for(free, seconds=5), "the forked child still holds the cache's lock"
-    finally:
-        os.kill(child, 9)
-        os.waitpid(child, 0)

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 _PROBE = """
 import tempfile, weakref, torch
 from air_magic.launch.worker import _skip_teardown_finalizers
@@ -19,7 +23,7 @@ print(len(torch_libs), sum(f.atexit for f in torch_libs), kept._finalizer.atexit
 
 def test_only_torchs_library_teardown_is_skipped_at_exit():
     """torch's Library finalizers no longer run at exit; a temporary directory's cleanup still does."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True, cwd=root
     )

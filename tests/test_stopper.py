@@ -7,8 +7,11 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from air_magic.launch.stopper import Stopper, stop_tree
+
+pytestmark = pytest.mark.slow
 
 _IGNORES_TERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
 
