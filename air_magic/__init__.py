@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from .accelerators import AcceleratorType, GPUType
@@ -19,7 +18,8 @@ from .errors import (
     WorkerDiedError,
 )
 from .job import JobResult, JobStatus, RankResult, RankState
-from .launch.ray.cluster import ray_init
+from .launch import ray_init
+from .launch.session import Placeholder, Ref
 from .payload import PayloadSizeWarning
 
 __version__ = "0.1.0"
@@ -34,9 +34,11 @@ __all__ = [
     "JobResult",
     "JobStatus",
     "PayloadSizeWarning",
+    "Placeholder",
     "RankFailedError",
     "RankResult",
     "RankState",
+    "Ref",
     "ResultSizeWarning",
     "RunDirectoryFullError",
     "SerializationError",
@@ -61,10 +63,10 @@ def _prepare_first_call(ipython: Any) -> None:
     """Start, in the background, what a first call would wait for: the supervisor (it imports torch, not CUDA)
     and, unless %%distributed cells are configured without MLflow, MLflow's import and store set-up in this
     process. Returns at once; a call made earlier waits for it."""
-    from .launch.local import warm_up
+    from .launch import start_local_helper
     from .tracking.prepare import start
 
-    warm_up()
+    start_local_helper()
     if ipython.config.get("DistributedMagics", {}).get("mlflow", True) is not False:
         start()
 
@@ -74,13 +76,3 @@ def unload_ipython_extension(ipython: Any) -> None:
     from .magics import unload_ipython_extension as unload
 
     unload(ipython)
-
-
-def _shell() -> Any:
-    """This process's IPython shell (a notebook's kernel), or None; ranks and helpers import no IPython."""
-    ipython = sys.modules.get("IPython")
-    return None if ipython is None else ipython.get_ipython()
-
-
-if _shell() is not None:
-    _prepare_first_call(_shell())  # `import air_magic` in a notebook prepares the first call as `%load_ext` does

@@ -25,6 +25,8 @@ from typing import Any
 
 from .payload import cell_sources, referenced_globals
 
+_UNBOUND = object()  # a name that was not in the namespace before the cell ran
+
 
 def used_names(source: str, filename: str = "<cell>") -> set[str]:
     """Global names the code reads: at module level, and free in its functions, classes and comprehensions.
@@ -155,18 +157,35 @@ class CellProgram:
     # -- on a rank -----------------------------------------------------------
     def __call__(self) -> Any:
         """Run the cell in a fresh namespace made of the globals it uses; return its last expression's value."""
+        return self.run_in({"__name__": "__main__", "__builtins__": builtins})
+
+    def run_in(self, namespace: dict[str, Any], owned: set[str] | None = None) -> Any:
+        """Run the cell in `namespace` (a session's); return its last expression's value.
+
+        The notebook globals the cell uses are put in first, except the names in `owned` (those the session
+        assigned itself, which win); every name the cell then binds is added to `owned`.
+        """
         lines = self.cell_lines()
         linecache.cache[self.filename] = (sum(map(len, lines)), None, lines, self.filename)
-        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **self.used_globals}
+        owned = set() if owned is None else owned
+        given = {name: value for name, value in self.used_globals.items() if name not in owned}
+        namespace.update(given)
+        before = dict(namespace)
         tree = ast.parse(self.numbered_source(), self.filename)
         last: ast.Expression | None = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body[-1].value)
             tree.body.pop()
-        exec(compile(tree, self.filename, "exec"), namespace)  # noqa: S102 - running the cell is the point
-        if last is None:
-            return None
-        return eval(compile(last, self.filename, "eval"), namespace)
+        try:
+            exec(compile(tree, self.filename, "exec"), namespace)  # noqa: S102 - running the cell is the point
+            return None if last is None else eval(compile(last, self.filename, "eval"), namespace)
+        finally:  # what the cell bound before it stopped (an error, an interrupt) is the session's too
+            owned.intersection_update(namespace)
+            owned.update(
+                name
+                for name, value in namespace.items()
+                if not (name.startswith("__") and name.endswith("__")) and before.get(name, _UNBOUND) is not value
+            )
 
     def __repr__(self) -> str:
         return f"<CellProgram {self.filename} using {sorted(self.used_globals)}>"

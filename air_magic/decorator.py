@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from . import accelerators, runner
+from . import accelerators, launch, sessions
 from .errors import ConfigurationError
 from .job import JobResult, JobSpec
 
@@ -79,6 +79,10 @@ class Settings:
     num_nodes: int = 1
     #: Times every rank starts again after a rank fails; 0 = the call fails with the first failure.
     max_restarts: int = 0
+    #: Run in this session's ranks, which keep what calls build (sessions.py); None = each call is whole.
+    session: str | None = None
+    #: The ranks of the session that run the call; None = every rank.
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
@@ -93,6 +97,18 @@ class Settings:
             )
         if not isinstance(self.mlflow, bool):
             raise ConfigurationError(f"mlflow must be True or False, got {self.mlflow!r}.")
+        if self.session is not None:
+            sessions.check_name(self.session)
+        if self.ranks is not None:
+            ranks = self.ranks
+            if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+                raise ConfigurationError(f"ranks must be rank numbers such as (0,) or (0, 2), got {ranks!r}.")
+            object.__setattr__(self, "ranks", tuple(sorted(set(ranks))))
+            if self.session is None:
+                raise ConfigurationError(
+                    "ranks= runs a call on some ranks of a session, and no session is named: "
+                    "add session='NAME' (or --session [NAME] to %%distributed)."
+                )
 
     def resolve(self) -> tuple[int, str]:
         """Ranks per node and accelerator type (raises ConfigurationError if they don't fit).
@@ -100,11 +116,7 @@ class Settings:
         One node: checked against this node. Several: only the form is checked here (no Ray is needed
         to decorate); the cluster is asked when the call starts (`spec`).
         """
-        if self.num_nodes > 1:
-            from .launch.ray.cluster import check_shape
-
-            return check_shape(self.num_accelerators, self.accelerator_type)
-        return accelerators.resolve(self.num_accelerators, self.accelerator_type)
+        return launch.check_shape(self.num_accelerators, self.accelerator_type, self.num_nodes)
 
     def spec(
         self,
@@ -114,13 +126,8 @@ class Settings:
         name: str,
         origin: str = "function",
     ) -> JobSpec:
-        if self.num_nodes > 1:
-            from .launch.ray.cluster import resolve
-
-            per_node, acc_type = resolve(self.num_accelerators, self.accelerator_type, self.num_nodes)
-        else:
-            per_node, acc_type = self.resolve()
-        return JobSpec(
+        per_node, acc_type = launch.resolve_shape(self.num_accelerators, self.accelerator_type, self.num_nodes)
+        spec = JobSpec(
             target=target,
             args=args,
             kwargs=kwargs,
@@ -136,6 +143,7 @@ class Settings:
             num_nodes=self.num_nodes,
             max_restarts=self.max_restarts,
         )
+        return sessions.with_session(spec, self.session, self.ranks)
 
 
 def legacy_names(settings: dict[str, Any], gpus: Any, gpu_type: Any) -> dict[str, Any]:
@@ -176,7 +184,7 @@ class DistributedFunction(Generic[P, R]):
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Like `.distributed`, but return the whole JobResult (run directory, exit codes, timing)."""
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
-        return runner.run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
+        return sessions.run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
 
     def with_overrides(self, **changes: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. `train.with_overrides(num_accelerators=1, timeout=60)`."""
@@ -215,6 +223,7 @@ def distributed(
     keep_alive: float | None = None,
     num_nodes: int = 1,
     max_restarts: int = 0,
+    session: str | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
 
@@ -231,6 +240,10 @@ def distributed(
     max_restarts: when a rank fails (raises, dies, is killed, loses its node), stop every rank and start the
         whole world again, up to this many times; each rank reads TORCHELASTIC_RESTART_COUNT (0 the first
         time) to resume from its own checkpoint. Cancel, Ctrl-C and the timeout (over all attempts) never restart.
+    session: run every call in this session's ranks (started by the first call, kept `keep_alive` seconds idle,
+        1 h by default), whose namespace keeps what calls build: the function's free globals resolve there
+        first, and `Ref("name")` as an argument passes each rank its own object. A call that raises in user code
+        keeps the session. See the sessions page of the docs.
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
@@ -243,6 +256,7 @@ def distributed(
         keep_alive=keep_alive,
         num_nodes=num_nodes,
         max_restarts=max_restarts,
+        session=session,
         **given,
     )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration

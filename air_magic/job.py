@@ -69,6 +69,10 @@ class JobSpec:
     num_nodes: int = 1
     #: Times the whole world may start again after a rank fails (raises, dies, is killed, loses its node).
     max_restarts: int = 0
+    #: A session's name: the call runs in that session's hot ranks and namespace (launch/session.py).
+    session: str | None = None
+    #: The ranks of the session that run the call; None: every rank.
+    ranks: tuple[int, ...] | None = None
 
     @property
     def uses_gpu(self) -> bool:
@@ -107,11 +111,15 @@ class JobResult:
     attempts: int = 1
     #: How each earlier attempt ended (its first failure), one line each, oldest first.
     earlier_failures: list[str] = field(default_factory=list)
+    #: A session's call: what each rank that answered holds (name -> "type, size"), and why its ranks ended,
+    #: if they did during the call (None: the session is kept).
+    session_names: dict[int, dict[str, str]] = field(default_factory=dict)
+    session_end: str | None = None
 
     @property
     def values(self) -> list[Any]:
-        """Return values as a list indexed by global rank."""
-        return [r.value for r in self.ranks]
+        """Return values as a list indexed by global rank (only the ranks that ran, for a session's `ranks`)."""
+        return [r.value for r in self.ranks if self.spec.ranks is None or r.rank in self.spec.ranks]
 
     def raise_for_status(self) -> JobResult:
         """Raise the call's exception if it did not finish; else return self (what the front doors do)."""

@@ -15,11 +15,12 @@ import sys
 from types import FrameType
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
-from . import launch, runner
+from . import launch, notebook_code, sessions
 from .cell import CellProgram, ends_with_semicolon
 from .decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_max_restarts, check_timeout
 from .errors import ConfigurationError
@@ -81,6 +82,23 @@ def _restarts(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a whole number of restarts, 0 or more, such as 2, got {text!r}"
         ) from None
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rank numbers such as 0 or 0,2, got {text!r}") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected rank numbers such as 0 or 0,2, got {text!r}")
+    return ranks
+
+
+def _session_name(text: str) -> str:
+    try:
+        return sessions.check_name(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _identifier(text: str) -> str:
@@ -195,6 +213,8 @@ class DistributedMagics(Magics):
             keep_alive=_given(args.keep_alive, self.default_keep_alive),
             num_nodes=args.nodes,
             max_restarts=_given(args.max_restarts, self.default_max_restarts),
+            session=args.session,
+            ranks=args.ranks,
         )
 
     @magic_arguments()
@@ -252,6 +272,27 @@ class DistributedMagics(Magics):
         "or c.DistributedMagics.default_max_restarts.",
     )
     @argument(
+        "--session",
+        nargs="?",
+        const=sessions.DEFAULT_SESSION,
+        default=None,
+        type=_session_name,
+        metavar="NAME",
+        help="Run in session NAME (default: 'default'): the first such cell starts hot ranks, later ones run in the "
+        "same processes and namespace, so what a cell assigns or imports is there for the next. Names the session "
+        "assigned win over notebook globals. An error in your code keeps the session; Ctrl-C and Cancel raise "
+        "KeyboardInterrupt on the ranks and keep it too when they come back. Idle for --keep-alive seconds "
+        "(default 3600) it ends. %%distributed_session lists sessions.",
+    )
+    @argument(
+        "--ranks",
+        type=_ranks,
+        default=None,
+        metavar="R",
+        help="With --session: run the cell on these ranks of the session only, such as 0 or 0,2; the result "
+        "holds their values in rank order.",
+    )
+    @argument(
         "--out",
         type=_identifier,
         default=None,
@@ -280,6 +321,10 @@ class DistributedMagics(Magics):
         shell = self.shell
         assert shell is not None, "DistributedMagics is registered with a shell"
         args = parse_argstring(self.distributed, line)
+        if args.ranks is not None and args.session is None:
+            raise UsageError(
+                "--ranks runs a cell on some ranks of a session, and this cell names none: add --session [NAME]."
+            )
         settings = self._settings(args)
         first_line = f"%%distributed {line}".rstrip()
         filename, number = _cell_file(shell, f"{first_line}\n{cell}")
@@ -292,8 +337,10 @@ class DistributedMagics(Magics):
                     "in the notebook, not on the workers."
                 )
             raise
+        for held in sessions.held_names(settings.session):  # the session's own objects win: never sent again
+            program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
-        result = runner.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
+        result = sessions.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
         self.last_result = result
         values = result.values
         if args.out:
@@ -302,14 +349,94 @@ class DistributedMagics(Magics):
 
     @line_magic
     def distributed_release(self, line: str = "") -> None:
-        """End every hot rank of this kernel now (see --keep-alive); their GPU memory is freed."""
+        """End every hot rank of this kernel now (see --keep-alive), sessions included; their GPU memory is freed."""
         launch.release_hot()
+        for said in sessions.released():
+            print(said)
+
+    @magic_arguments()
+    @argument(
+        "--session",
+        default=sessions.DEFAULT_SESSION,
+        type=_session_name,
+        metavar="NAME",
+        help="The session to send the values to. Default: 'default'.",
+    )
+    @argument("--ranks", type=_ranks, default=None, metavar="R", help="Only these ranks, such as 0 or 0,2.")
+    @argument("names", nargs="+", type=_identifier, metavar="VARIABLE", help="Notebook variables to send.")
+    @line_magic
+    def distributed_push(self, line: str = "") -> None:
+        """Send notebook variables into a session's ranks, under the same names (they then win over the notebook's).
+
+        %distributed_push lr config
+        %distributed_push --session gpt2 --ranks 0 prompt
+        """
+        args = parse_argstring(self.distributed_push, line)
+        shell = self.shell
+        assert shell is not None
+        missing = [name for name in args.names if name not in shell.user_ns]
+        if missing:
+            raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first.")
+        sessions.push(args.session, {name: shell.user_ns[name] for name in args.names}, args.ranks)
+
+    @magic_arguments()
+    @argument(
+        "--session",
+        default=sessions.DEFAULT_SESSION,
+        type=_session_name,
+        metavar="NAME",
+        help="The session to read from. Default: 'default'.",
+    )
+    @argument("--rank", type=int, default=None, metavar="R", help="One rank's value instead of a list by rank.")
+    @argument("name", type=_identifier, metavar="VARIABLE", help="The name on the ranks.")
+    @line_magic
+    def distributed_pull(self, line: str = "") -> Any:
+        """Bring a value back from a session's ranks: a list by rank, or one rank's value with --rank R.
+
+        losses = %distributed_pull losses
+        model_state = %distributed_pull --rank 0 state
+        """
+        args = parse_argstring(self.distributed_pull, line)
+        return sessions.pull(args.session, args.name, args.rank)
+
+    @magic_arguments()
+    @argument(
+        "--end",
+        nargs="?",
+        const=sessions.DEFAULT_SESSION,
+        default=None,
+        type=_session_name,
+        metavar="NAME",
+        help="End session NAME's ranks (default: 'default'); what they hold is lost.",
+    )
+    @argument(
+        "--reset",
+        nargs="?",
+        const=sessions.DEFAULT_SESSION,
+        default=None,
+        type=_session_name,
+        metavar="NAME",
+        help="Empty session NAME's namespaces; the processes and process group stay.",
+    )
+    @line_magic
+    def distributed_session(self, line: str = "") -> None:
+        """List the live sessions (ranks, pids, node, device, memory, idle time left, names), or end or reset one."""
+        args = parse_argstring(self.distributed_session, line)
+        if args.end is not None:
+            print(sessions.end(args.end))
+        elif args.reset is not None:
+            sessions.reset(args.reset)
+            print(f"session {args.reset!r}: every rank's namespace is empty; its processes stay.")
+        else:
+            print(sessions.table())
 
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register %%distributed; loading again is harmless."""
     if "DistributedMagics" not in ipython.magics_manager.registry:
         ipython.register_magics(DistributedMagics)
+    if notebook_code.remember not in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.register("post_run_cell", notebook_code.remember)  # the notebook's modules as imported
 
 
 def unload_ipython_extension(ipython: Any) -> None:

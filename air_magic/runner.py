@@ -9,6 +9,11 @@ knows no process, file layout of a rank, widget or tracking store: those
 belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
 
+It is also where a call's parts are put together: `run` takes the launcher
+that `launch.launcher_for` picks (unless given one) and the listeners of
+`default_listeners` (the resource sampler, MLflow tracking, the display),
+the one place that names them, imported only when a call uses them.
+
 Restarts are its policy too: when a rank of an attempt fails (raises, dies,
 is killed, loses its node) and the call has `max_restarts` left, every rank
 of that attempt is stopped and the launcher is asked for a new job, the same
@@ -27,7 +32,7 @@ import uuid
 import warnings
 from typing import Any
 
-from . import payload
+from . import envvars, payload
 from .errors import (
     AirMagicError,
     ConfigurationError,
@@ -36,8 +41,9 @@ from .errors import (
     annotate,
 )
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
+from .launch import launcher_for, session, used
 from .launch import protocol as p
-from .launch import used
+from .launch.env import cpu_launch_env
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir, attempt_marker
 from .launch.stacks import flight_recorder_env, flight_recorder_note
@@ -46,6 +52,8 @@ from .listeners import Listener, RunContext
 from .outcome import AttemptOutcome
 
 _POLL = 0.05
+#: Seconds a session's other ranks may go on after one raised, before they get KeyboardInterrupt.
+SESSION_PEERS_WAIT = 3.0
 __all__ = ["STOP_GRACE", "default_listeners", "run"]
 
 
@@ -122,9 +130,11 @@ class _Run(AttemptOutcome):
         if self.spec.uses_gpu:
             env.update(flight_recorder_env(self.run_dir.path, env))  # NCCL's, dumped on its watchdog's timeout
         env["PYTHONUNBUFFERED"] = "1"
-        env["AIR_MAGIC_RUN_DIR"] = str(self.run_dir.path)
+        env[envvars.INTERNAL_RUN_DIR] = str(self.run_dir.path)
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.ranks_per_node))
+        if not self.spec.uses_gpu:
+            cpu_launch_env(env)  # a plain accelerate.Accelerator() joins the world, as under `accelerate launch --cpu`
         if not self.spec.uses_gpu and "CUDA_VISIBLE_DEVICES" not in self.spec.extra_env:
             # CPU workers on a GPU node see no GPU: `"nccl" if torch.cuda.is_available() else "gloo"` picks gloo
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -143,13 +153,21 @@ class _Run(AttemptOutcome):
             num_nodes=self.spec.num_nodes,
             use_gpu=self.spec.uses_gpu,
             max_restarts=self.spec.max_restarts,
+            session=self.spec.session,
+            ranks=self.spec.ranks,
         )
 
     def stop(self, reason: StopReason) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
             if self.handle is not None:
-                self.handle.stop(reason.value, STOP_GRACE)
+                self.handle.stop(reason.value, STOP_GRACE, self.interrupt_after(reason))
+
+    def interrupt_after(self, reason: StopReason) -> float | None:
+        """A session's ranks are asked to come back (KeyboardInterrupt) before they are stopped: after how long."""
+        if self.spec.session is None or reason == StopReason.LAUNCH_FAILED:
+            return None
+        return SESSION_PEERS_WAIT if reason == StopReason.RANK_FAILED else 0.0
 
     def on_event(self, event: p.Event) -> bool:
         """Apply one launcher event; True when every process of the job is gone."""
@@ -183,6 +201,8 @@ class _Run(AttemptOutcome):
         elif isinstance(event, p.LauncherDied):
             self.launch_error = event.message
             self.gone = True
+        elif isinstance(event, p.SessionEnded):
+            self.result.session_end = event.reason
         elif isinstance(event, p.JobGone):
             self.gone = True
         return self.gone
@@ -219,7 +239,8 @@ class _Run(AttemptOutcome):
             try:
                 if any(self.on_event(e) for e in self.handle.next_events(_POLL)):
                     return
-            except KeyboardInterrupt:  # a second Ctrl-C: keep cleaning up
+            except KeyboardInterrupt:  # a second Ctrl-C: stop at once (a session's ranks too), keep cleaning up
+                self.handle.stop(StopReason.INTERRUPTED.value, STOP_GRACE)
                 continue
 
     def execute(self) -> JobResult:
@@ -307,9 +328,31 @@ class _Run(AttemptOutcome):
             self.result.status = JobStatus.FAILED
         if error is not None and self.result.earlier_failures:
             annotate(error, self.earlier_note())
+        if self.spec.session is not None:
+            self.unwrap_session_replies()
+            if error is not None:
+                annotate(error, self.session_note())
         self.result.error = error
         self.notify("on_end", self.result)
         return self.result
+
+    def unwrap_session_replies(self) -> None:
+        """A session rank answers with its value and the names it holds: keep the value, note the names."""
+        for rank in self.result.ranks:
+            if isinstance(rank.value, session.Reply):
+                self.result.session_names[rank.rank] = rank.value.names
+                rank.value = rank.value.value
+
+    def session_note(self) -> str:
+        """What became of the session after a failed call: kept with what it holds, or ended, and why."""
+        name = self.spec.session
+        if self.result.session_end is None:
+            return (
+                f"air_magic: session {name!r} was kept: its ranks hold what they held, plus what this cell did "
+                "before it stopped."
+            )
+        why = self.result.session_end
+        return f"air_magic: session {name!r} ended: {why}. The next --session {name} cell starts new ranks."
 
 
 def world_key(spec: JobSpec) -> str:
@@ -338,6 +381,11 @@ def check_supported(spec: JobSpec, launcher: Launcher) -> None:
         raise ConfigurationError(
             f"keep_alive={spec.keep_alive:g} asks for hot ranks, which {type(launcher).__name__} cannot keep "
             "between calls; leave keep_alive unset (or --keep-alive out of %%distributed) for this call."
+        )
+    if spec.session is not None and "session" not in launcher.supports:
+        raise ConfigurationError(
+            f"session={spec.session!r} asks for state kept on the ranks between calls, which "
+            f"{type(launcher).__name__} cannot keep yet; run this call without a session."
         )
     if spec.warm and "warm" not in launcher.supports:
         raise ConfigurationError(
@@ -374,14 +422,7 @@ def run(spec: JobSpec, listeners: list[Listener] | None = None, launcher: Launch
     Without a `launcher`: this node's local launcher, or the Ray launcher when the spec spans several nodes.
     """
     if launcher is None:
-        if spec.num_nodes > 1:
-            from .launch.ray import ray_launcher
-
-            launcher = ray_launcher()
-        else:
-            from .launch.local import local_launcher
-
-            launcher = local_launcher()
+        launcher = launcher_for(spec.num_nodes)
     check_supported(spec, launcher)
     used(launcher)
     chosen = default_listeners(spec) if listeners is None else listeners

@@ -43,8 +43,13 @@ class JobHandle(ABC):
         """
 
     @abstractmethod
-    def stop(self, reason: str, grace: float) -> None:
-        """End every process of the job: SIGTERM (or the launcher's equivalent), then kill after `grace` s."""
+    def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
+        """End every process of the job: SIGTERM (or the launcher's equivalent), then kill after `grace` s.
+
+        `interrupt_after` (a session's call, on a launcher that supports "session"): after that many seconds
+        raise KeyboardInterrupt in each rank still running and keep the session if they all come back; stop
+        them only if they do not. A later stop without it stops at once.
+        """
 
     def close(self) -> None:
         """The runner is done with this handle (after `JobGone`, or giving up on it)."""
@@ -61,7 +66,8 @@ class Launcher(ABC):
 
     #: Call settings this launcher honours beyond the basics; the runner refuses a call that asks for
     #: one it lacks, before anything starts. "keep_alive": hot ranks kept between calls; "warm": ranks
-    #: forked from a warm helper (`warm=`).
+    #: forked from a warm helper (`warm=`); "session": calls of a named session share hot ranks that keep a
+    #: namespace and outlive a user error (JobRequest.session).
     supports: frozenset[str] = frozenset()
 
     def prepare(self) -> str | None:
@@ -75,6 +81,13 @@ class Launcher(ABC):
 
     def release_hot(self) -> None:
         """End every idle rank kept for the next call (a running call's ranks end with it); their memory is freed."""
+
+    def end_session(self, name: str) -> None:
+        """End session `name`'s ranks now (a running call of it is stopped); nothing if it has none."""
+
+    def ended_sessions(self) -> list[tuple[str, str]]:
+        """(session, why) for each session whose ranks ended outside any call (idle, released) since last asked."""
+        return []
 
     def shutdown(self) -> None:
         """Stop whatever this launcher still runs (at exit, or when the extension is unloaded); it may be used again."""

@@ -52,6 +52,11 @@ class JobRequest:
     #: take beyond the first (TORCHELASTIC_MAX_RESTARTS). Each attempt is a job of its own.
     restart_count: int = 0
     max_restarts: int = 0
+    #: A session's name: the ranks keep a namespace between calls (launch/session.py) and outlive a call that
+    #: raised; None for a call that is a whole program.
+    session: str | None = None
+    #: The ranks of a session that run this call (the others run nothing); None: every rank.
+    ranks: tuple[int, ...] | None = None
 
 
 # -- files a rank reads --------------------------------------------------------------
@@ -67,10 +72,20 @@ class JobFile:
     cwd: str
     #: Modules the rank imports before the call (see JobRequest.hooks).
     hooks: list[str] = field(default_factory=list)
+    #: See JobRequest.session and JobRequest.ranks.
+    session: str | None = None
+    ranks: list[int] | None = None
 
     @classmethod
     def of(cls, request: JobRequest) -> JobFile:
-        return cls(name=request.name, sys_path=list(request.sys_path), cwd=request.cwd, hooks=list(request.hooks))
+        return cls(
+            name=request.name,
+            sys_path=list(request.sys_path),
+            cwd=request.cwd,
+            hooks=list(request.hooks),
+            session=request.session,
+            ranks=None if request.ranks is None else list(request.ranks),
+        )
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -111,15 +126,31 @@ class LaunchJob(Message):
     hooks: list[str] = field(default_factory=list)
     restart_count: int = 0
     max_restarts: int = 0
+    #: JobRequest.session: run in that session's hot ranks, or start them.
+    session: str | None = None
 
 
 @dataclass(frozen=True)
 class StopJob(Message):
-    """End every process of a job: SIGTERM, then SIGKILL after `grace` seconds."""
+    """End every process of a job: SIGTERM, then SIGKILL after `grace` seconds.
+
+    With `interrupt_after` (a session's job): first wait that many seconds, then raise KeyboardInterrupt
+    in every rank still running (SIGINT); if they all come back within a few seconds the session is kept,
+    otherwise their stacks are written and they are stopped as above. A second StopJob without it stops at once.
+    """
 
     job: str
+    #: Why the runner stops it (StopReason's words); said when a session ends because of it.
     reason: str
     grace: float
+    interrupt_after: float | None = None
+
+
+@dataclass(frozen=True)
+class EndSession(Message):
+    """End a session's ranks now (idle or not: a running call's ranks are stopped with it)."""
+
+    session: str
 
 
 @dataclass(frozen=True)
@@ -223,6 +254,15 @@ class Stale(Event):
     """A warm supervisor no longer matches the caller (local launcher only; it handles this itself)."""
 
     job: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SessionEnded(Event):
+    """A session's ranks ended (`job`: the call during which they did, or "" while idle); said once."""
+
+    job: str
+    session: str
     reason: str
 
 

@@ -15,15 +15,16 @@ import faulthandler
 import importlib
 import linecache
 import os
+import signal
 import sys
 import weakref
 from pathlib import Path
 from types import ModuleType
 
-import cloudpickle
-
-from .. import portable
+from .. import envvars, portable
 from ..errors import SerializationError
+from . import session
+from .carried import load_call
 from .errorfile import write_error_file
 from .protocol import HotCall, JobFile, decode
 from .rundir import RunDir
@@ -31,19 +32,21 @@ from .stacks import install as answer_stack_requests
 from .stacks import pause as ignore_stack_requests
 from .stopper import die_with_parent
 
+#: False after a session call whose error leaves the rank unusable (launch/session.py::ends_session).
+session_kept = False
 #: A hot rank idle this long after a call collects garbage and empties the CUDA cache.
 TIDY_AFTER = 0.2
 #: Hook modules this process imported for the job (see JobRequest.hooks); flushed at the end.
 _hooks: list[ModuleType] = []
 #: The environment variable naming the pipe on which a rank says it is done, just before it exits.
-DONE_FD_ENV = "AIR_MAGIC_DONE_FD"
+DONE_FD_ENV = envvars.DONE_FD
 #: That pipe, taken from the environment at start (the user's code may change the environment).
 _done_fd: int | None = None
 
 
 def _die_with_parent() -> None:
     """SIGKILL this process when the supervisor goes, and exit now if it already has."""
-    die_with_parent(int(os.environ.get("AIR_MAGIC_SUPERVISOR_PID", "0")))
+    die_with_parent(int(os.environ.get(envvars.SUPERVISOR_PID, "0")))
 
 
 def _take_done_fd() -> None:
@@ -85,16 +88,33 @@ def _apply_caller_context(spec: JobFile) -> None:
             reconfigure(line_buffering=True, errors="backslashreplace")
 
 
-def _write_result(path: Path, value: object) -> None:
+def _write_result(path: Path, value: object, pickled: bool = False) -> None:
+    """Write a rank's result file (`value` already pickled: bytes written as they are)."""
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            portable.dump(value, f)
+            if pickled:
+                assert isinstance(value, bytes)
+                f.write(value)
+            else:
+                portable.dump(value, f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a half-written result on a full disk would keep it full
         raise
+
+
+def _run_in_session(target: object, args: tuple[object, ...], kwargs: dict[str, object], rank: int) -> object:
+    """Run a session call with Ctrl-C live: the supervisor's SIGINT raises KeyboardInterrupt in the user's code.
+
+    Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does).
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return session.run(target, args, kwargs, rank)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run(path: Path, rank: int) -> int:
@@ -111,16 +131,34 @@ def run(path: Path, rank: int) -> int:
         )
         return 1
 
+    global session_kept
+    session_kept = spec.session is not None
     try:
         _install_hooks(spec.hooks)
-        target, args, kwargs, sources = cloudpickle.loads(run_dir.payload.read_bytes())
+        target, args, kwargs, sources = load_call(run_dir.payload.read_bytes())  # notebook modules first
         for filename, lines in sources["files"].items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-        value = target(*args, **kwargs)
+        if spec.session is None:
+            value = target(*args, **kwargs)
+        elif spec.ranks is None or rank in spec.ranks:
+            value = _run_in_session(target, args, kwargs, rank)
+        else:
+            value = None  # a call for other ranks of the session: this one does nothing
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
-        return fail(exc, locals().get("sources", {}).get("code"))
+        if spec.session is not None:
+            why = session.ends_session(exc)
+            session_kept = why is None
+            if why is not None:
+                exc.add_note(f"air_magic: {why}, so session {spec.session!r} ends.")
+        code = fail(exc, locals().get("sources", {}).get("code"))
+        session.drop_traceback(exc)
+        return code
     try:
-        _write_result(run_dir.result(rank), value)
+        if spec.session is not None:
+            _write_result(run_dir.result(rank), session.reply(value, rank), pickled=True)
+            value = None  # the namespace holds what the session keeps; no output history
+        else:
+            _write_result(run_dir.result(rank), value)
     except OSError as exc:
         return fail(
             OSError(exc.errno, f"the return value of rank {rank} could not be written to {run_dir.result(rank)}: {exc}")
@@ -188,7 +226,7 @@ def run_forked(run_dir: Path, rank: int) -> None:
     """Entry point of a worker forked from the warm supervisor."""
     _die_with_parent()  # the parent-death signal does not survive fork
     _take_done_fd()
-    hot = os.environ.get("AIR_MAGIC_HOT_FDS")
+    hot = os.environ.get(envvars.HOT_FDS)
     if hot:
         keep_process_group()
         cmd, done = (int(fd) for fd in hot.split(","))
@@ -268,11 +306,14 @@ def _read_line(fd: int) -> bytes:
 
 
 def _serve_hot(code: int, rank: int, cmd: int, done: int) -> int:
-    """Report each call's end on `done`, then run the next call `cmd` names, until a call fails or the pool goes."""
-    while code == 0:
+    """Report each call's end on `done`, then run the next call `cmd` names, until a call fails or the pool goes.
+
+    A session rank whose call raised an error that leaves it usable reports "<code> kept" and stays.
+    """
+    while code == 0 or session_kept:
         end_call()
         try:
-            os.write(done, b"0\n")
+            os.write(done, b"0\n" if code == 0 else f"{code} kept\n".encode())
         except OSError:
             return 0  # the supervisor is gone
         import select

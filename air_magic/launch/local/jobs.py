@@ -10,6 +10,22 @@ import psutil
 from ..stopper import Stopper
 from .pool import Pool
 
+#: Seconds a session's ranks have to come back from KeyboardInterrupt before they are stopped (and the session ends).
+COME_BACK = 5.0
+
+
+@dataclass
+class Interrupt:
+    """A session call asked to come back: SIGINT to its running ranks at `at` (monotonic), then `COME_BACK` s."""
+
+    at: float
+    why: str
+    signalled: bool = False
+
+    @property
+    def give_up_at(self) -> float:
+        return self.at + COME_BACK
+
 
 @dataclass
 class Job:
@@ -21,6 +37,8 @@ class Job:
     exited: dict[int, int] = field(default_factory=dict)  # rank -> return code, once its process is gone
     reported: set[int] = field(default_factory=set)  # ranks whose RankExited was sent (may be before the exit)
     stopper: Stopper | None = None
+    #: A session call being interrupted rather than stopped (StopJob.interrupt_after).
+    interrupt: Interrupt | None = None
     pool: Pool | None = None
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)

@@ -20,17 +20,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import AirMagicError, describe_returncode
 from .. import protocol as p
 from .. import used
-from ..boot import PACKAGE_PARENT, boot_command
+from ..boot import PACKAGE_PARENT, boot_command, warm_default
 from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
 from ..rundir import RunDir, helper_log, write_private
-from ..stopper import STOP_GRACE
+from ..stopper import STOP_GRACE, close_by_eof
 
 #: The supervisor's module: its command line names it.
 SUPERVISOR_MODULE = "air_magic.launch.local.supervisor"
@@ -133,9 +132,9 @@ class LocalJob(JobHandle):
         self.client.send(self.launcher.launch_message(self.request, self.run_dir))
 
     # -- control -----------------------------------------------------------
-    def stop(self, reason: str, grace: float) -> None:
+    def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
         try:
-            self.client.send(p.StopJob(self.job_id, reason, grace))
+            self.client.send(p.StopJob(self.job_id, reason, grace, interrupt_after))
         except AirMagicError:
             pass  # the supervisor is gone, and its workers with it (LauncherDied follows)
 
@@ -171,6 +170,8 @@ class SupervisorClient:
         finally:
             os.close(fd)
         self._jobs: dict[str, LocalJob] = {}
+        #: Sessions whose ranks ended outside any call (idle, released): (session, why), oldest first.
+        self.session_ends: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="air_magic-supervisor-events", daemon=True)
         self._reader.start()
@@ -188,6 +189,8 @@ class SupervisorClient:
                 continue
             with self._lock:
                 job = self._jobs.get(getattr(event, "job", ""))
+                if job is None and isinstance(event, p.SessionEnded):
+                    self.session_ends.append((event.session, event.reason))
             if job is not None and isinstance(event, p.Event):
                 job.wire.put(event)
                 if isinstance(event, p.JobGone):
@@ -245,32 +248,10 @@ class SupervisorClient:
         close_by_eof(self.proc, timeout, self.proc.kill)
 
 
-def close_by_eof(proc: subprocess.Popen[bytes], timeout: float, kill: Callable[[], None]) -> None:
-    """End a helper that exits when its stdin closes; `kill` it if it has not gone after `timeout` s."""
-    try:
-        if proc.stdin is not None:
-            proc.stdin.close()
-    except OSError:
-        pass
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            kill()
-        except OSError:
-            pass
-        proc.wait()
-
-
-def warm_default() -> bool:
-    """Warm start unless AIR_MAGIC_WARM is 0/false/no/off."""
-    return os.environ.get("AIR_MAGIC_WARM", "1").strip().lower() not in {"0", "false", "no", "off"}
-
-
 class LocalLauncher(Launcher):
     """Ranks on this machine, through the kernel's supervisor (started on first use, again if it died)."""
 
-    supports = frozenset({"keep_alive", "warm"})
+    supports = frozenset({"keep_alive", "warm", "session"})
 
     def __init__(self) -> None:
         self._client: SupervisorClient | None = None
@@ -330,6 +311,7 @@ class LocalLauncher(Launcher):
             hooks=list(request.hooks),
             restart_count=request.restart_count,
             max_restarts=request.max_restarts,
+            session=request.session,
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
@@ -356,6 +338,22 @@ class LocalLauncher(Launcher):
         client = self._client
         if client is not None and client.alive:
             client.send(p.ReleaseHot())
+
+    def end_session(self, name: str) -> None:
+        """End session `name`'s ranks now, if the supervisor holds them."""
+        self.wait_ended()
+        client = self._client
+        if client is not None and client.alive:
+            client.send(p.EndSession(name))
+
+    def ended_sessions(self) -> list[tuple[str, str]]:
+        """(session, why) for each session whose ranks ended outside any call since last asked (or died with it)."""
+        client = self._client
+        if client is None:
+            return []
+        with client._lock:
+            ends, client.session_ends = client.session_ends, []
+        return ends
 
     def shutdown(self) -> None:
         """Stop the supervisor and everything it runs (at exit, or on %unload_ext)."""

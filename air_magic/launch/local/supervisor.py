@@ -46,12 +46,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...envvars import HOT_FDS, JOB, SUPERVISOR_PID
 from ...errors import describe_returncode
 from .. import protocol as p
 from ..env import loopback_sockets, torchrun_env
 from ..rundir import RunDir
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
-from .jobs import Job
+from .jobs import COME_BACK, Interrupt, Job
 from .pool import Pool, Pools
 from .preload import Preloaded
 from .spawn import Spawner
@@ -82,7 +83,9 @@ class Supervisor:
         self.wake: tuple[int, int] | None = None
         self.preloaded = Preloaded(warm)
         self.warm = warm
-        self.pools = Pools()
+        self.pools = Pools(
+            on_session_end=lambda pool, why: _emit(p.SessionEnded(pool.job or "", pool.session or "", why))
+        )
         self.done: dict[int, tuple[str, int]] = {}  # read end of a rank's done pipe -> (job, rank)
         self.done_buffers: dict[int, bytes] = {}
         self.spawner = Spawner(self.preloaded, lambda: (*(self.wake or ()), *self.pools.fds(), *self.done))
@@ -101,16 +104,18 @@ class Supervisor:
                     _emit(p.JobGone(msg.job))
         elif isinstance(msg, p.Retire):
             self.retiring = True
-            self.pools.release_idle()
+            self.pools.release_idle("the helper was replaced")
         elif isinstance(msg, p.ReleaseHot):
-            self.pools.release_idle()
+            self.pools.release_idle("%distributed_release ended every hot rank")
+        elif isinstance(msg, p.EndSession):
+            self.end_session(msg.session, "%distributed_session --end ended it")
         elif isinstance(msg, p.WarmUp):
             if self.warm:
                 self.preloaded.ask(msg.hooks, msg.env)
         elif isinstance(msg, p.StopJob):
             job = self.jobs.get(msg.job)
             if job is not None:
-                self.stop(job, msg.grace)
+                self.stop(job, msg.grace, msg.interrupt_after, msg.reason)
         elif isinstance(msg, p.DumpStacks):
             job = self.jobs.get(msg.job)
             if job is not None and job.stopper is None:
@@ -119,7 +124,8 @@ class Supervisor:
                 request(job.live_workers, list(self.processes(job)))  # a fraction of a second at most
 
     def launch(self, msg: p.LaunchJob) -> None:
-        if msg.fork and self.warm:
+        in_session = msg.session is not None and self.pools.session(msg.session) is not None
+        if msg.fork and self.warm and not in_session:  # a session's live ranks are what they are
             reason = self.preloaded.stale_reason(msg)
             if reason is not None:
                 _emit(p.Stale(msg.job, reason))
@@ -137,7 +143,7 @@ class Supervisor:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         port = job.port = sock.getsockname()[1]
-        env.update(AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
+        env.update({JOB: job.id, SUPERVISOR_PID: str(os.getpid())})
         store = importlib.util.find_spec("torch") is not None
         if store:
             sock.listen(max(128, 4 * job.world_size))
@@ -146,7 +152,9 @@ class Supervisor:
         loopback_sockets(env)
         pool = None
         if hot:
-            pool = job.pool = Pool(msg.world_key, job.world_size, float(msg.keep_alive or 0), port, job=job.id)
+            pool = job.pool = Pool(
+                msg.world_key, job.world_size, float(msg.keep_alive or 0), port, job=job.id, session=msg.session
+            )
             pool.store_pid, job.store_pid = job.store_pid, None  # the store lives as long as the pool
             self.pools.add(pool)
             pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
@@ -155,7 +163,7 @@ class Supervisor:
             log = str(RunDir(Path(msg.run_dir)).log(rank))
             if pool is not None:  # a hot rank reports each call's end on its pool's done pipe
                 (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
-                rank_env["AIR_MAGIC_HOT_FDS"] = f"{cmd_r},{done_w}"
+                rank_env[HOT_FDS] = f"{cmd_r},{done_w}"
                 close = [cmd_w, done_r, *(fd for r, pair in pipes.items() for fd in (*pair[0], *pair[1]) if r != rank)]
                 said = None
             else:  # any other says once, just before it exits, that its outcome is written
@@ -173,16 +181,25 @@ class Supervisor:
             _emit(p.RankStarted(job.id, rank, pid))
 
     def run_hot(self, job: Job, msg: p.LaunchJob) -> bool:
-        """Run `job` in an idle pool of the same world, if there is one; True if it did."""
-        pool = self.pools.idle(msg.world_key, job.world_size)
+        """Run `job` in an idle pool of the same world (or in its session's), if there is one; True if it did."""
+        if msg.session is not None:
+            pool = self.pools.session(msg.session)
+            if pool is not None and (pool.job is not None or pool.world_size != job.world_size):
+                raise RuntimeError(
+                    f"session {msg.session!r} holds {pool.world_size} rank(s)"
+                    + (" and is running a call" if pool.job is not None else "")
+                    + f"; end it with %distributed_session --end {msg.session} to start another world under that name"
+                )
+        else:
+            pool = self.pools.idle(msg.world_key, job.world_size)
         if pool is None:
             return False
         pool.job, pool.idle_since, job.pool, job.port = job.id, None, pool, pool.port
-        env = dict(msg.env, AIR_MAGIC_JOB=job.id, AIR_MAGIC_SUPERVISOR_PID=str(os.getpid()))
+        env = {**msg.env, JOB: job.id, SUPERVISOR_PID: str(os.getpid())}
         loopback_sockets(env)
         for rank, pid in pool.pids.items():
             rank_env = _rank_env(env, msg, rank, pool.port)
-            rank_env["AIR_MAGIC_HOT_FDS"] = os.environ.get("AIR_MAGIC_HOT_FDS", "")
+            rank_env[HOT_FDS] = os.environ.get(HOT_FDS, "")
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
             pool.call(rank, msg.run_dir, rank_env)
@@ -198,13 +215,13 @@ class Supervisor:
         if not data:
             os.close(pool.done.pop(rank))
             return  # it exited: reap() reports it
-        for code in pool.feed(rank, data):
+        for code, usable in pool.feed(rank, data):
             job = self.jobs.get(pool.job or "")
             if job is not None and rank not in job.exited:
                 job.exited[rank] = code
                 self.report_exit(job, rank, code)
-                if code != 0:
-                    self.pools.release(pool)  # a rank that failed is not reused: the next call gets fresh ranks
+                if not usable:  # a rank that failed is not reused: the next call gets fresh ranks
+                    self.pools.release(pool, f"rank {rank} raised an error that leaves it unusable")
 
     def read_said(self, fd: int) -> None:
         """A rank said on its done pipe that its outcome is written: report it now, while its process exits."""
@@ -239,13 +256,48 @@ class Supervisor:
         known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
         return job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
 
-    def stop(self, job: Job, grace: float) -> None:
-        """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`."""
+    def stop(self, job: Job, grace: float, interrupt_after: float | None = None, why: str = "stopped") -> None:
+        """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`.
+
+        `interrupt_after` (a session's call, not yet being interrupted): ask its ranks to come back first
+        (`interrupt_session`); a stop without it, such as a second Ctrl-C, stops at once.
+        """
+        session = job.pool is not None and job.pool.session is not None
+        if interrupt_after is not None and session and job.stopper is None and job.interrupt is None:
+            job.interrupt = Interrupt(time.monotonic() + interrupt_after, why)
+            return
         if job.stopper is None:
             job.stopper = Stopper(lambda: self.processes(job).values(), lambda: job.live_workers, grace)
             job.stopper.begin()
-            if job.pool is not None:
-                self.pools.release(job.pool)  # a stopped call leaves no hot ranks: their state is unknown
+            if job.pool is not None:  # a stopped call leaves no hot ranks: their state is unknown
+                self.pools.release(job.pool, f"its ranks were stopped ({why})")
+
+    def interrupt_session(self, job: Job, interrupt: Interrupt) -> None:
+        """KeyboardInterrupt in each rank of a session call still running; stacks and a stop if they don't come back."""
+        running = {rank: pid for rank, pid in job.pids.items() if rank not in job.exited}
+        if not running:
+            job.interrupt = None  # every rank is back in Python: the session is kept
+            return
+        now = time.monotonic()
+        if not interrupt.signalled and now >= interrupt.at:
+            interrupt.signalled = True
+            for pid in running.values():
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except OSError:
+                    pass
+        elif interrupt.signalled and now >= interrupt.give_up_at:
+            from ..stacks import request
+
+            request(list(running.values()), list(self.processes(job)))  # where they are stuck, into their logs
+            ranks = ", ".join(map(str, running))
+            self.stop(
+                job,
+                STOP_GRACE,
+                None,
+                f"rank(s) {ranks} did not come back from KeyboardInterrupt within "
+                f"{COME_BACK:g} s ({interrupt.why}); a rank waiting in a collective cannot",
+            )
 
     # -- the loop ----------------------------------------------------------
     def reap(self) -> None:
@@ -257,8 +309,10 @@ class Supervisor:
             if pid == 0:
                 return
             owner = self.owner.pop(pid, None)
-            for pool in self.pools.holding(pid):
-                self.pools.release(pool)  # a hot rank died (crash, OOM, kill): the rest of its world is no use
+            for pool in self.pools.holding(pid):  # a hot rank died (crash, OOM, kill): the rest of its world is no use
+                rank = next(r for r, q in pool.pids.items() if q == pid)
+                how = describe_returncode(os.waitstatus_to_exitcode(status))
+                self.pools.release(pool, f"rank {rank} (pid {pid}) {how}")
             if owner is None:
                 self.store_exited(pid, os.waitstatus_to_exitcode(status))
                 continue  # the store, or an adopted orphan
@@ -272,7 +326,7 @@ class Supervisor:
         """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
         for pool in [q for q in self.pools.pools if q.store_pid == pid]:
             pool.store_pid = None
-            self.pools.release(pool)
+            self.pools.release(pool, "its rendezvous store died")
             if pool.job in self.jobs:
                 self.jobs[pool.job].store_pid = pid  # reported below like any job's store
         for job in self.jobs.values():
@@ -294,6 +348,8 @@ class Supervisor:
     def tick(self) -> None:
         self.pools.tick()
         for job in list(self.jobs.values()):
+            if job.interrupt is not None and job.stopper is None:
+                self.interrupt_session(job, job.interrupt)
             if job.stopper is not None:
                 job.stopper.tick()
             if len(job.exited) < len(job.pids) or (len(job.pids) < job.world_size and job.stopper is None):
@@ -375,7 +431,17 @@ class Supervisor:
         for job in self.jobs.values():
             self.stop(job, STOP_GRACE)
         for pool in list(self.pools.pools):
-            self.pools.release(pool)
+            self.pools.release(pool, "the kernel shut down")
+
+    def end_session(self, name: str, why: str) -> None:
+        """End session `name`'s ranks, idle or running a call (which then ends as stopped)."""
+        pool = self.pools.session(name)
+        if pool is None:
+            return
+        job = self.jobs.get(pool.job or "")
+        if job is not None:
+            self.stop(job, STOP_GRACE, None, why)
+        self.pools.release(pool, why)
 
 
 def main() -> None:
@@ -395,6 +461,7 @@ def _rank_env(env: dict[str, str], msg: p.LaunchJob, rank: int, port: int, agent
             local_rank=rank,
             local_world_size=msg.world_size,
             master_port=port,
+            run_id=Path(msg.run_dir).name,  # the call's: the same for each of its restarts
             agent_store=agent_store,
             restart_count=msg.restart_count,
             max_restarts=msg.max_restarts,

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...envvars import JOB, RAY_NODE_ID
 from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR, PACKAGE_PARENT, preload_modules
@@ -170,8 +171,8 @@ class RayJob(JobHandle):
     def next_events(self, timeout: float) -> list[p.Event]:
         return drain(self.events, timeout)
 
-    def stop(self, reason: str, grace: float) -> None:
-        self.grace = grace
+    def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
+        self.grace = grace  # no sessions here: `interrupt_after` is never asked of this launcher
         self.stop_asked.set()
 
     def close(self) -> None:
@@ -335,13 +336,13 @@ class RayJob(JobHandle):
         loopback = all(i.ip.startswith("127.") or i.ip == "::1" for i in self.infos)
         if loopback:  # nodes of one machine (a simulated cluster): keep gloo and NCCL on loopback as locally
             loopback_sockets(base)
-        base.update(AIR_MAGIC_JOB=req.job_id)
+        base[JOB] = req.job_id
         payload = self.ray.put(req.payload)  # through the object store, fetched by each node once
         job = p.JobFile.of(req)
         refs = []
         for rank, actor in enumerate(self.actors):
             node, local = divmod(rank, k)
-            env = dict(base, AIR_MAGIC_RAY_NODE_ID=self.infos[rank].node_id)
+            env = {**base, RAY_NODE_ID: self.infos[rank].node_id}
             env.update(
                 torchrun_env(
                     rank=rank,
@@ -351,6 +352,7 @@ class RayJob(JobHandle):
                     node_rank=node,
                     master_addr=master,
                     master_port=port,
+                    run_id=self.run_dir.path.name,  # the call's: the same for each of its restarts
                     agent_store=False,
                     restart_count=req.restart_count,
                     max_restarts=req.max_restarts,

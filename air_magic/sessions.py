@@ -1,0 +1,297 @@
+"""Sessions as the notebook sees them: which exist, what their ranks hold, how each ended, and the calls on them.
+
+The state itself lives on the ranks (launch/session.py) and the processes in
+the launcher's hot ranks (launch/local/pool.py); this module keeps the
+notebook's record of each session, so that a cell asking for another world
+under a session's name is refused before anything starts, an end is never
+silent (said when it is seen, and again in the `NameError` of a name the lost
+ranks held), and `%distributed_session` answers without asking a busy rank.
+It also runs the calls that act on a session itself (push, pull, reset) and
+ends sessions. Both front doors go through `run`. No IPython here (magics.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import launch, runner
+from .errors import ConfigurationError, annotate
+from .job import JobResult, JobSpec
+from .launch.session import Pull, Push, Reset, SessionOp
+
+#: The session of `--session` given without a name.
+DEFAULT_SESSION = "default"
+#: Seconds a session's ranks wait idle for the next cell when the cell gives no --keep-alive.
+DEFAULT_IDLE = 3600.0
+
+
+@dataclass
+class Record:
+    """One live session, as its last call left it."""
+
+    name: str
+    world_size: int
+    accelerator_type: str
+    num_nodes: int
+    keep_alive: float
+    pids: dict[int, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    #: rank -> name -> "type, size", as each rank said after its last call.
+    names: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    def shape(self) -> str:
+        nodes = f" on {self.num_nodes} nodes" if self.num_nodes > 1 else ""
+        return f"{self.world_size} {self.accelerator_type} rank(s){nodes}"
+
+    def held(self) -> set[str]:
+        return {name for names in self.names.values() for name in names}
+
+
+@dataclass
+class Ended:
+    """How a session ended: when, why, and what its ranks held then."""
+
+    record: Record
+    why: str
+    at: float = field(default_factory=time.time)
+
+    def line(self) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(self.at))
+        return f"air_magic: session {self.record.name!r} ({self.record.shape()}) ended at {when}: {self.why}."
+
+
+_live: dict[str, Record] = {}
+_ended: dict[str, Ended] = {}
+
+
+def check_name(name: object) -> str:
+    """A session name: a non-empty string of letters, digits, '-', '_' or '.'."""
+    if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
+        raise ConfigurationError(
+            f"a session name is a word such as 'default' or 'gpt2' (letters, digits, '-', '_', '.'), got {name!r}."
+        )
+    return name
+
+
+def _end(name: str, why: str) -> Ended | None:
+    record = _live.pop(name, None)
+    if record is None:
+        return None
+    ended = _ended[name] = Ended(record, why)
+    return ended
+
+
+def _notice_ends() -> None:
+    """Say each session that ended outside a call (idle, released) since the last look, once."""
+    for launcher in launch.used_launchers():
+        for name, why in launcher.ended_sessions():
+            ended = _end(name, why)
+            if ended is not None:
+                print(ended.line(), file=sys.stderr)
+
+
+def live() -> dict[str, Record]:
+    """The sessions alive now, by name (ends noticed since the last look are said first)."""
+    _notice_ends()
+    return dict(_live)
+
+
+def held_names(name: str | None) -> set[str]:
+    """The names session `name`'s ranks assigned, as last reported: notebook globals of those names stay here."""
+    record = _live.get(name or "")
+    return record.held() if record is not None else set()
+
+
+def before(spec: JobSpec) -> None:
+    """Refuse a call that asks for another world under a live session's name, before anything starts."""
+    _notice_ends()
+    record = _live.get(spec.session or "")
+    if record is None:
+        if spec.ranks is not None and max(spec.ranks) >= spec.world_size:
+            raise ConfigurationError(
+                f"--ranks {','.join(map(str, spec.ranks))}: session {spec.session!r} would have ranks "
+                f"0-{spec.world_size - 1}; name ranks of the session."
+            )
+        return
+    asked = Record(spec.session or "", spec.world_size, spec.accelerator_type, spec.num_nodes, 0.0)
+    if asked.shape() != record.shape():
+        raise ConfigurationError(
+            f"session {record.name!r} runs {record.shape()}, and this call asks for {asked.shape()}. "
+            f"Leave out the options that change the world, use another session name, or end this one first: "
+            f"%distributed_session --end {record.name} (what its ranks hold is lost)."
+        )
+    if spec.ranks is not None and max(spec.ranks) >= record.world_size:
+        raise ConfigurationError(
+            f"--ranks {','.join(map(str, spec.ranks))}: session {record.name!r} has ranks 0-{record.world_size - 1}."
+        )
+
+
+def after(spec: JobSpec, result: JobResult) -> None:
+    """Record what the call left: the session's pids and names, or its end (said in one line), and explain a
+    NameError for a name that ranks of an ended session held."""
+    name = spec.session or ""
+    record = _live.get(name)
+    pids = {r.rank: r.pid for r in result.ranks if r.pid is not None}
+    if record is not None and pids and set(pids.values()) != set(record.pids.values()):
+        _end(name, "its ranks were gone when the next call came (the helper or the kernel's processes ended)")
+        record = None
+    if result.session_end is not None:
+        if record is None:
+            record = Record(name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or 0.0)
+            _live[name] = record
+        _end(name, result.session_end)
+    elif pids:
+        if record is None:
+            record = _live[name] = Record(
+                name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or DEFAULT_IDLE, pids
+            )
+        record.pids, record.last_used = pids, time.monotonic()
+        record.keep_alive = spec.keep_alive or record.keep_alive
+        record.names.update(result.session_names)
+    _explain_name_error(name, result.error)
+
+
+def _explain_name_error(name: str, error: BaseException | None) -> None:
+    ended = _ended.get(name)
+    if ended is None or not isinstance(error, NameError):
+        return
+    found = re.search(r"name '(\w+)' is not defined", str(error))
+    if found and found.group(1) in ended.record.held():
+        holders = sorted(r for r, names in ended.record.names.items() if found.group(1) in names)
+        annotate(
+            error,
+            f"{ended.line()} Rank(s) {', '.join(map(str, holders))} held {found.group(1)!r} then; "
+            "this session's ranks are new and start empty.",
+        )
+
+
+def run(spec: JobSpec) -> JobResult:
+    """Run a call through the runner; for a session's call, check it first and record what it left."""
+    if spec.session is None:
+        return runner.run(spec)
+    before(spec)
+    result = runner.run(spec)
+    after(spec, result)
+    return result
+
+
+# -- calls on the session itself ----------------------------------------------------------
+def _record(name: str) -> Record:
+    record = live().get(name)
+    if record is None:
+        ended = _ended.get(name)
+        why = f" ({ended.line()})" if ended is not None else ""
+        raise ConfigurationError(
+            f"there is no live session {name!r}{why}; start it with a `%%distributed --session {name}` cell, or "
+            "`@distributed(session=...)`."
+        )
+    return record
+
+
+def _on_session(name: str, op: SessionOp, ranks: tuple[int, ...] | None, what: str) -> JobResult:
+    record = _record(name)
+    spec = JobSpec(
+        target=op,
+        args=(),
+        kwargs={},
+        name=f"{what} (session {name})",
+        world_size=record.world_size,
+        accelerator_type=record.accelerator_type,
+        timeout=None,
+        mlflow=False,
+        keep_alive=record.keep_alive,
+        num_nodes=record.num_nodes,
+        session=name,
+        ranks=ranks,
+    )
+    before(spec)
+    result = runner.run(spec, listeners=[])
+    after(spec, result)
+    return result.raise_for_status()
+
+
+def push(name: str, values: dict[str, Any], ranks: tuple[int, ...] | None = None) -> None:
+    """Send notebook values into session `name` (every rank, or `ranks`), under the same names."""
+    _on_session(name, Push(values), ranks, "push " + ", ".join(sorted(values)))
+
+
+def pull(name: str, variable: str, rank: int | None = None) -> Any:
+    """The value of `variable` on every rank of session `name` (a list by rank), or on `rank` alone."""
+    result = _on_session(name, Pull(variable), None if rank is None else (rank,), f"pull {variable}")
+    return result.values[0] if rank is not None else result.values
+
+
+def reset(name: str) -> None:
+    """Empty session `name`'s namespaces; its processes, process group and imports stay."""
+    _on_session(name, Reset(), None, "reset")
+    _live[name].names.clear()
+
+
+def end(name: str) -> str:
+    """End session `name`'s ranks now; the line that says so."""
+    record = _record(name)
+    launch.launcher_for(record.num_nodes).end_session(name)
+    ended = _end(name, "%distributed_session --end ended it")
+    assert ended is not None
+    return ended.line()
+
+
+def released() -> list[str]:
+    """After %distributed_release: every live session ended with it; a line for each."""
+    lines = []
+    for name in list(_live):
+        ended = _end(name, "%distributed_release ended every hot rank")
+        if ended is not None:
+            lines.append(ended.line())
+    for launcher in launch.used_launchers():
+        launcher.ended_sessions()  # already said here
+    return lines
+
+
+def table() -> str:
+    """Every live session: ranks, pids, node, device, memory in use, idle time left, and the names each holds."""
+    import psutil
+
+    sessions = live()
+    if not sessions:
+        return "No session is alive. Start one with a `%%distributed --session [NAME]` cell."
+    host = socket.gethostname()
+    lines: list[str] = []
+    for record in sessions.values():
+        left = max(0.0, record.keep_alive - (time.monotonic() - record.last_used))
+        lines.append(f"session {record.name!r}: {record.shape()}, ends after {left:,.0f} s more idle")
+        for rank in range(record.world_size):
+            pid = record.pids.get(rank)
+            try:
+                memory = f"{psutil.Process(pid).memory_info().rss / 2**20:,.0f} MiB" if pid else "?"
+            except psutil.Error:
+                memory = "gone"
+            device = (
+                f"cuda:{rank % max(1, record.world_size // record.num_nodes)}"
+                if record.accelerator_type.startswith("GPU")
+                else "cpu"
+            )
+            node = host if record.num_nodes == 1 else "(Ray)"
+            names = record.names.get(rank, {})
+            held = "; ".join(f"{n}: {d}" for n, d in names.items()) or "(nothing assigned)"
+            lines.append(f"  rank {rank}: pid {pid}, {node}, {device}, {memory} in use; {held}")
+    return "\n".join(lines)
+
+
+def with_session(spec: JobSpec, name: str | None, ranks: tuple[int, ...] | None) -> JobSpec:
+    """`spec` as a call of session `name` (its idle time defaulting to DEFAULT_IDLE)."""
+    if name is None:
+        if ranks is not None:
+            raise ConfigurationError(
+                "ranks=/--ranks runs a call on some ranks of a session, and this call names none: "
+                "add --session [NAME] (or session=...)."
+            )
+        return spec
+    return dataclasses.replace(spec, session=check_name(name), ranks=ranks, keep_alive=spec.keep_alive or DEFAULT_IDLE)
