@@ -1,9 +1,12 @@
-"""The torchrun variables of one rank: the only place they are written.
+"""The launcher variables of one rank: the only place they are written.
 
 Every launcher (local, hot, Ray) builds a rank's environment with
 `torchrun_env`, so a rank sees the same names and meanings whichever way it
-was started, and as `torchrun` would set them. What else a launcher adds
-(its own bookkeeping variables) it adds itself.
+was started, and as `torchrun` would set them (Lightning reads
+TORCHELASTIC_RUN_ID to know it runs under torchrun). A CPU rank also gets
+`cpu_launch_env`: what `accelerate launch --cpu` gives its processes, so a
+plain `Accelerator()` joins the world instead of training alone. What else a
+launcher adds (its own bookkeeping variables) it adds itself.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ def torchrun_env(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int,
+    run_id: str,
     restart_count: int = 0,
     max_restarts: int = 0,
     agent_store: bool = True,
 ) -> dict[str, str]:
-    """What torchrun sets for one rank; `agent_store`: the launcher serves the TCPStore at MASTER_PORT."""
+    """What torchrun sets for one rank; `run_id`: the call's id, the same for every rank and every restart of it;
+    `agent_store`: the launcher serves the TCPStore at MASTER_PORT."""
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
@@ -35,10 +40,22 @@ def torchrun_env(
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
     }
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return env
+
+
+def cpu_launch_env(env: dict[str, str]) -> None:
+    """What `accelerate launch --cpu` sets for its processes, where the user has not set it (CPU ranks only).
+
+    Without ACCELERATE_USE_CPU, accelerate on a rank without a GPU sets up no process group: each rank
+    trains alone on the whole data set. Its launcher also sets KMP_AFFINITY=compact, which pins every
+    rank's Intel OpenMP threads to the same first cores of the machine: left out, as OMP_NUM_THREADS
+    (set by the runner) already shares the cores between ranks.
+    """
+    env.setdefault("ACCELERATE_USE_CPU", "True")
 
 
 def loopback_sockets(env: dict[str, str]) -> None:
