@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .envvars import FORCE_CPU
 from .errors import ConfigurationError
 
 #: Workers started on a machine without GPUs when no count is given.
@@ -119,7 +120,7 @@ def _nvml_devices() -> tuple[int, str | None]:
 
 def detect() -> Node:
     """The node as NVML sees it, limited by CUDA_VISIBLE_DEVICES. Never touches CUDA."""
-    if os.environ.get("AIR_MAGIC_FORCE_CPU"):
+    if os.environ.get(FORCE_CPU):
         return Node(0, None)
     count, model = _nvml_devices()
     count = _visible(count)

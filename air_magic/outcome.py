@@ -17,6 +17,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+from .envvars import LARGE_RESULT_MIB as LARGE_RESULT_MIB_ENV
+from .envvars import RUNS_DIR
 from .errors import (
     AirMagicError,
     DistributedTimeoutError,
@@ -123,7 +125,7 @@ class AttemptOutcome:
         error = RunDirectoryFullError(
             f"the disk holding the run directory {self.run_dir.path} is full ({free:,} bytes free), so rank(s) "
             f"{ranks} could not write their output, result or error; every worker was stopped. Free some space "
-            "there, or set AIR_MAGIC_RUNS_DIR to a directory on a disk with room. What the ranks wrote before is "
+            f"there, or set {RUNS_DIR} to a directory on a disk with room. What the ranks wrote before is "
             "kept there."
         )
         if self.failures:
@@ -198,7 +200,7 @@ class AttemptOutcome:
     def warn_large_results(self) -> None:
         """A ResultSizeWarning naming each rank whose pickled return value is over the limit, and what to do instead."""
         try:
-            limit = float(os.environ.get("AIR_MAGIC_LARGE_RESULT_MIB", LARGE_RESULT_MIB)) * 2**20
+            limit = float(os.environ.get(LARGE_RESULT_MIB_ENV, LARGE_RESULT_MIB)) * 2**20
         except ValueError:
             limit = LARGE_RESULT_MIB * 2**20
         sizes = {r: len(o.value) for r, o in sorted(self.outcomes.items()) if o.value is not None}
@@ -210,7 +212,7 @@ class AttemptOutcome:
             f"{self.spec.name}: {which} (pickled), and all of it is copied into this notebook's memory. "
             "Return large values from rank 0 only (`return model.state_dict() if rank == 0 else None`), or save a "
             "checkpoint to a file inside the function and return its path. (Warns above "
-            f"{limit / 2**20:g} MiB per rank; set AIR_MAGIC_LARGE_RESULT_MIB to change that.)",
+            f"{limit / 2**20:g} MiB per rank; set {LARGE_RESULT_MIB_ENV} to change that.)",
             ResultSizeWarning,
             stacklevel=user_stacklevel(),
         )

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from ..envvars import DISPLAY
 from ..errors import ConfigurationError
 from ..job import JobSpec
 from ..listeners import Listener
@@ -37,9 +38,9 @@ def in_widget_kernel() -> bool:
 
 def display_mode() -> str:
     """The chosen mode from $AIR_MAGIC_DISPLAY, checked."""
-    mode = os.environ.get("AIR_MAGIC_DISPLAY", "auto").strip().lower() or "auto"
+    mode = os.environ.get(DISPLAY, "auto").strip().lower() or "auto"
     if mode not in _MODES:
-        raise ConfigurationError(f"AIR_MAGIC_DISPLAY={mode!r} is not a display mode; use one of {', '.join(_MODES)}.")
+        raise ConfigurationError(f"{DISPLAY}={mode!r} is not a display mode; use one of {', '.join(_MODES)}.")
     return mode
 
 

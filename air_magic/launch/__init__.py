@@ -10,7 +10,10 @@ local/        the local launcher: one supervisor process per kernel, ranks on th
 rendezvous.py worker.py errorfile.py   what runs in the store and rank processes, whichever launcher started them
 ray/          the Ray launcher: ranks as Ray actors on several machines (imports Ray only when used)
 
-This module also keeps the launchers this kernel has used, so that warming up,
+This module is the one door to the launchers: nothing outside launch/ imports local/ or ray/.
+It picks the launcher of a call (`launcher_for`) and resolves the call's shape where that launcher
+runs (`check_shape` at decoration, `resolve_shape` at the call), starts the local helper ahead of a
+first call (`start_local_helper`), and keeps the launchers this kernel has used, so that warming up,
 releasing hot ranks and shutting down reach each of them without naming one. Nothing here
 imports IPython, ipywidgets or MLflow.
 """
@@ -20,8 +23,23 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, TypeVar
 
+from .ray.cluster import ray_init
+
 if TYPE_CHECKING:
     from .interface import Launcher
+
+__all__ = [
+    "check_shape",
+    "launcher_for",
+    "ray_init",
+    "release_hot",
+    "resolve_shape",
+    "shutdown",
+    "start_local_helper",
+    "used",
+    "used_launchers",
+    "warm_up",
+]
 
 L = TypeVar("L", bound="Launcher")
 _used: list[Launcher] = []
@@ -58,3 +76,46 @@ def shutdown() -> None:
     """Stop every launcher this kernel has used, and whatever each still runs."""
     for launcher in used_launchers():
         launcher.shutdown()
+
+
+def launcher_for(num_nodes: int) -> Launcher:
+    """The launcher of a call over `num_nodes` machines: this node's local launcher for one, Ray's for several."""
+    if num_nodes > 1:
+        from .ray import ray_launcher
+
+        return ray_launcher()
+    from .local import local_launcher
+
+    return local_launcher()
+
+
+def check_shape(num: int | None, accelerator_type: str | None, num_nodes: int) -> tuple[int, str]:
+    """Ranks per node and accelerator type, as far as they can be checked without starting anything (at decoration).
+
+    One node: checked against this node. Several: only the form (no Ray is needed to decorate).
+    Raises ConfigurationError if they don't fit.
+    """
+    if num_nodes > 1:
+        from .ray.cluster import check_shape as check_ray_shape
+
+        return check_ray_shape(num, accelerator_type)
+    from ..accelerators import resolve
+
+    return resolve(num, accelerator_type)
+
+
+def resolve_shape(num: int | None, accelerator_type: str | None, num_nodes: int) -> tuple[int, str]:
+    """Ranks per node and accelerator type of a call, asked of where it will run (the connected Ray cluster for
+    several nodes, this node for one). Raises ConfigurationError if they don't fit."""
+    if num_nodes > 1:
+        from .ray.cluster import resolve
+
+        return resolve(num, accelerator_type, num_nodes)
+    return check_shape(num, accelerator_type, num_nodes)
+
+
+def start_local_helper() -> None:
+    """Start the local launcher's helper now, in the background (unless AIR_MAGIC_WARM turns warm starts off)."""
+    from .local import warm_up as start
+
+    start()

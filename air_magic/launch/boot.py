@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..envvars import PRELOAD as PRELOAD_ENV
+from ..envvars import WARM
+
 #: The directory that holds the air_magic package (put first on a fresh interpreter's sys.path).
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 #: Exit status of an air_magic process that failed inside air_magic itself (sysexits' EX_SOFTWARE).
@@ -25,8 +28,16 @@ def preload_modules() -> tuple[str, ...]:
     """The modules to preload: AIR_MAGIC_PRELOAD's (an empty value: none), else PRELOAD."""
     import os
 
-    wanted = os.environ.get("AIR_MAGIC_PRELOAD")
+    wanted = os.environ.get(PRELOAD_ENV)
     return PRELOAD if wanted is None else tuple(n.strip() for n in wanted.split(",") if n.strip())
+
+
+def warm_default() -> bool:
+    """Ranks fork from a warm helper (and `ray_init` has the nodes start a worker ahead) unless AIR_MAGIC_WARM is
+    0/false/no/off."""
+    import os
+
+    return os.environ.get(WARM, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
 def boot_command(module: str, function: str = "main", parent: str = PACKAGE_PARENT) -> str:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..envvars import RUNS_DIR
 from ..errors import AirMagicError, ConfigurationError
 
 #: Bytes set aside per rank for its error record: room for a long traceback.
@@ -34,7 +35,7 @@ ERROR_RESERVE = 64 << 10
 
 def runs_root() -> Path:
     """Where run directories live: $AIR_MAGIC_RUNS_DIR, else ~/.cache/air_magic/runs (mode 0700)."""
-    root = os.environ.get("AIR_MAGIC_RUNS_DIR")
+    root = os.environ.get(RUNS_DIR)
     if root:
         path = Path(root)
     else:
@@ -53,12 +54,12 @@ def _check_private_root(path: Path) -> None:
     if info.st_uid not in (os.getuid(), 0):
         raise ConfigurationError(
             f"the runs directory {path} belongs to another user (uid {info.st_uid}), who could read or replace "
-            "what the workers load; set AIR_MAGIC_RUNS_DIR to a directory of your own."
+            f"what the workers load; set {RUNS_DIR} to a directory of your own."
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
         raise ConfigurationError(
             f"the runs directory {path} is writable by other users without the sticky bit, so they could swap a "
-            f"run directory for their own; run `chmod go-w {path}` or set AIR_MAGIC_RUNS_DIR to a private directory."
+            f"run directory for their own; run `chmod go-w {path}` or set {RUNS_DIR} to a private directory."
         )
 
 
@@ -112,7 +113,7 @@ class RunDir:
     def write_failed(self, exc: OSError) -> AirMagicError:
         return AirMagicError(
             f"could not write the run directory under {self.path.parent}: {exc.strerror or exc}. "
-            "Free some space there, or set AIR_MAGIC_RUNS_DIR to a directory with room; nothing was started."
+            f"Free some space there, or set {RUNS_DIR} to a directory with room; nothing was started."
         )
 
     def remove(self) -> None:

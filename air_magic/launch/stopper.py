@@ -2,7 +2,8 @@
 
 One helper for everything air_magic stops: the supervisor's jobs (driven by
 its own loop through `Stopper.tick`) and the local MLflow UI (`stop_tree`,
-blocking). A helper that starts processes also becomes a child subreaper,
+blocking); `close_by_eof` ends a helper that exits when its stdin closes
+(the supervisor, the UI's watchdog). A helper that starts processes also becomes a child subreaper,
 so what its children orphan is re-parented to it and can still be found;
 a child asks to die with its parent.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 
@@ -131,3 +133,20 @@ def _running(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def close_by_eof(proc: subprocess.Popen[bytes], timeout: float, kill: Callable[[], None]) -> None:
+    """End a helper that exits when its stdin closes; `kill` it if it has not gone after `timeout` s."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            kill()
+        except OSError:
+            pass
+        proc.wait()

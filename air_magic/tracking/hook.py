@@ -36,18 +36,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..envvars import INTERNAL_RUN_DIR, MLFLOW_RELAY, MLFLOW_RUN_ID
 from ..launch.rundir import RunDir
 from . import _compat
 from .tee import TeeWriter
 
 
 def _patch(mlflow: ModuleType) -> None:
-    if os.environ.get("AIR_MAGIC_MLFLOW_RELAY"):
+    if os.environ.get(MLFLOW_RELAY):
         from .relay import register
 
         register()  # this rank cannot reach the store: what it logs goes back through the launcher
     original = mlflow.set_experiment
-    run_id = os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID", "")
+    run_id = os.environ.get(MLFLOW_RUN_ID, "")
     exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "")
     exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "")
 
@@ -74,7 +75,7 @@ def _patch(mlflow: ModuleType) -> None:
 
 def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
     """Make log_metric/log_metrics also append their values to this rank's chart file in the run directory."""
-    run_dir, rank = os.environ.get("AIR_MAGIC_RUN_DIR"), os.environ.get("RANK")
+    run_dir, rank = os.environ.get(INTERNAL_RUN_DIR), os.environ.get("RANK")
     if not run_dir or rank is None or getattr(mlflow.log_metric, "_air_magic_tee", False):
         return
     write = TeeWriter(RunDir(Path(run_dir)).chart_metrics(int(rank))).write
@@ -167,7 +168,7 @@ def leave_run_to_notebook() -> None:
         stack = _compat.active_run_stack()
         if (
             stack is not None
-            and [run.info.run_id for run in stack] == [os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID")]
+            and [run.info.run_id for run in stack] == [os.environ.get(MLFLOW_RUN_ID)]
             and not _compat.has_system_metrics_monitor()
         ):
             stack.clear()

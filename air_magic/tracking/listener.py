@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ..envvars import MLFLOW_RELAY, MLFLOW_RUN_ID
 from ..job import JobResult, JobSpec
 from ..listeners import Listener, RunContext
 from . import _compat, prepare
@@ -220,14 +221,14 @@ class MlflowTracker(Listener):
             "MLFLOW_RUN_ID": self.run_id,
             "MLFLOW_EXPERIMENT_ID": str(self.experiment_id),
             "MLFLOW_EXPERIMENT_NAME": str(self.experiment_name),
-            "AIR_MAGIC_MLFLOW_RUN_ID": self.run_id,
+            MLFLOW_RUN_ID: self.run_id,
         }
         for key, value in ASYNC_LOGGING_ENV.items():
             env[key] = os.environ.get(key, value)
         if self.relayed:
             from .relay import URI
 
-            env.update(MLFLOW_TRACKING_URI=URI, AIR_MAGIC_MLFLOW_RELAY="1")
+            env.update({"MLFLOW_TRACKING_URI": URI, MLFLOW_RELAY: "1"})
             env.pop("MLFLOW_REGISTRY_URI")
         return env
 

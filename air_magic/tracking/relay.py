@@ -32,6 +32,7 @@ from typing import Any
 from mlflow.entities import LifecycleStage, Run, RunData, RunInfo, RunStatus
 from mlflow.store.tracking.abstract_store import AbstractStore
 
+from ..envvars import INTERNAL_RUN_DIR, MLFLOW_RUN_ID
 from ..launch.rundir import RunDir
 from . import _compat
 
@@ -135,10 +136,10 @@ class RelayStore(AbstractStore):
 
 def register() -> None:
     """Make `air-magic-relay:` a tracking URI of this process, writing to this rank's relay file."""
-    run_dir = RunDir(Path(os.environ["AIR_MAGIC_RUN_DIR"]))
+    run_dir = RunDir(Path(os.environ[INTERNAL_RUN_DIR]))
     store = RelayStore(  # type: ignore[abstract]  # only what a rank logs to its run is needed
         run_dir.metrics(int(os.environ.get("RANK", "0"))),
-        os.environ.get("AIR_MAGIC_MLFLOW_RUN_ID", ""),
+        os.environ.get(MLFLOW_RUN_ID, ""),
         os.environ.get("MLFLOW_EXPERIMENT_ID", ""),
     )
     _compat.register_tracking_store(SCHEME, lambda store_uri=None, artifact_uri=None: store)

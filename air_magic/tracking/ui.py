@@ -76,7 +76,7 @@ class LocalUI:
 
     def stop(self, timeout: float = 15.0) -> None:
         """Close the watchdog's pipe; it ends the UI's process group, then exits."""
-        from ..launch.local import close_by_eof
+        from ..launch.stopper import close_by_eof
 
         close_by_eof(self.proc, timeout, lambda: os.killpg(self.proc.pid, signal.SIGKILL))
 

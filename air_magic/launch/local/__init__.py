@@ -19,9 +19,7 @@ from .launcher import (
     LocalLauncher,
     LogTail,
     SupervisorClient,
-    close_by_eof,
     local_launcher,
-    warm_default,
     warm_up,
 )
 
@@ -31,8 +29,6 @@ __all__ = [
     "LocalLauncher",
     "LogTail",
     "SupervisorClient",
-    "close_by_eof",
     "local_launcher",
-    "warm_default",
     "warm_up",
 ]

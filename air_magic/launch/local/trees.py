@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import psutil
 
+from ...envvars import JOB
+
 
 def live_trees(pids: Iterable[int]) -> list[psutil.Process]:
     """Each of `pids` that is running (not a zombie), with all its descendants."""
@@ -52,7 +54,7 @@ def job_processes(
         if c.pid in found or c.pid in known:
             continue
         try:
-            tag = c.environ().get("AIR_MAGIC_JOB")
+            tag = c.environ().get(JOB)
             if tag == job or c.pid in seen:
                 found[c.pid] = c
             elif tag is None and c.ppid() == me and c.create_time() >= started - 1:

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ...accelerators import DEFAULT_CPU_WORKERS, _check_count, parse_gpu_type
+from ...envvars import FORCE_CPU
 from ...errors import ConfigurationError
 
 #: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (node_ip_address="127.0.0.1" alone
@@ -112,7 +113,7 @@ def warm_up() -> None:
     turns it off, as for the local launcher.
     """
     global _warming
-    from ..local import warm_default
+    from ..boot import warm_default
 
     if _warming is not None or not warm_default():
         return
@@ -216,7 +217,7 @@ def resolve(num: int | None, accelerator_type: str | None, num_nodes: int) -> tu
         return per_node, "CPU"
     nodes = alive_nodes(ray)
     gpu_nodes = [n for n in nodes if n.get("Resources", {}).get("GPU", 0) > 0]
-    if accelerator_type is None and (os.environ.get("AIR_MAGIC_FORCE_CPU") or not gpu_nodes):
+    if accelerator_type is None and (os.environ.get(FORCE_CPU) or not gpu_nodes):
         return num or DEFAULT_CPU_WORKERS, "CPU"
     if not gpu_nodes:
         raise ConfigurationError(

@@ -89,6 +89,7 @@ class RankActor:
         """Run the call as rank `call.rank` in a thread; returns at once with this process's id."""
         import dataclasses
 
+        from air_magic.envvars import INTERNAL_RUN_DIR
         from air_magic.launch.rundir import RunDir, write_private
 
         if not self.done.is_set() and self.calls:
@@ -112,7 +113,7 @@ class RankActor:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        os.environ.update(call.env, AIR_MAGIC_RUN_DIR=str(scratch.path))  # on this node, the scratch is the run dir
+        os.environ.update(call.env, **{INTERNAL_RUN_DIR: str(scratch.path)})  # on this node, the scratch is the run dir
         threading.Thread(target=self._run, args=(call.hot, self.calls), name="air_magic-rank", daemon=True).start()
         return os.getpid()
 

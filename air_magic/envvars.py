@@ -1,0 +1,45 @@
+"""Every `AIR_MAGIC_*` environment variable, named once: the ones users set, and the ones air_magic sets for itself.
+
+Every other module imports the name from here (tests/unit/test_import_map.py checks that no other module
+spells one). The user-facing ones are documented in docs/environment.md; the internal ones are how
+air_magic's own processes (the helper, ranks, the MLflow relay) find each other, and are not for users.
+Not for: reading or parsing the values (each variable's reader lives with what it configures).
+"""
+
+from __future__ import annotations
+
+# -- set by users (docs/environment.md) ---------------------------------------------------------------------
+#: Where run directories live (default ~/.cache/air_magic/runs).
+RUNS_DIR = "AIR_MAGIC_RUNS_DIR"
+#: `0`/false/no/off: ranks start as fresh interpreters, and `ray_init` has no Ray worker started ahead.
+WARM = "AIR_MAGIC_WARM"
+#: Comma-separated modules a warm helper (and a Ray rank's actor) imports before any call.
+PRELOAD = "AIR_MAGIC_PRELOAD"
+#: How a call shows its progress: auto, panel or text.
+DISPLAY = "AIR_MAGIC_DISPLAY"
+#: Treat the machine as having no GPU (CPU ranks), whatever is installed.
+FORCE_CPU = "AIR_MAGIC_FORCE_CPU"
+#: A rank's pickled return value above this many MiB gets a ResultSizeWarning.
+LARGE_RESULT_MIB = "AIR_MAGIC_LARGE_RESULT_MIB"
+
+USER_FACING = (RUNS_DIR, WARM, PRELOAD, DISPLAY, FORCE_CPU, LARGE_RESULT_MIB)
+
+# -- set by air_magic for its own processes (internal: not for users, may change) -----------------------------
+#: In a rank: the call's run directory on the rank's machine (the Ray scratch directory on another node).
+INTERNAL_RUN_DIR = "AIR_MAGIC_INTERNAL_RUN_DIR"
+#: In every process of a job: the job's id, so that a process that left the job's tree is still found.
+JOB = "AIR_MAGIC_JOB"
+#: In a local rank: the supervisor's pid; the rank dies with it.
+SUPERVISOR_PID = "AIR_MAGIC_SUPERVISOR_PID"
+#: In a hot rank: its command and done pipes' descriptors ("cmd,done").
+HOT_FDS = "AIR_MAGIC_HOT_FDS"
+#: In a rank: the descriptor of the pipe on which it says it is about to exit.
+DONE_FD = "AIR_MAGIC_DONE_FD"
+#: In a Ray rank: the Ray node it runs on.
+RAY_NODE_ID = "AIR_MAGIC_RAY_NODE_ID"
+#: In a rank: the call's MLflow run.
+MLFLOW_RUN_ID = "AIR_MAGIC_MLFLOW_RUN_ID"
+#: In a rank ("1"): its MLflow calls are relayed to the notebook's store, not written to it.
+MLFLOW_RELAY = "AIR_MAGIC_MLFLOW_RELAY"
+
+INTERNAL = (INTERNAL_RUN_DIR, JOB, SUPERVISOR_PID, HOT_FDS, DONE_FD, RAY_NODE_ID, MLFLOW_RUN_ID, MLFLOW_RELAY)

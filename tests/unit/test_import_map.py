@@ -1,0 +1,165 @@
+"""The package's import map, read from its source with `ast` (nothing is imported or run): the walls between its parts,
+no import cycle, and every `AIR_MAGIC_*` variable named in one module."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "air_magic"
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    return {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
+    return name == "TYPE_CHECKING"
+
+
+def _imports(module: str, node: ast.AST, top: bool, found: list[tuple[str, bool]]) -> None:
+    """Append (imported air_magic module, at module level) for every import under `node`."""
+    package = module if _modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import):
+            found += [(alias.name, top) for alias in child.names if alias.name.split(".")[0] == "air_magic"]
+        elif isinstance(child, ast.ImportFrom):
+            if child.level:
+                base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                source = ".".join(base + ([child.module] if child.module else []))
+            else:
+                source = child.module or ""
+            if source.split(".")[0] != "air_magic":
+                continue
+            for alias in child.names:  # `from pkg import mod` imports pkg.mod; `from mod import name`, mod
+                found.append((f"{source}.{alias.name}" if f"{source}.{alias.name}" in _modules() else source, top))
+        elif _type_checking(child):
+            continue  # only read by the type checker
+        else:
+            inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            _imports(module, child, top and not inner, found)
+
+
+@cache
+def _graph() -> dict[str, list[tuple[str, bool]]]:
+    graph: dict[str, list[tuple[str, bool]]] = {}
+    for module, path in _modules().items():
+        found: list[tuple[str, bool]] = []
+        _imports(module, ast.parse(path.read_text(), str(path)), True, found)
+        graph[module] = found
+    return graph
+
+
+def _under(module: str, *parts: str) -> bool:
+    return any(module == f"air_magic.{p}" or module.startswith(f"air_magic.{p}.") for p in parts)
+
+
+def _crossings(source: tuple[str, ...], target: tuple[str, ...], unless: tuple[str, ...] = ()) -> list[str]:
+    return sorted(
+        f"{module} imports {imported}"
+        for module, imports in _graph().items()
+        if _under(module, *source) and not (unless and _under(module, *unless))
+        for imported, _ in imports
+        if _under(imported, *target)
+    )
+
+
+def test_the_map_is_read_from_the_source():
+    """The reader finds known imports, inside functions too (a wall that reads nothing guards nothing)."""
+    imports = dict.fromkeys(_graph()["air_magic.runner"])
+    assert ("air_magic.launch.interface", True) in imports
+    assert ("air_magic.display", False) in imports
+
+
+def test_the_launchers_import_nothing_above_them():
+    """launch/ (the process boundary) imports no listener, display, front door or runner."""
+    assert _crossings(("launch",), ("tracking", "display", "magics", "decorator", "runner", "cell", "listeners")) == []
+
+
+def test_the_ray_launcher_does_not_import_the_local_one():
+    """launch/ray/ shares with the local launcher only what sits in launch/ itself."""
+    assert _crossings(("launch.ray",), ("launch.local",)) == []
+
+
+def test_only_launch_imports_a_launcher():
+    """Outside launch/, a launcher is reached through `air_magic.launch` (launcher_for, check_shape, ...)."""
+    assert _crossings(("",), ("launch.local", "launch.ray"), unless=("launch",)) == []
+
+
+def test_data_imports_nothing_above_it():
+    """air_magic.data stands alone: it imports only its own modules."""
+    outside = [m for m in _modules() if not _under(m, "data") and m != "air_magic"]
+    assert _crossings(("data",), tuple(m.removeprefix("air_magic.") for m in outside)) == []
+
+
+def test_no_import_cycle_between_modules():
+    """Module-level imports form no cycle (an import inside a function may go back up)."""
+    graph = {
+        m: sorted({i for i, top in imports if top and i in _modules() and i != m}) for m, imports in _graph().items()
+    }
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in graph[module]:
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def _spelled(tree: ast.AST) -> list[int]:
+    """Lines of string literals (docstrings aside) and keyword arguments that spell an AIR_MAGIC_ name."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and "AIR_MAGIC_" in node.value
+        and id(node) not in docstrings
+        or isinstance(node, ast.keyword)
+        and (node.arg or "").startswith("AIR_MAGIC_")
+    )
+
+
+@pytest.mark.parametrize("module", sorted(set(_modules()) - {"air_magic.envvars"}))
+def test_environment_variables_are_named_only_in_envvars(module):
+    """Every AIR_MAGIC_* variable's name comes from air_magic/envvars.py (a docstring may mention one)."""
+    assert _spelled(ast.parse(_modules()[module].read_text())) == [], f"{module} spells an AIR_MAGIC_ name"
+
+
+def test_envvars_names_each_variable_once():
+    """The module lists each name once, user-facing and internal apart, and the internal ones say so."""
+    from air_magic import envvars
+
+    assert not set(envvars.USER_FACING) & set(envvars.INTERNAL)
+    assert len({*envvars.USER_FACING, *envvars.INTERNAL}) == len(envvars.USER_FACING) + len(envvars.INTERNAL)
+    assert envvars.INTERNAL_RUN_DIR != envvars.RUNS_DIR and "INTERNAL" in envvars.INTERNAL_RUN_DIR
+    documented = (PACKAGE.parent / "docs" / "environment.md").read_text()
+    assert [name for name in envvars.USER_FACING if f"`{name}`" not in documented] == []
