@@ -5,8 +5,10 @@ pickle and torch.multiprocessing cannot do. Modules the notebook imported
 that are not installed packages (a `helpers.py` beside the notebook, a
 package folder on a `sys.path` entry outside site-packages and the standard
 library) travel by value too, so a rank runs the notebook's copy even on a
-node where that file is missing or older; installed packages and the
-standard library are imported by name on the rank. When something does not
+node where that file is missing or older, and their code travels beside the
+call so that an `import` of one on a rank finds the notebook's copy
+(notebook_code.py, launch/carried.py); installed packages and the standard
+library are imported by name on the rank. When something does not
 pickle, this module finds which argument or global is to blame and says so,
 before any worker starts. It does not start processes or read results.
 """
@@ -14,24 +16,22 @@ before any worker starts. It does not start processes or read results.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import inspect
 import io
 import linecache
 import os
 import pickle
-import site
 import sys
-import sysconfig
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from functools import lru_cache
 from types import FrameType, ModuleType
 from typing import Any
 
 import cloudpickle
 
 from .errors import SerializationError
+from .launch.carried import pack
+from .notebook_code import carried_modules, notebook_modules
 
 #: Payloads above this many bytes get a PayloadSizeWarning.
 LARGE_PAYLOAD_BYTES = 256 * 1024 * 1024
@@ -161,49 +161,6 @@ def _culprits(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ite
             yield f"global {name!r} ({type(value).__name__}): {exc}"
 
 
-@lru_cache(maxsize=1)
-def _installed_roots() -> tuple[str, ...]:
-    """Directories whose modules are installed (site-packages, the standard library, the interpreter's prefixes)."""
-    paths = {*sysconfig.get_paths().values(), *site.getsitepackages(), site.getusersitepackages()}
-    paths |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p and os.path.realpath(p) != os.sep)
-
-
-@lru_cache(maxsize=1)
-def _distributed_names() -> frozenset[str]:
-    """Top-level names that installed distributions provide (editable installs included)."""
-    return frozenset(importlib.metadata.packages_distributions())
-
-
-_OWN_PACKAGE = __name__.split(".")[0]
-#: Top-level module name and file -> whether it travels by value (a file is judged once).
-_judged: dict[tuple[str, str], bool] = {}
-
-
-def _travels_by_value(name: str, module: ModuleType) -> bool:
-    file = getattr(module, "__file__", None)
-    if not isinstance(file, str) or name in (_OWN_PACKAGE, "__main__", "__mp_main__"):
-        return False
-    known = _judged.get((name, file))
-    if known is None:
-        real = os.path.realpath(file)
-        known = (
-            real.endswith(".py")  # compiled extensions cannot travel by value
-            and name not in sys.stdlib_module_names
-            and not real.startswith(_installed_roots())
-            and name not in _distributed_names()
-        )
-        _judged[(name, file)] = known
-    return known
-
-
-def notebook_modules() -> list[ModuleType]:
-    """Top-level modules this process imported from files that are not installed packages: they travel by value."""
-    return [
-        m for name, m in list(sys.modules.items()) if "." not in name and m is not None and _travels_by_value(name, m)
-    ]
-
-
 @contextlib.contextmanager
 def _by_value(modules: list[ModuleType]) -> Iterator[None]:
     """While pickling: `modules` (and their submodules) by value; registrations made here are undone after."""
@@ -223,7 +180,8 @@ def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     """cloudpickle `(target, args, kwargs, cell sources)`, naming the culprit if it cannot be done.
 
     Notebook modules (see `notebook_modules`) go by value; if one of them holds something that cannot
-    be pickled, the call falls back to importing them by name on the ranks.
+    be pickled, the call falls back to importing them by name on the ranks. Either way their code travels
+    too (`carried_modules`, launch/carried.py), so an `import` of one of them on a rank finds the notebook's copy.
     """
     call = (target, args, kwargs, cell_sources(target))
     try:
@@ -241,6 +199,7 @@ def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
             "function (locks, sockets, open files, database connections cannot cross processes) "
             "or pass something that can be pickled."
         ) from exc
+    blob = pack(carried_modules(), blob)
     if len(blob) > LARGE_PAYLOAD_BYTES:
         # Pointed at the user's cell, so each cell that sends too much data warns, not only the first.
         warnings.warn(

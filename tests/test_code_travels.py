@@ -1,0 +1,97 @@
+"""The notebook's own modules reach every rank as the notebook has them: imported by name inside a function or a
+cell, or by another such module; locally and on a simulated Ray cluster; the same after an edit and a reload."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import cloudpickle
+import pytest
+import ray_cluster
+from helpers import Kernel
+
+HELPERS = "import helpers_ct2\n\n\ndef version():\n    return '{tag} ' + helpers_ct2.TAG\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A simulated Ray cluster (a head and two 2-CPU nodes on 127.0.0.1) for the kernels of this module."""
+    pytest.importorskip("ray")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    c = ray_cluster.start_cluster()
+    yield c
+    c.shutdown()
+
+
+def _code_travels(k: Kernel, workdir, ray_address: str | None) -> None:
+    """Every way the code reaches a rank, in one kernel: the files are deleted before the first call, then
+    written anew and reloaded before the last (which runs in the same hot ranks)."""
+    (workdir / "helpers_ct.py").write_text(HELPERS.format(tag="v1"))
+    (workdir / "helpers_ct2.py").write_text("TAG = 'two'\n")
+    nodes, per_node = (2, 1) if ray_address else (1, 2)
+    setup = ""
+    if ray_address:
+        setup = f"from air_magic import ray_init\n_ = ray_init({ray_address!r}, log_to_driver=False)\n"
+    k.execute(setup + "%load_ext air_magic\nimport helpers_ct\nfrom air_magic import distributed").check()
+    (workdir / "helpers_ct.py").unlink()  # as on a node without the files
+    (workdir / "helpers_ct2.py").unlink()
+    k.execute(
+        f"@distributed({per_node}, accelerator_type='CPU', num_nodes={nodes}, mlflow=False, keep_alive=120)\n"
+        "def work():\n"
+        "    import os\n"
+        "    import helpers_ct\n"
+        "    return helpers_ct.version(), os.getpid()\n"
+        "print('FUNC', work.distributed())\n",
+        timeout=300,
+    ).check()
+    cell = k.execute(
+        f"%%distributed --gpus {per_node} --nodes {nodes} --accelerator-type CPU --no-mlflow --out got\n"
+        "import helpers_ct\nhelpers_ct.version()\n",
+        timeout=300,
+    ).check()
+    first = k.value("work.distributed()")
+    assert "'v1 two'" in first and cell.stdout, first
+    assert k.value("got") == "['v1 two', 'v1 two']"
+    (workdir / "helpers_ct.py").write_text(HELPERS.format(tag="v2"))
+    (workdir / "helpers_ct2.py").write_text("TAG = 'three'\n")
+    k.execute("import importlib, helpers_ct2\nimportlib.reload(helpers_ct2)\nimportlib.reload(helpers_ct)").check()
+    (workdir / "helpers_ct.py").unlink()
+    (workdir / "helpers_ct2.py").unlink()
+    second = k.value("work.distributed()")
+    assert second.count("'v2 three'") == 2, second
+    pids = [re.findall(r"(\d+)\)", text) for text in (first, second)]
+    assert pids[0] == pids[1], f"the second call ran in other processes than the hot ranks: {first} / {second}"
+
+
+@pytest.mark.slow
+def test_modules_imported_by_name_travel_to_local_ranks(workdir):
+    """Locally: a module beside the notebook, imported inside the function and the cell (and importing another),
+    runs the notebook's copy once its file is gone; after an edit and reload, hot ranks run the new code."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    try:
+        _code_travels(k, workdir, None)
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.slow
+def test_modules_imported_by_name_travel_to_ray_ranks(cluster, workdir):
+    """On two Ray nodes: the same as locally, the files gone from every node's disk before the call."""
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    try:
+        _code_travels(k, workdir, cluster.address)
+    finally:
+        k.shutdown()
+    ray_cluster_free(cluster)
+
+
+def ray_cluster_free(cluster) -> None:
+    """Nothing of the kernel's calls is left holding the cluster's CPUs."""
+    import ray
+
+    ray.init(cluster.address, log_to_driver=False)
+    try:
+        ray_cluster.wait_all_free(60)
+    finally:
+        ray.shutdown()
