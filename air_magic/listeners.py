@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .job import JobResult, JobSpec, RankState
+from .phase import Phase
 
 
 @dataclass
@@ -24,9 +25,8 @@ class RunContext:
     log_paths: list[Path]
     links: dict[str, str] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
-    #: (phase, seconds since the call started) in the order the call's start went through them:
-    #: "creating the MLflow run", "starting the helper", "ranks starting", "running".
-    phases: list[tuple[str, float]] = field(default_factory=list)
+    #: (phase, seconds since the call started) in the order the call's start went through them (see Phase).
+    phases: list[tuple[Phase, float]] = field(default_factory=list)
     #: rank -> pid of its process as the launcher reported it (a process of this machine unless num_nodes > 1).
     pids: dict[int, int] = field(default_factory=dict)
     #: The attempt running now, from 0; more than 0 after a restart (see `Listener.on_attempt`).
@@ -64,7 +64,7 @@ class RunContext:
         return 1 + self.spec.max_restarts
 
     @property
-    def phase(self) -> str | None:
+    def phase(self) -> Phase | None:
         """The phase the call's start is in now (None before the first)."""
         return self.phases[-1][0] if self.phases else None
 
@@ -76,9 +76,9 @@ class Listener:
         """The run directory exists; workers are about to start."""
 
     #: What this listener's on_start does, as a phase of the call (None: too quick to mention).
-    start_phase: str | None = None
+    start_phase: Phase | None = None
 
-    def on_phase(self, phase: str) -> None:
+    def on_phase(self, phase: Phase) -> None:
         """The call's start entered `phase` (also appended to `ctx.phases`); may come before on_start."""
 
     def worker_env(self) -> dict[str, str]:

@@ -50,6 +50,7 @@ from .launch.stacks import flight_recorder_env, flight_recorder_note
 from .launch.stopper import STOP_GRACE
 from .listeners import Listener, RunContext
 from .outcome import AttemptOutcome
+from .phase import Phase
 
 _POLL = 0.05
 #: Seconds a session's other ranks may go on after one raised, before they get KeyboardInterrupt.
@@ -71,7 +72,7 @@ class _Run(AttemptOutcome):
         self.result = JobResult(
             spec, self.run_dir.path, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
         )
-        self.launcher_phase: str | None = None
+        self.launcher_phase: Phase | None = None
         self.attempt = 0
         self.reset_attempt()
 
@@ -104,7 +105,7 @@ class _Run(AttemptOutcome):
             )
             return None
 
-    def enter_phase(self, phase: str) -> None:
+    def enter_phase(self, phase: Phase) -> None:
         if self.ctx.phase != phase:
             self.ctx.phases.append((phase, self.ctx.elapsed))
             self.notify("on_phase", phase)
@@ -172,7 +173,7 @@ class _Run(AttemptOutcome):
     def on_event(self, event: p.Event) -> bool:
         """Apply one launcher event; True when every process of the job is gone."""
         if self.ctx.phase == self.launcher_phase:
-            self.enter_phase("ranks starting")  # the launcher answered
+            self.enter_phase(Phase.RANKS_STARTING)  # the launcher answered
         if isinstance(event, p.RankOutput):
             self.notify("on_output", event.rank, event.text)
         elif isinstance(event, p.RankStarted):
@@ -180,7 +181,7 @@ class _Run(AttemptOutcome):
             self.result.ranks[event.rank].pid = self.ctx.pids[event.rank] = event.pid
             self.set_state(event.rank, RankState.RUNNING)
             if all(r.pid is not None for r in self.result.ranks):
-                self.enter_phase("running")
+                self.enter_phase(Phase.RUNNING)
         elif isinstance(event, p.RankExited):
             rank, code = event.rank, event.returncode
             self.result.ranks[rank].returncode = code
@@ -251,7 +252,7 @@ class _Run(AttemptOutcome):
             # display shows it stopped, and the MLflow run ends KILLED.
             self.start_listeners()
             request = self.request()
-            self.enter_phase(self.launcher_phase or "ranks starting")
+            self.enter_phase(self.launcher_phase or Phase.RANKS_STARTING)
             while True:
                 self.run_attempt(dataclasses.replace(request, job_id=uuid.uuid4().hex, restart_count=self.attempt))
                 error = self.outcome_error()

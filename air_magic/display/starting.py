@@ -10,18 +10,19 @@ import html
 import sys
 
 from ..job import JobSpec
+from ..phase import Phase
 
 
-def waiting_for(spec: JobSpec, phase: str | None = None, run_made: bool = False) -> str:
+def waiting_for(spec: JobSpec, phase: Phase | None = None, run_made: bool = False) -> str:
     """What a call that has not started its ranks yet waits for, as the panel's phase says it.
 
     `phase`: the runner's phase of the call's start (see `Listener.on_phase`); once the listeners have
-    started, a phase other than "ranks starting" is the launcher's own (say, starting a helper).
+    started, a phase other than RANKS_STARTING is the launcher's own (say, starting a helper).
     """
-    waits = []
-    if spec.mlflow and not run_made and phase in (None, "creating the MLflow run"):
-        waits.append("creating the MLflow run")
-    if phase not in (None, "creating the MLflow run", "ranks starting", "running"):
+    waits: list[str] = []
+    if spec.mlflow and not run_made and phase in (None, Phase.CREATING_RUN):
+        waits.append(Phase.CREATING_RUN)
+    if phase is not None and phase not in (Phase.CREATING_RUN, Phase.RANKS_STARTING, Phase.RUNNING):
         waits.append(phase)
     waits.append(f"{spec.world_size} rank(s)" if not waits else f"starting {spec.world_size} rank(s)")
     return "starting: " + ", ".join(waits)

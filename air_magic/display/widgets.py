@@ -39,6 +39,7 @@ from ..job import JobResult, JobSpec, RankState
 from ..launch.rundir import attempt_marker
 from ..launch.stack_dumps import Dump, StackScanner
 from ..listeners import Listener, RunContext
+from ..phase import Phase
 from ..resources import ResourceSampler, header_text, peak_text, usage_text
 from . import busy
 from .cancel_route import keep_on_main_shell
@@ -133,7 +134,9 @@ class Panel(Listener):
         self.usage_header = ""
         self.spec: JobSpec | None = None
         self.ctx: RunContext | None = None
-        self.phase = "starting"
+        self.phase = "starting"  # the status line's words
+        self.awaiting_ranks = True  # no rank of this attempt runs yet (and the call is not ending)
+        self.waiting = False  # the status line says what the start waits for (waiting_for), so phases update it
 
     # -- runner hooks ------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
@@ -145,6 +148,7 @@ class Panel(Listener):
         self._build(ctx.spec)
         self.metrics = MetricsTail(ctx.run_dir, ctx.spec.world_size) if ctx.spec.mlflow else None
         self.phase = waiting_for(ctx.spec, ctx.phase, run_made=bool(ctx.links.get("mlflow")))
+        self.waiting = True
         self._show_status()
         self._show_link()
         if self.starting is not None:
@@ -154,8 +158,8 @@ class Panel(Listener):
         else:
             self.handle = display(self.box, display_id=True)
 
-    def on_phase(self, phase: str) -> None:
-        if self.spec is not None and self.phase.startswith("starting: "):
+    def on_phase(self, phase: Phase) -> None:
+        if self.spec is not None and self.waiting:
             self.phase = waiting_for(self.spec, phase)  # after on_start: the launcher's phase, then its ranks
             self._show_status()
 
@@ -170,8 +174,9 @@ class Panel(Listener):
                 self.last_output[rank] = time.monotonic()
 
     def on_rank_state(self, rank: int, state: RankState) -> None:
-        if self.phase.startswith("starting") and state == RankState.RUNNING:
-            self.phase = "running"
+        if self.awaiting_ranks and state == RankState.RUNNING:
+            self.phase = Phase.RUNNING
+            self.awaiting_ranks = self.waiting = False
             self._show_status()
         self.states[rank] = state
         self.last_output[rank] = time.monotonic()
@@ -185,6 +190,7 @@ class Panel(Listener):
             tail.feed(("" if not tail.partial else "\n") + marker)  # as the rank's log file has it
             self.dirty.add(rank)
         self.phase = "starting again"
+        self.awaiting_ranks, self.waiting = True, False
         self._show_status()
 
     def _take_dumps(self, rank: int, dumps: list[Dump]) -> None:
@@ -222,6 +228,7 @@ class Panel(Listener):
         assert self.ctx is not None
         if self.ctx.cancelled and not self.cancel_button.disabled:
             self.phase = "cancelling"
+            self.awaiting_ranks = self.waiting = False
             self.cancel_button.disabled = True
             self.cancel_button.description = "Cancelling…"
             self._show_status()
@@ -248,6 +255,7 @@ class Panel(Listener):
         for rank in result.ranks:
             self.tabs.set_title(rank.rank, _title(rank.rank, rank.state))
         self.phase = ended_as(result)
+        self.awaiting_ranks = self.waiting = False
         self.cancel_button.disabled = True
         self.usage_header = ""
         self.stacks_button.disabled = True
@@ -292,6 +300,7 @@ class Panel(Listener):
         self.metrics = None
         self.started = time.monotonic()
         self.phase = "starting"
+        self.awaiting_ranks, self.waiting = True, False
         self.logs = [w.HTML(value=self._log_html(r), layout=w.Layout(width="100%")) for r in range(n)]
         shown = None if self.resources is not None and spec.num_nodes == 1 else "none"  # see resources.py
         self.usages = [w.HTML(layout=w.Layout(width="100%", display=shown)) for _ in range(n)]
@@ -446,7 +455,7 @@ class Panel(Listener):
                 f'<span style="white-space:nowrap">MLflow <a href="{href}" title="{href}" target="_blank">'
                 f"{html.escape(short_link_text(url))}</a></span>"
             )
-        elif self.spec is not None and self.spec.mlflow and self.phase.startswith("starting"):
+        elif self.spec is not None and self.spec.mlflow and self.awaiting_ranks:
             value = '<span style="color:gray;white-space:nowrap">MLflow run: …</span>'
         else:
             value = '<span style="color:gray;white-space:nowrap">MLflow run: not recorded</span>'

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 from abc import ABC, abstractmethod
 
+from ..phase import Phase
 from .protocol import Event, JobRequest
 from .rundir import RunDir
 
@@ -70,7 +71,7 @@ class Launcher(ABC):
     #: namespace and outlive a user error (JobRequest.session).
     supports: frozenset[str] = frozenset()
 
-    def prepare(self) -> str | None:
+    def prepare(self) -> Phase | None:
         """Get ready for a call while the listeners start (say, start a helper); the phase that takes, if any."""
         return None
 

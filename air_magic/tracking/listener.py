@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 from ..envvars import MLFLOW_RELAY, MLFLOW_RUN_ID
 from ..job import JobResult, JobSpec
 from ..listeners import Listener, RunContext
+from ..phase import Phase
 from . import _compat, prepare
 from .store import (
     FALLBACK_EXPERIMENT,
@@ -64,7 +65,7 @@ ASYNC_LOGGING_ENV = {
 class MlflowTracker(Listener):
     """Makes and ends the MLflow run of one call; see the module docstring."""
 
-    start_phase = "creating the MLflow run"
+    start_phase = Phase.CREATING_RUN
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ...errors import AirMagicError, describe_returncode
+from ...phase import Phase
 from .. import protocol as p
 from .. import used
 from ..boot import PACKAGE_PARENT, boot_command, warm_default
@@ -282,11 +283,11 @@ class LocalLauncher(Launcher):
                 self._client = SupervisorClient(helper_log("supervisor", os.getpid()), warm_default())
             return self._client
 
-    def prepare(self) -> str | None:
+    def prepare(self) -> Phase | None:
         """Start the supervisor now if there is none: it imports torch while the MLflow run is made."""
         fresh = self.supervisor_pid is None
         self.client()
-        return "starting the helper" if fresh else None
+        return Phase.STARTING_HELPER if fresh else None
 
     @property
     def supervisor_pid(self) -> int | None:
