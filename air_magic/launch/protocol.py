@@ -197,14 +197,6 @@ class Event(Message):
 
 
 @dataclass(frozen=True)
-class Ready(Event):
-    """The supervisor is up; `warm` lists what it preloaded."""
-
-    pid: int
-    warm: list[str]
-
-
-@dataclass(frozen=True)
 class RankStarted(Event):
     job: str
     rank: int
@@ -251,7 +243,8 @@ class LaunchFailed(Event):
 
 @dataclass(frozen=True)
 class Stale(Event):
-    """A warm supervisor no longer matches the caller (local launcher only; it handles this itself)."""
+    """A warm supervisor no longer matches the caller (local launcher only; it handles this itself: the same job
+    goes to a fresh supervisor, and `reason` goes to the helpers' log)."""
 
     job: str
     reason: str
@@ -307,7 +300,6 @@ class ActorPlace:
     pid: int
     #: The GPUs Ray gave the actor.
     gpus: list[str]
-    host: str
     #: A port free on `ip` when it was asked for (rank 0's: MASTER_PORT), else 0.
     free_port: int = 0
 

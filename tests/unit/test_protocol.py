@@ -32,7 +32,6 @@ SAMPLES: list[p.Message] = [
     p.WarmUp(hooks=["air_magic.tracking.hook"], env={"MLFLOW_TRACKING_URI": "sqlite:////tmp/ü/mlflow.db"}),
     p.HotCall(run_dir="/runs/y", env={"RANK": "0", "ü": "ß"}),
     p.Event(),
-    p.Ready(pid=42, warm=["numpy", "torch"]),
     p.RankStarted(job="j1", rank=1, pid=43),
     p.RankOutput(job="j1", rank=0, text="line\n\u2603"),
     p.RankExited(job="j1", rank=1, returncode=-9, at=1.5),

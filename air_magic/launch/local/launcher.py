@@ -89,7 +89,7 @@ class LocalJob(JobHandle):
         out: list[p.Event] = []
         for event in wire:
             if isinstance(event, p.Stale):
-                self.relaunch()  # the warm supervisor no longer matches: the same job on a fresh one
+                self.relaunch(event.reason)  # the warm supervisor no longer matches: the same job on a fresh one
                 continue
             if isinstance(event, p.RankExited):
                 out += self.output(event.rank, final=True)
@@ -126,7 +126,9 @@ class LocalJob(JobHandle):
         except OSError:
             return p.RankOutcome()
 
-    def relaunch(self) -> None:
+    def relaunch(self, why: str) -> None:
+        """Start this job on a fresh supervisor; the helpers' log says why the last one was replaced."""
+        self.client.note(f"replaced by a fresh helper: {why}")
         self.client.detach(self.job_id)
         self.client = self.launcher.client(replace=self.client)
         self.client.attach(self)
@@ -180,6 +182,14 @@ class SupervisorClient:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def note(self, line: str) -> None:
+        """Add a line of the notebook's side to this supervisor's log (where its own output goes)."""
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as log:
+                log.write(f"air_magic: supervisor {self.proc.pid} {line}\n")
+        except OSError:
+            pass  # a log that cannot be written costs a diagnostic line, nothing more
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -388,7 +388,6 @@ class Supervisor:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: self.close())
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _emit(p.Ready(os.getpid(), sorted(self.preloaded.modules)))
         buf = b""
         while not ((self.closing or self.retiring) and not self.jobs and not self.pools.releasing):
             done = self.pools.done_fds()

@@ -80,7 +80,6 @@ class RankActor:
             ip=ip,
             pid=os.getpid(),
             gpus=[str(g) for g in ray.get_gpu_ids()],
-            host=socket.gethostname(),
             free_port=_free_port(ip) if port else 0,
         )
 
