@@ -66,7 +66,8 @@ def test_forked_ranks_do_not_share_random_streams(nb):
 
 
 def test_package_upgraded_on_disk_is_seen_by_the_next_call(nb, workdir):
-    """A preloaded package rewritten between two calls is seen by the second (the supervisor is replaced)."""
+    """A preloaded package rewritten between two calls is seen by the second (the supervisor is replaced, and its log
+    says why)."""
     nb.execute("@distributed(2, warm=True)\ndef version():\n    import mypkg\n    return mypkg.VERSION").check()
     assert nb.execute("version.distributed()").check().result == "[1, 1]"
     before = {p.pid for p in psutil.Process(nb.pid).children()}
@@ -75,6 +76,8 @@ def test_package_upgraded_on_disk_is_seen_by_the_next_call(nb, workdir):
     assert nb.execute("version.distributed()").check().result == "[2, 2]"
     after = {p.pid for p in psutil.Process(nb.pid).children()}
     assert after - before, "a fresh supervisor was started"
+    log = (workdir / "runs" / f"supervisor-{nb.pid}.log").read_text()
+    assert "replaced by a fresh helper: " in log and "mypkg" in log, log  # the helpers' log says why
 
 
 def test_workers_are_children_of_the_supervisor_not_the_kernel(nb):
