@@ -202,6 +202,8 @@ class _Run(AttemptOutcome):
         elif isinstance(event, p.LauncherDied):
             self.launch_error = event.message
             self.gone = True
+            if self.spec.session is not None:
+                self.result.session_end = self.result.session_end or "its ranks went with air_magic's helper process"
         elif isinstance(event, p.SessionEnded):
             self.result.session_end = event.reason
         elif isinstance(event, p.JobGone):
@@ -301,6 +303,9 @@ class _Run(AttemptOutcome):
         self.result.attempts = self.attempt + 1
         self.ctx.attempt = self.attempt
         self.ctx.earlier_failures.append(why)
+        if self.spec.session is not None:  # a restart starts a new world: the session's state is gone
+            self.launcher.end_session(self.spec.session)
+            self.result.session_end = f"a restart (max_restarts) started its ranks again after: {why}"
         self.reset_attempt()
         marker = attempt_marker(self.attempt, self.ctx.attempts_allowed, why)
         self.run_dir.begin_attempt(self.attempt, self.spec.world_size, marker)

@@ -106,6 +106,7 @@ class Namespace:
 
 #: This process's session namespace (a rank belongs to one session).
 namespace = Namespace()
+_UNBOUND = object()
 
 
 def describe(value: Any) -> str:
@@ -214,7 +215,21 @@ def run(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rank: int) -
     run_in = getattr(target, "run_in", None)  # a %%distributed cell (cell.CellProgram)
     if run_in is not None:
         return run_in(ns.globals, ns.owned)
-    return in_session(target, ns)(*args, **kwargs)
+    func = in_session(target, ns)
+    if func is target and not inspect.isfunction(func):
+        return func(*args, **kwargs)
+    before = dict(func.__globals__)
+    try:
+        return func(*args, **kwargs)
+    finally:  # what the function bound with `global name` belongs to the session, as a cell's names do
+        if func.__module__ == "__main__":
+            ns.assign(
+                {
+                    name: value
+                    for name, value in func.__globals__.items()
+                    if not name.startswith("__") and before.get(name, _UNBOUND) is not value
+                }
+            )
 
 
 def reply(value: Any, rank: int) -> bytes:

@@ -10,10 +10,12 @@ of its work lives beside it:
   caller's environment, working directory and sys.path as they are at call
   time. A warm supervisor answers `stale` instead of forking when that state no
   longer matches the caller; the launcher then starts a fresh one. While idle it
-  runs the `warm_up(env)` of the hook modules a call (or a WarmUp request) named
-  (e.g. importing mlflow), hidden from a forked worker until its code imports it.
-  A request that arrives meanwhile interrupts the warm-up at its next import, so
-  it never waits for one; the warm-up runs again at the next idle moment.
+  runs the `preload(env)` of the hook modules a call (or a PrepareHooks request)
+  named (e.g. importing mlflow), hidden from a forked worker until its code imports
+  it. A request that arrives meanwhile interrupts the preparation at its next
+  import, so a call never waits for one its ranks do not need; a call whose code
+  names what the preparation brings (mlflow) has it finished before its ranks are
+  forked, once for them and every later call, instead of each rank importing it.
 - spawn.py: forking and spawning workers and rendezvous stores. Without
   `--warm`, or for a job that asks for fresh interpreters, every worker is
   started by posix_spawn. The supervisor stays single-threaded so forking is
@@ -109,13 +111,16 @@ class Supervisor:
             self.pools.release_idle("%distributed_release ended every hot rank")
         elif isinstance(msg, p.EndSession):
             self.end_session(msg.session, "%distributed_session --end ended it")
-        elif isinstance(msg, p.WarmUp):
+        elif isinstance(msg, p.PrepareHooks):
             if self.warm:
                 self.preloaded.ask(msg.hooks, msg.env)
         elif isinstance(msg, p.StopJob):
             job = self.jobs.get(msg.job)
             if job is not None:
-                self.stop(job, msg.grace, msg.interrupt_after, msg.reason)
+                if msg.interrupt_after is not None:
+                    self.interrupt(job, msg.interrupt_after, msg.reason)
+                else:
+                    self.stop(job, msg.grace, f"its ranks were stopped ({msg.reason})")
         elif isinstance(msg, p.DumpStacks):
             job = self.jobs.get(msg.job)
             if job is not None and job.stopper is None:
@@ -139,6 +144,10 @@ class Supervisor:
 
     def start_workers(self, job: Job, msg: p.LaunchJob, hot: bool) -> None:
         """New workers for `job` (and its rendezvous store); with `hot`, they become a pool that outlives the call."""
+        if msg.fork and self.warm:
+            needed = self.preloaded.needed_by(RunDir(Path(msg.run_dir)).payload)
+            if needed:  # the ranks import what these bring: once here, to the end, rather than in every rank
+                self.preloaded.run_preparations(only=needed)
         env = dict(msg.env)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -256,21 +265,23 @@ class Supervisor:
         known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
         return job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
 
-    def stop(self, job: Job, grace: float, interrupt_after: float | None = None, why: str = "stopped") -> None:
+    def interrupt(self, job: Job, after: float, reason: str) -> None:
+        """A session's call: ask its ranks to come back (`interrupt_session`) rather than stop them; any other: stop."""
+        if job.pool is None or job.pool.session is None:
+            self.stop(job, STOP_GRACE, f"its ranks were stopped ({reason})")
+        elif job.stopper is None and job.interrupt is None:
+            job.interrupt = Interrupt(time.monotonic() + after, reason)
+
+    def stop(self, job: Job, grace: float, why: str = "its ranks were stopped") -> None:
         """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`.
 
-        `interrupt_after` (a session's call, not yet being interrupted): ask its ranks to come back first
-        (`interrupt_session`); a stop without it, such as a second Ctrl-C, stops at once.
+        `why` ends the job's session, if it has one. A stop after `interrupt` (a second Ctrl-C) stops at once.
         """
-        session = job.pool is not None and job.pool.session is not None
-        if interrupt_after is not None and session and job.stopper is None and job.interrupt is None:
-            job.interrupt = Interrupt(time.monotonic() + interrupt_after, why)
-            return
         if job.stopper is None:
             job.stopper = Stopper(lambda: self.processes(job).values(), lambda: job.live_workers, grace)
             job.stopper.begin()
             if job.pool is not None:  # a stopped call leaves no hot ranks: their state is unknown
-                self.pools.release(job.pool, f"its ranks were stopped ({why})")
+                self.pools.release(job.pool, why)
 
     def interrupt_session(self, job: Job, interrupt: Interrupt) -> None:
         """KeyboardInterrupt in each rank of a session call still running; stacks and a stop if they don't come back."""
@@ -294,9 +305,8 @@ class Supervisor:
             self.stop(
                 job,
                 STOP_GRACE,
-                None,
-                f"rank(s) {ranks} did not come back from KeyboardInterrupt within "
-                f"{COME_BACK:g} s ({interrupt.why}); a rank waiting in a collective cannot",
+                f"rank(s) {ranks} did not come back from KeyboardInterrupt within {COME_BACK:g} s (interrupted "
+                f"because: {interrupt.why}); a rank waiting in a collective cannot, so every rank was stopped",
             )
 
     # -- the loop ----------------------------------------------------------
@@ -415,8 +425,8 @@ class Supervisor:
             self.tick()
             idle = not (self.jobs or self.closing or self.retiring or select.select([0], [], [], 0)[0])
             if self.preloaded.pending and idle:
-                # Nothing to watch, no request waiting; one that comes meanwhile interrupts the warm-up.
-                self.preloaded.warm_up_now(lambda: bool(select.select([0], [], [], 0)[0]))
+                # Nothing to watch, no request waiting; one that comes meanwhile interrupts the preparation.
+                self.preloaded.run_preparations(lambda: bool(select.select([0], [], [], 0)[0]))
 
     def close(self) -> None:
         """The kernel is gone or asked us to go: stop every job, then leave."""
@@ -439,7 +449,7 @@ class Supervisor:
             return
         job = self.jobs.get(pool.job or "")
         if job is not None:
-            self.stop(job, STOP_GRACE, None, why)
+            self.stop(job, STOP_GRACE, why)
         self.pools.release(pool, why)
 
 

@@ -1,0 +1,197 @@
+"""Sessions: what a session cell builds stays on its ranks for the next cell, through errors and interrupts."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+#: Two CPU ranks, no MLflow run (one test checks the run).
+CPU = "--gpus 2 --accelerator-type CPU --no-mlflow"
+
+
+@pytest.fixture(scope="module")
+def session_kernel(kernel):
+    """The module's kernel with air_magic loaded."""
+    kernel.execute("%load_ext air_magic").check()
+    return kernel
+
+
+@pytest.fixture(autouse=True)
+def released(session_kernel):
+    """Every test ends with its sessions' ranks gone (the leak check would see them otherwise)."""
+    yield
+    session_kernel.execute("%distributed_release")
+
+
+def cell(kernel, line: str, body: str, timeout: float = 120):
+    return kernel.execute(f"%%distributed {line}\n{body}", timeout=timeout)
+
+
+def values(result) -> object:
+    assert result.error is None, result.traceback
+    return eval(result.result or "None")
+
+
+def test_names_a_cell_assigns_or_imports_are_there_for_the_next_cell(session_kernel):
+    """A second --session cell reads what the first assigned and imported, in the same processes."""
+    first = cell(
+        session_kernel, f"--session {CPU}", "import os\nrank = int(os.environ['RANK'])\nseen = [rank]\nos.getpid()"
+    )
+    pids = values(first)
+    second = cell(session_kernel, f"--session {CPU}", "seen.append(rank * 10)\n(seen, os.getpid())")
+    assert values(second) == [([0, 0], pids[0]), ([1, 10], pids[1])]
+
+
+def test_session_names_win_over_notebook_globals_and_other_globals_travel_each_time(session_kernel):
+    """A name the session assigned wins over the notebook's; a notebook global it did not assign travels fresh."""
+    session_kernel.execute("scale = 2\nshift = 1").check()
+    cell(session_kernel, f"--session prec {CPU}", "scale = 5\nNone").check()
+    session_kernel.execute("scale = 3\nshift = 7").check()
+    assert values(cell(session_kernel, f"--session prec {CPU}", "scale * 10 + shift")) == [57, 57]
+
+
+def test_an_error_on_every_rank_or_on_one_keeps_the_session(session_kernel):
+    """User code that raises on all ranks, or on one while the other finishes, leaves the names in place."""
+    cell(session_kernel, f"--session err {CPU}", "import os\nrank = int(os.environ['RANK'])\ncount = 1").check()
+    everywhere = cell(session_kernel, f"--session err {CPU}", "count += 1\nraise ValueError('typo')")
+    assert everywhere.ename == "ValueError"
+    assert "session 'err' was kept" in everywhere.traceback
+    on_one = cell(session_kernel, f"--session err {CPU}", "count += 1\nif rank == 1:\n    raise KeyError('one')")
+    assert on_one.ename == "KeyError" and "rank 1" in on_one.traceback
+    assert "session 'err' was kept" in on_one.traceback
+    assert values(cell(session_kernel, f"--session err {CPU}", "count")) == [3, 3]
+
+
+def test_an_interrupt_during_a_loop_keeps_what_the_loop_had_done(session_kernel):
+    """Ctrl-C in a sleep loop raises KeyboardInterrupt on the ranks; the names keep the loop's progress."""
+    cell(session_kernel, f"--session intr {CPU}", "import time\nsteps = 0").check()
+    mid = session_kernel.send(
+        f"%%distributed --session intr {CPU}\n"
+        "for i in range(600):\n    steps += 1\n    print('step', steps, flush=True)\n    time.sleep(0.05)"
+    )
+    out = session_kernel.collect(mid, interrupt_when=lambda out: "step 5\n" in out.stdout)
+    assert out.ename == "KeyboardInterrupt"
+    assert "session 'intr' was kept" in out.traceback
+    steps = values(cell(session_kernel, f"--session intr {CPU}", "steps"))
+    assert all(5 <= s < 600 for s in steps), steps
+
+
+def test_a_rank_stuck_in_all_reduce_after_the_other_raised_ends_the_session_and_leaves_nothing(session_kernel):
+    """The stuck rank does not come back from KeyboardInterrupt: its stack is written, the world is stopped,
+    the session ends with a note, and no rank process is left."""
+    first = cell(session_kernel, f"--session stuck {CPU}", "import os\nos.getpid()")
+    pids = values(first)
+    out = cell(
+        session_kernel,
+        f"--session stuck {CPU}",
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 0:\n    raise RuntimeError('rank 0 fails')\ndist.all_reduce(torch.ones(1))",
+    )
+    assert out.ename == "RuntimeError" and "rank 0 fails" in out.traceback
+    assert "session 'stuck' ended" in out.traceback and "did not come back" in out.traceback
+    assert "stacks of pid" in out.stdout  # written before the stop, into the stuck rank's log
+    _gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=15)
+    assert not alive
+    after = cell(session_kernel, f"--session stuck {CPU}", "os")
+    assert after.ename == "NameError"
+    assert "session 'stuck'" in after.traceback and "held 'os'" in after.traceback
+
+
+def test_a_rank_that_ignores_sigint_is_stopped(session_kernel):
+    """A rank whose code ignores SIGINT is stopped after the interrupt's grace, and the session ends."""
+    cell(session_kernel, f"--session deaf {CPU}", "import signal, time\nx = 1").check()
+    mid = session_kernel.send(
+        f"%%distributed --session deaf {CPU}\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('deaf', flush=True)\ntime.sleep(120)"
+    )
+    out = session_kernel.collect(mid, timeout=60, interrupt_when=lambda out: out.stdout.count("deaf") >= 2)
+    assert out.ename == "KeyboardInterrupt"
+    assert "session 'deaf' ended" in out.traceback
+    assert "session 'deaf'" not in session_kernel.execute("%distributed_session").stdout
+
+
+def test_a_function_in_a_session_reads_its_globals_there_first_and_takes_refs(session_kernel):
+    """@distributed(session=...) resolves free globals in the session first; Ref passes each rank its object."""
+    session_kernel.execute(
+        "from air_magic import Ref, distributed\n"
+        "offset = 1000\n"
+        "@distributed(num_accelerators=2, accelerator_type='CPU', mlflow=False, session='fn')\n"
+        "def combine(model, scale):\n"
+        "    return model['w'] * scale + offset + bonus\n"
+        "bonus = 1"
+    ).check()
+    cell(
+        session_kernel, f"--session fn {CPU}", "import os\nmodel = {'w': int(os.environ['RANK']) + 1}\noffset = 10"
+    ).check()
+    result = session_kernel.execute("combine.distributed(Ref('model'), 2)")
+    assert values(result) == [2 + 10 + 1, 4 + 10 + 1]
+    missing = session_kernel.execute("combine.distributed(Ref('nope'), 2)")
+    assert missing.ename == "NameError" and "nope" in missing.traceback
+
+
+def test_ranks_runs_a_cell_on_some_ranks_only_and_needs_a_session(session_kernel):
+    """--ranks 0 runs on rank 0 alone and returns its value; without --session it is a usage error."""
+    cell(session_kernel, f"--session some {CPU}", "import os\nrank = int(os.environ['RANK'])\nhits = 0").check()
+    assert values(cell(session_kernel, f"--session some --ranks 0 {CPU}", "hits += 1\n(rank, hits)")) == [(0, 1)]
+    assert values(cell(session_kernel, f"--session some {CPU}", "hits")) == [1, 0]
+    refused = cell(session_kernel, f"--ranks 0 {CPU}", "1")
+    assert "--ranks" in refused.stderr + refused.traceback and "--session" in refused.stderr + refused.traceback
+
+
+def test_push_and_pull_move_values_and_pushed_names_win(session_kernel):
+    """%distributed_push sends notebook values in; %distributed_pull brings a list by rank, or one rank's value."""
+    cell(session_kernel, f"--session pp {CPU}", "import os\nrank = int(os.environ['RANK'])").check()
+    session_kernel.execute("lr = 0.5\n%distributed_push --session pp lr").check()
+    session_kernel.execute("lr = 99").check()
+    cell(session_kernel, f"--session pp {CPU}", "loss = [lr * (rank + 1)]").check()
+    session_kernel.execute(
+        "every = %distributed_pull --session pp loss\none = %distributed_pull --session pp --rank 1 loss"
+    ).check()
+    assert session_kernel.value("every") == "[[0.5], [1.0]]"
+    assert session_kernel.value("one") == "[1.0]"
+
+
+def test_an_unpicklable_last_expression_comes_back_as_a_placeholder(session_kernel):
+    """The cell succeeds; the notebook gets a placeholder with the repr, and the object stays on the rank as _."""
+    out = cell(session_kernel, f"--session ph {CPU}", "import threading\nthreading.Lock()").check()
+    assert "kept on rank 0 as _" in (out.result or "") and "lock" in (out.result or "")
+    assert values(cell(session_kernel, f"--session ph {CPU}", "type(_).__name__")) == ["lock", "lock"]
+
+
+def test_a_rank_that_dies_ends_the_session_and_the_next_name_error_says_so(session_kernel):
+    """A rank killed between cells ends the session; the next cell's NameError names the ranks, time and cause."""
+    pids = values(cell(session_kernel, f"--session die {CPU}", "import os\nweights = [1, 2]\nos.getpid()"))
+    psutil.Process(pids[1]).kill()
+    psutil.wait_procs([psutil.Process(pids[0])], timeout=15)
+    out = cell(session_kernel, f"--session die {CPU}", "weights")
+    assert out.ename == "NameError"
+    assert "session 'die'" in out.traceback + out.stderr and "held 'weights'" in out.traceback
+    assert "rank 1" in out.traceback + out.stderr
+
+
+def test_distributed_session_lists_ends_and_resets(session_kernel):
+    """%distributed_session lists ranks, pids and names; --reset empties them; --end ends the ranks; another
+    world under a live session's name is refused with the way out."""
+    pids = values(
+        cell(session_kernel, f"--session listed {CPU}", "import os, torch\nt = torch.zeros(1000)\nos.getpid()")
+    )
+    listing = session_kernel.execute("%distributed_session").check().stdout
+    assert "session 'listed'" in listing and str(pids[0]) in listing and "t: Tensor[1000] float32" in listing
+    other = cell(session_kernel, "--session listed --gpus 3 --accelerator-type CPU --no-mlflow", "1")
+    assert other.ename == "ConfigurationError" and "%distributed_session --end listed" in other.traceback
+    session_kernel.execute("%distributed_session --reset listed").check()
+    assert values(cell(session_kernel, f"--session listed {CPU}", "'t' in globals()")) == [False, False]
+    ended = session_kernel.execute("%distributed_session --end listed").check().stdout
+    assert "session 'listed'" in ended and "ended" in ended
+    psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=15)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+def test_a_session_cell_is_an_mlflow_run(session_kernel):
+    """Every session cell is still an MLflow run that its ranks log to."""
+    first = cell(session_kernel, "--session logged --gpus 2 --accelerator-type CPU", "import mlflow\nk = 1")
+    assert first.error is None and "MLflow run: " in first.stdout
+    second = cell(session_kernel, "--session logged --gpus 2 --accelerator-type CPU", "mlflow.log_metric('k', k)")
+    assert second.error is None and "MLflow run: " in second.stdout
