@@ -242,3 +242,12 @@ def test_large_captured_dataset_warns_with_its_size_and_small_arguments_reach_ev
         assert "267 MiB" in out.stderr and "global 'big'" in out.stderr, out.stderr
         assert "load large data inside the function" in out.stderr, out.stderr
         assert out.result == "[(0, 70000000, 12346.0), (1, 70000000, 12346.0)]", (attempt, out.result)
+
+
+@pytest.mark.timeout(900)
+def test_sessions_notebook_builds_once_survives_a_mistake_and_a_stopped_loop(demo_dir):
+    """The sessions demo: the model built in one cell trains in later ones, through a typo and a loop stopped by its
+    timeout; the pulled loss curve covers all 20 steps and goes down."""
+    got = run_demo("sessions.ipynb", demo_dir, '{"curve": curve}')
+    assert len(got["curve"]) == 20
+    assert_loss_goes_down(got["curve"], "rank 0")
