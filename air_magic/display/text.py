@@ -26,7 +26,8 @@ class TextDisplay(Listener):
     def on_start(self, ctx: RunContext) -> None:
         spec = ctx.spec
         self.out.write(
-            f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}; logs in {ctx.run_dir}\n"
+            f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}"
+            f"{'' if spec.session is None else f' in session {spec.session!r}'}; logs in {ctx.run_dir}\n"
         )
         self.ctx = ctx
         self.link_shown = False

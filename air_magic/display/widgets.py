@@ -407,6 +407,7 @@ class Panel(Listener):
             f'<div style="{_NOWRAP}" '
             f'title="{html.escape(spec.name, quote=True)} · {phase}{html.escape(self._attempt_text(), quote=True)}">'
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
+            f"{'' if spec.session is None else f' · session {html.escape(spec.session)}'}"
             f' · <span class="air-magic-phase">{phase}</span>{self._attempt_html()}'
             f" · {elapsed:.0f} s{self.usage_header}</div>"
         )

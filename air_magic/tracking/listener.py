@@ -195,6 +195,10 @@ class MlflowTracker(Listener):
             params["num_nodes"] = spec.num_nodes
         if spec.max_restarts:
             params["max_restarts"] = spec.max_restarts
+        if spec.session is not None:
+            params["session"] = spec.session
+            if spec.ranks is not None:
+                params["ranks"] = ",".join(map(str, spec.ranks))
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
         self.run_id = run_id
         self.url = ui.run_url(self.tracking_uri, experiment_id, run_id)
