@@ -116,6 +116,10 @@ def resolve_shape(num: int | None, accelerator_type: str | None, num_nodes: int)
 
 def start_local_helper() -> None:
     """Start the local launcher's helper now, in the background (unless AIR_MAGIC_WARM turns warm starts off)."""
+    from .boot import warm_default
+    from .local import local_launcher
     from .local import warm_up as start
 
-    start()
+    if warm_default():
+        used(local_launcher())  # its release and shutdown reach the helper from now on
+        start()

@@ -25,7 +25,6 @@ from pathlib import Path
 from ...errors import AirMagicError, describe_returncode
 from ...phase import Phase
 from .. import protocol as p
-from .. import used
 from ..boot import PACKAGE_PARENT, boot_command, warm_default
 from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
@@ -385,7 +384,7 @@ def local_launcher() -> LocalLauncher:
 def warm_up() -> None:
     """Start the supervisor now, in the background: it imports torch (never CUDA) while the user types."""
     if warm_default():
-        used(_local).client()
+        _local.client()
 
 
 atexit.register(_local.shutdown)
