@@ -13,10 +13,12 @@ ends sessions. Both front doors go through `run`. No IPython here (magics.py).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import socket
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,11 +174,28 @@ def _explain_name_error(name: str, error: BaseException | None) -> None:
         )
 
 
+def without_held(target: Any, held: set[str]) -> Any:
+    """A notebook function whose globals leave out the names the session holds: the rank's own win there anyway,
+    so a large notebook object of the same name is not serialized for nothing."""
+    if not held or not inspect.isfunction(target) or target.__module__ != "__main__":
+        return target
+    if not held & set(target.__code__.co_names):
+        return target
+    kept = {name: value for name, value in target.__globals__.items() if name not in held}
+    copy = types.FunctionType(target.__code__, kept, target.__name__, target.__defaults__, target.__closure__)
+    copy.__kwdefaults__ = target.__kwdefaults__
+    copy.__dict__.update(target.__dict__)
+    copy.__qualname__ = target.__qualname__
+    copy.__module__ = target.__module__
+    return copy
+
+
 def run(spec: JobSpec) -> JobResult:
     """Run a call through the runner; for a session's call, check it first and record what it left."""
     if spec.session is None:
         return runner.run(spec)
     before(spec)
+    spec = dataclasses.replace(spec, target=without_held(spec.target, held_names(spec.session)))
     result = runner.run(spec)
     after(spec, result)
     return result

@@ -195,3 +195,19 @@ def test_a_session_cell_is_an_mlflow_run(session_kernel):
     assert first.error is None and "MLflow run: " in first.stdout
     second = cell(session_kernel, "--session logged --gpus 2 --accelerator-type CPU", "mlflow.log_metric('k', k)")
     assert second.error is None and "MLflow run: " in second.stdout
+
+
+def test_a_notebook_object_of_a_name_the_session_holds_is_never_sent(session_kernel):
+    """A cell or a session function reading a name the session holds sends no copy of the notebook's object."""
+    session_kernel.execute(
+        "import torch\nfrom air_magic import distributed\nbig = torch.zeros(8_000_000)\n"
+        "@distributed(num_accelerators=2, accelerator_type='CPU', mlflow=False, session='held')\n"
+        "def total():\n    return float(big.sum())"
+    ).check()
+    cell(session_kernel, f"--session held {CPU}", "import torch\nbig = torch.ones(10)").check()
+    for code in (f"%%distributed --session held {CPU}\nfloat(big.sum())", "total.distributed()"):
+        out = session_kernel.execute(code).check()
+        assert eval(out.result) == [10.0, 10.0]
+        run_dir = out.stdout.split("logs in ", 1)[1].split()[0]
+        payload = session_kernel.value(f"__import__('os').path.getsize({run_dir!r} + '/payload.pkl')")
+        assert int(payload) < 1_000_000, f"{code!r} sent {payload} bytes"

@@ -17,6 +17,7 @@ import linecache
 import os
 import signal
 import sys
+import threading
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -108,8 +109,11 @@ def _write_result(path: Path, value: object, pickled: bool = False) -> None:
 def _run_in_session(target: object, args: tuple[object, ...], kwargs: dict[str, object], rank: int) -> object:
     """Run a session call with Ctrl-C live: the supervisor's SIGINT raises KeyboardInterrupt in the user's code.
 
-    Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does).
+    Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does). A rank whose
+    call runs in another thread than the main one (a Ray actor's) is interrupted by its launcher instead.
     """
+    if threading.current_thread() is not threading.main_thread():
+        return session.run(target, args, kwargs, rank)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return session.run(target, args, kwargs, rank)
