@@ -25,11 +25,12 @@ def test_a_call_gets_an_idle_pool_of_its_world_only():
 
 
 def test_done_lines_are_read_across_chunks():
-    """A rank's "<code>" lines may arrive split or together; each finished line is one exit code."""
+    """A rank's "<code>" lines may arrive split or together; each finished line is one exit code (and whether the
+    rank stays usable)."""
     pool = _pool()
     assert pool.feed(0, b"0") == []
-    assert pool.feed(0, b"\n1\n") == [0, 1]
-    assert pool.feed(1, b"\n") == [1], "an empty line counts as a failure"
+    assert pool.feed(0, b"\n1\n") == [(0, True), (1, False)]
+    assert pool.feed(1, b"\n") == [(1, False)], "an empty line counts as a failure"
 
 
 def test_an_idle_pool_is_released_after_keep_alive():
