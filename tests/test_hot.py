@@ -134,7 +134,7 @@ def test_cancel_during_a_hot_call_ends_the_hot_ranks_and_everything_they_started
 
 
 SLOW_HOOK = """
-def warm_up(env):
+def preload(env):
     with open(env["MARKS"], "a") as f:
         f.write("start\\n")
     import slowwarm
@@ -166,7 +166,7 @@ def test_a_hot_call_is_not_held_up_by_the_helpers_warm_up(tmp_path, monkeypatch)
     launcher.shutdown()  # the next helper finds the hook module on its path
     try:
         first = run_here(allreduce, 0, keep_alive=60)
-        launcher.warm_up(["slowwarmhook"], {"MARKS": str(marks)})
+        launcher.prepare_hooks(["slowwarmhook"], {"MARKS": str(marks)})
         _wait_for(lambda: marks.exists(), 60)
         time.sleep(0.5)
         second = run_here(allreduce, 0, keep_alive=60)

@@ -13,7 +13,7 @@ ray/          the Ray launcher: ranks as Ray actors on several machines (imports
 This module is the one door to the launchers: nothing outside launch/ imports local/ or ray/.
 It picks the launcher of a call (`launcher_for`) and resolves the call's shape where that launcher
 runs (`check_shape` at decoration, `resolve_shape` at the call), starts the local helper ahead of a
-first call (`start_local_helper`), and keeps the launchers this kernel has used, so that warming up,
+first call (`start_local_helper`), and keeps the launchers this kernel has used, so that preparing hooks,
 releasing hot ranks and shutting down reach each of them without naming one. Nothing here
 imports IPython, ipywidgets or MLflow.
 """
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_shape",
     "launcher_for",
+    "prepare_hooks",
     "ray_init",
     "release_hot",
     "resolve_shape",
@@ -38,7 +39,6 @@ __all__ = [
     "start_local_helper",
     "used",
     "used_launchers",
-    "warm_up",
 ]
 
 L = TypeVar("L", bound="Launcher")
@@ -60,10 +60,10 @@ def used_launchers() -> list[Launcher]:
         return list(_used)
 
 
-def warm_up(hooks: list[str], env: dict[str, str]) -> None:
-    """Ask every launcher this kernel has used to warm up these hook modules ahead of a call (see Launcher.warm_up)."""
+def prepare_hooks(hooks: list[str], env: dict[str, str]) -> None:
+    """Ask every launcher this kernel has used to prepare these hook modules ahead of a call (see its prepare_hooks)."""
     for launcher in used_launchers():
-        launcher.warm_up(hooks, env)
+        launcher.prepare_hooks(hooks, env)
 
 
 def release_hot() -> None:
@@ -118,7 +118,7 @@ def start_local_helper() -> None:
     """Start the local launcher's helper now, in the background (unless AIR_MAGIC_WARM turns warm starts off)."""
     from .boot import warm_default
     from .local import local_launcher
-    from .local import warm_up as start
+    from .local import start_helper as start
 
     if warm_default():
         used(local_launcher())  # its release and shutdown reach the helper from now on

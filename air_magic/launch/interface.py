@@ -75,9 +75,9 @@ class Launcher(ABC):
         """Get ready for a call while the listeners start (say, start a helper); the phase that takes, if any."""
         return None
 
-    def warm_up(self, hooks: list[str], env: dict[str, str]) -> None:
-        """Ahead of a call: where ranks start from a warm helper, have it run the `warm_up(env)` of these hook
-        modules (JobRequest.hooks) while idle, as a call naming them would. Returns at once; never starts a
+    def prepare_hooks(self, hooks: list[str], env: dict[str, str]) -> None:
+        """Ahead of a call: where ranks start from a warm helper, have it run the `preload(env)` of these hook
+        modules (JobRequest.hooks) in the background, as a call naming them would. Returns at once; never starts a
         helper. A launcher without one does nothing."""
 
     def release_hot(self) -> None:

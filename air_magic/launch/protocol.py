@@ -122,7 +122,8 @@ class LaunchJob(Message):
     package_parent: str
     keep_alive: float | None = None
     world_key: str = ""
-    #: The call's hook modules (JobRequest.hooks): the supervisor runs each one's `warm_up(env)`, if any, while idle.
+    #: The call's hook modules (JobRequest.hooks): the supervisor runs each one's `preload(env)`, if any, in the
+    #: background.
     hooks: list[str] = field(default_factory=list)
     restart_count: int = 0
     max_restarts: int = 0
@@ -171,11 +172,12 @@ class ReleaseHot(Message):
 
 
 @dataclass(frozen=True)
-class WarmUp(Message):
-    """Run the `warm_up(env)` of these hook modules while idle, as after a call that named them (LaunchJob.hooks).
+class PrepareHooks(Message):
+    """Run the `preload(env)` of these hook modules in the background, as after a call that named them
+    (LaunchJob.hooks).
 
-    Sent ahead of the first call, so that the call's own warm-up finds the work done. A warm-up never
-    holds up a request that arrives while it runs (see preload.py).
+    Sent ahead of the first call, so that the call finds the work done. A preparation holds up only a call
+    whose ranks need it (see preload.py).
     """
 
     hooks: list[str]

@@ -15,8 +15,8 @@ asking the tracking server (`_tee_metrics`).
 Importing this module does not import mlflow: `install()` adds an import hook
 that patches mlflow only if the user's code imports it. Also here: `flush()`
 (at a rank's exit, only when MLflow has metrics in flight), `reset()` (between
-two calls of a hot rank) and `warm_up()` (run by a warm helper while idle, so a
-rank's `import mlflow` and first `log_metric` cost milliseconds).
+two calls of a hot rank) and `preload()` (run by a warm helper in the background,
+so a rank's `import mlflow` and first `log_metric` cost milliseconds).
 
 With AIR_MAGIC_MLFLOW_RELAY set (a rank on another machine than a local
 store), it also registers the relay store (relay.py) that the rank's
@@ -223,8 +223,13 @@ def _send_queued(mlflow: ModuleType, timeout: float) -> None:
         )
 
 
-def warm_up(env: dict[str, str]) -> list[str]:
-    """In the warm helper, while it is idle: make a forked rank's first `mlflow.log_metric` cheap.
+#: What `preload` brings into the helper: a call whose code names it has the preparation finished before its
+#: ranks are forked (launch/local/preload.py).
+PRELOADS = ("mlflow",)
+
+
+def preload(env: dict[str, str]) -> list[str]:
+    """In the warm helper, in the background: make a forked rank's `import mlflow` and first `log_metric` cheap.
 
     Imports mlflow and the tracking store of `env`'s MLFLOW_TRACKING_URI (for sqlite, SQLAlchemy,
     alembic and MLflow's table models: most of a rank's first log call), and for a sqlite store
@@ -234,7 +239,7 @@ def warm_up(env: dict[str, str]) -> list[str]:
     connections are closed again (each rank opens its own). Returns the packages it preloaded.
 
     The packages with extension modules that `import mlflow` loads come first, each on its own: the helper
-    interrupts a warm-up for a call only where that drops no extension module, so this keeps mlflow's own
+    interrupts a preparation for a call only where that drops no extension module, so this keeps mlflow's own
     (pure Python) import interruptible.
     """
     for dependency in MLFLOW_EXTENSIONS:
@@ -273,7 +278,7 @@ def warm_up(env: dict[str, str]) -> list[str]:
     return ["mlflow"]
 
 
-#: Modules with (or behind) extension modules that `import mlflow` loads, in the order it loads them (warm_up).
+#: Modules with (or behind) extension modules that `import mlflow` loads, in the order it loads them (preload).
 MLFLOW_EXTENSIONS = (
     "google.protobuf.descriptor",
     "pydantic_core",
@@ -287,5 +292,5 @@ MLFLOW_EXTENSIONS = (
     "scipy.sparse",
 )
 
-#: Tracking URIs whose store warm_up built in this process.
+#: Tracking URIs whose store preload built in this process.
 _warmed: set[str] = set()

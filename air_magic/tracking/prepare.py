@@ -7,10 +7,11 @@ daemon thread while the user types: it imports mlflow, builds the tracking
 store of the URI MLflow would use now (MLflow caches it per URI, so the call's
 client finds it built) and reads the default experiment once. It makes no run
 and no experiment, starts no UI, sends nothing to a remote server, and imports
-nothing that touches CUDA. Then it asks the launchers' warm helper to do the
-ranks' MLflow warm-up (hook.py's `warm_up`) for that URI while it is idle, so
-the first calls' ranks find mlflow and the store's code loaded, and the warm-up
-after the first call finds its work done.
+nothing that touches CUDA. It asks the launchers' warm helper to prepare the
+ranks' MLflow (hook.py's `preload`) twice: at once, to import mlflow there while
+this process does the same, and once the store is set up, to load that store's
+code for that URI; so the first calls' ranks find mlflow and the store's code
+loaded.
 
 The call's listener (listener.py) waits for it with `wait()` before it makes
 its run, so a call made before it finishes simply waits for it (never a second
@@ -50,13 +51,20 @@ def wait() -> None:
 
 
 def _prepare() -> None:
+    from ..launch import prepare_hooks
+    from .store import HOOK
+
+    try:
+        prepare_hooks([HOOK], {})  # mlflow's import only: no store is opened before this process has set it up
+    except Exception:  # noqa: BLE001, S110 - the helper then prepares with the call
+        pass
     try:
         import mlflow  # first: importing it sets its loggers' levels, which quiet_mlflow_logs overrides
     except Exception:  # noqa: BLE001 - the call imports it again and reports why
         return
     finally:
         _imported.set()
-    from .store import HOOK, absolute_uri, default_experiment_name, quiet_mlflow_logs
+    from .store import absolute_uri, default_experiment_name, quiet_mlflow_logs
 
     try:
         with quiet_mlflow_logs():
@@ -72,9 +80,7 @@ def _prepare() -> None:
         return
     # Only now that the store exists: a helper opening a fresh sqlite store while this process creates its
     # tables would race it ("table alembic_version already exists").
-    from ..launch import warm_up
-
     try:
-        warm_up([HOOK], {"MLFLOW_TRACKING_URI": uri})
+        prepare_hooks([HOOK], {"MLFLOW_TRACKING_URI": uri})
     except Exception:  # noqa: BLE001 - the helper then warms up after the first call instead
         return

@@ -34,7 +34,7 @@ class Plain(Launcher):
     def shutdown(self) -> None:
         self.shut += 1
 
-    def warm_up(self, hooks: list[str], env: dict[str, str]) -> None:
+    def prepare_hooks(self, hooks: list[str], env: dict[str, str]) -> None:
         self.warmed.append((hooks, env))
 
 
@@ -90,22 +90,22 @@ def test_release_and_shutdown_reach_every_used_launcher(monkeypatch):
 
 
 def test_a_warm_up_request_reaches_every_used_launcher(monkeypatch):
-    """launch.warm_up passes the hooks and their environment to each launcher this kernel has used."""
+    """launch.prepare_hooks passes the hooks and their environment to each launcher this kernel has used."""
     monkeypatch.setattr(launch, "_used", [])
     first, second = launch.used(Plain()), launch.used(Plain())
-    launch.warm_up(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})
+    launch.prepare_hooks(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})
     assert (
         first.warmed
         == second.warmed
         == [(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})]
     )
-    Launcher.warm_up(first, ["h"], {})
+    Launcher.prepare_hooks(first, ["h"], {})
 
 
 def test_the_local_launcher_starts_no_helper_to_warm_it_up():
     """Without a running helper, a warm-up request is dropped: it never starts one."""
     launcher = LocalLauncher()
-    launcher.warm_up(["air_magic.tracking.hook"], {})
+    launcher.prepare_hooks(["air_magic.tracking.hook"], {})
     assert launcher.supervisor_pid is None
 
 

@@ -83,10 +83,10 @@ def test_a_watched_file_edited_or_removed_is_stale(tmp_path, monkeypatch):
 
 @pytest.fixture
 def hook(tmp_path, monkeypatch):
-    """A hook module whose warm_up imports a package of its own (registering an exit function), and one without."""
+    """A hook module whose preload imports a package of its own (registering an exit function), and one without."""
     _package(tmp_path, "warmedpkg", "import atexit\nLOADED = True\natexit.register(len, ())\n")
     (tmp_path / "warmhook.py").write_text(
-        "def warm_up(env):\n    import warmedpkg\n    warmedpkg.ENV = env\n    return ['warmedpkg']\n"
+        "def preload(env):\n    import warmedpkg\n    warmedpkg.ENV = env\n    return ['warmedpkg']\n"
     )
     (tmp_path / "coldhook.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -96,12 +96,12 @@ def hook(tmp_path, monkeypatch):
 
 
 def test_a_hooks_warm_up_runs_when_asked_and_what_it_imports_is_watched(hook):
-    """The hook modules of a call are warmed up later, with the call's environment; a hook without warm_up is
+    """The hook modules of a call are warmed up later, with the call's environment; a hook without preload is
     skipped."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["warmhook", "coldhook"], {"MLFLOW_TRACKING_URI": "sqlite:///x.db"})
     assert "warmedpkg" not in sys.modules, "asking runs nothing yet"
-    preloaded.warm_up_now()
+    preloaded.run_preparations()
     assert not preloaded.pending
     assert sys.modules["warmedpkg"].ENV == {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
     assert preloaded.hidden_tops == {"warmedpkg"}
@@ -113,7 +113,7 @@ def test_what_a_warm_up_imported_is_hidden_until_imported_again(hook):
     """In a forked worker the warmed package is out of sys.modules until the worker imports it: then the same module."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["warmhook"], {})
-    preloaded.warm_up_now()
+    preloaded.run_preparations()
     warmed = sys.modules["warmedpkg"]
     meta_path = list(sys.meta_path)
     try:
@@ -129,7 +129,7 @@ def test_what_a_warm_up_imported_is_hidden_until_imported_again(hook):
 
 @pytest.fixture
 def slow_hook(tmp_path, monkeypatch):
-    """A hook whose warm_up imports a small package, then one of several submodules, one of which swallows every
+    """A hook whose preload imports a small package, then one of several submodules, one of which swallows every
     exception around an import."""
     _package(tmp_path, "earlypkg", "LOADED = True\n")
     _package(tmp_path, "latepkg", "from . import a\nfrom . import greedy\nfrom . import b\n")
@@ -140,7 +140,7 @@ def slow_hook(tmp_path, monkeypatch):
     for name in ("optional", "b", "c"):
         (tmp_path / "latepkg" / f"{name}.py").write_text(f"{name.upper()} = 1\n")
     (tmp_path / "slowhook.py").write_text(
-        "def warm_up(env):\n    import earlypkg\n    import latepkg\n    return ['earlypkg', 'latepkg']\n"
+        "def preload(env):\n    import earlypkg\n    import latepkg\n    return ['earlypkg', 'latepkg']\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
@@ -162,13 +162,13 @@ def test_a_warm_up_gives_way_to_a_request_forgets_what_it_was_loading_and_runs_a
 
     preloaded = Preloaded(warm=False)
     preloaded.ask(["slowhook"], {"K": "v"})
-    assert preloaded.warm_up_now(_waiting_after(asks)) is False
+    assert preloaded.run_preparations(_waiting_after(asks)) is False
     assert "earlypkg" in sys.modules and preloaded.hidden_tops == {"earlypkg"}
     assert not [n for n in sys.modules if n.partition(".")[0] == "latepkg"], "latepkg was half loaded: all of it goes"
     assert preloaded.pending == {"slowhook": {"K": "v"}}
     assert preloaded.exit_funcs == [], "an exit function of a forgotten module is not kept for the workers"
     assert atexit.register.__module__ == "atexit"
-    assert preloaded.warm_up_now() is True
+    assert preloaded.run_preparations() is True
     import latepkg  # type: ignore[import-not-found]
 
     assert (latepkg.a.A, latepkg.b.B, latepkg.c.C, latepkg.greedy.optional.OPTIONAL) == (1, 1, 1, 1)
@@ -180,7 +180,7 @@ def test_a_warm_up_with_no_request_waiting_runs_through(slow_hook):
     """`waiting` saying no at every import: the warm-up completes in one go."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["slowhook"], {})
-    assert preloaded.warm_up_now(lambda: False) is True
+    assert preloaded.run_preparations(lambda: False) is True
     assert "latepkg.c" in sys.modules and not preloaded.pending
 
 
@@ -189,7 +189,7 @@ def test_an_import_made_by_a_function_is_never_interrupted(slow_hook):
     by a module's code gives way (a function stopped mid-way could leave its library half set up)."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["slowhook"], {})
-    assert preloaded.warm_up_now(lambda: True) is False
+    assert preloaded.run_preparations(lambda: True) is False
     assert "earlypkg" in sys.modules and "latepkg" not in sys.modules
 
 
@@ -205,12 +205,12 @@ def test_a_warm_up_does_not_give_way_where_it_would_drop_an_extension_module(tmp
     (tmp_path / "extpkg" / "after.py").write_text("")
     _package(tmp_path, "purepkg", "from . import inner\n")
     (tmp_path / "purepkg" / "inner.py").write_text("")
-    (tmp_path / "exthook.py").write_text("def warm_up(env):\n    import extpkg\n    import purepkg\n    return []\n")
+    (tmp_path / "exthook.py").write_text("def preload(env):\n    import extpkg\n    import purepkg\n    return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     preloaded = Preloaded(warm=False)
     preloaded.ask(["exthook"], {})
     try:
-        assert preloaded.warm_up_now(_waiting_after(2)) is False  # a request from the import of extpkg.after on
+        assert preloaded.run_preparations(_waiting_after(2)) is False  # a request from the import of extpkg.after on
         assert "extpkg.after" in sys.modules and "purepkg" not in sys.modules
     finally:
         for name in [n for n in sys.modules if n.partition(".")[0] in ("extpkg", "purepkg", "exthook")]:

@@ -20,7 +20,7 @@ from .launcher import (
     LogTail,
     SupervisorClient,
     local_launcher,
-    warm_up,
+    start_helper,
 )
 
 __all__ = [
@@ -30,5 +30,5 @@ __all__ = [
     "LogTail",
     "SupervisorClient",
     "local_launcher",
-    "warm_up",
+    "start_helper",
 ]

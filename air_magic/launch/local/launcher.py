@@ -333,14 +333,14 @@ class LocalLauncher(Launcher):
             raise run_dir.write_failed(exc) from exc
         return LocalJob(self, request, run_dir)
 
-    def warm_up(self, hooks: list[str], env: dict[str, str]) -> None:
-        """Have the running warm supervisor, if there is one, run these hooks' warm-ups while idle."""
+    def prepare_hooks(self, hooks: list[str], env: dict[str, str]) -> None:
+        """Have the running warm supervisor, if there is one, run these hooks' `preload(env)` in the background."""
         client = self._client
         if client is not None and client.warm and client.alive:
             try:
-                client.send(p.WarmUp(list(hooks), dict(env)))
+                client.send(p.PrepareHooks(list(hooks), dict(env)))
             except AirMagicError:
-                pass  # it is gone; the next call starts a new one, and warms it up after that call
+                pass  # it is gone; the next call starts a new one, and prepares it after that call
 
     def release_hot(self) -> None:
         """End every idle hot rank now (a running call's ranks end with it)."""
@@ -381,7 +381,7 @@ def local_launcher() -> LocalLauncher:
     return _local
 
 
-def warm_up() -> None:
+def start_helper() -> None:
     """Start the supervisor now, in the background: it imports torch (never CUDA) while the user types."""
     if warm_default():
         _local.client()

@@ -1,14 +1,18 @@
-"""The import cache of a warm supervisor: what it preloaded, when that no longer matches the caller, and warm-ups.
+"""The import cache of a warm supervisor: what it preloaded, when that no longer matches the caller, and the
+hook modules' preparations.
 
 A warm supervisor imports torch (and what AIR_MAGIC_PRELOAD names) once, so a forked
 worker finds it imported. `Preloaded.stale_reason` says when that state no longer
 matches a caller (another interpreter, a changed file, another copy on sys.path, an
 import-time variable that differs): the supervisor then answers `stale` and the
-launcher starts a fresh one. Warm-ups are what the hook modules of a call (see
-JobRequest.hooks) do in `warm_up(env)` while the supervisor is idle, e.g. importing
-mlflow; what they import is hidden from a forked worker until its code imports it
-(`_Unhide`, `_Restore`). A warm-up gives way to a request that arrives while it runs
-(`_GiveWay`, `_roll_back`).
+launcher starts a fresh one. Preparations are what the hook modules of a call (see
+JobRequest.hooks) do in `preload(env)` in the background, e.g. importing mlflow; what
+they import is hidden from a forked worker until its code imports it (`_Unhide`,
+`_Restore`). A preparation gives way to a request that arrives while it runs
+(`_GiveWay`, `_roll_back`), unless the call's ranks need it: a call whose code names
+what a pending preparation brings (the hook's PRELOADS, e.g. "mlflow") has it finished
+first (`needed_by`), so its ranks, and every later call's, find it done instead of
+each importing it themselves.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import mmap
 import os
+import re
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
 from .. import protocol as p
@@ -36,9 +43,9 @@ class Preloaded:
 
     Two kinds of preload. What AIR_MAGIC_PRELOAD (else PRELOAD) names is imported at start and
     is simply there in every forked worker. The hook modules of a call (LaunchJob.hooks; the MLflow
-    tracking of a call names its in-rank hook) may define `warm_up(env)`, which the supervisor runs
-    while it is idle after that call: what a warm-up imports is kept out of a forked worker's
-    sys.modules (and its atexit functions unregistered) until the worker's code imports it, so a
+    tracking of a call names its in-rank hook) may define `preload(env)`, which the supervisor runs
+    while it is idle, or before forking a call that needs it: what a preparation imports is kept out of a
+    forked worker's sys.modules (and its atexit functions unregistered) until the worker's code imports it, so a
     worker carries only what its code imports, yet that import takes microseconds.
     """
 
@@ -46,8 +53,8 @@ class Preloaded:
         self.modules: dict[str, str] = {}  # top-level package -> its directory, for the sys.path check
         self.files: dict[str, tuple[int, int]] = {}  # watched path -> (inode, mtime), see _watch
         self.env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
-        self.pending: dict[str, dict[str, str]] = {}  # warm-up module -> environment of the call that asked
-        self.hidden_tops: set[str] = set()  # top-level names that warm-ups brought in
+        self.pending: dict[str, dict[str, str]] = {}  # hook module -> environment of the call that asked
+        self.hidden_tops: set[str] = set()  # top-level names that preparations brought in
         self.exit_funcs: list[ExitFunc] = []
         if not warm:
             return
@@ -105,20 +112,47 @@ class Preloaded:
                 return f"{path} changed on disk"
         return None
 
-    # -- warm-ups: imports a call asked for, done while idle ------------------
+    # -- preparations: imports a call asked for, done in the background ------------
     def ask(self, hooks: list[str], env: dict[str, str]) -> None:
-        """Note hook modules whose warm-ups run later (`warm_up_now`, while idle): a call's, or a WarmUp's."""
+        """Note hook modules whose preparations run later (`run_preparations`): a call's, or a PrepareHooks'."""
         for name in hooks:
             self.pending[name] = env
 
-    def warm_up_now(self, waiting: Callable[[], bool] = lambda: False) -> bool:
-        """Run the pending warm-ups, each catching its own failure (the workers then import for themselves).
+    def needed_by(self, payload: Path) -> list[str]:
+        """The pending hook modules whose PRELOADS the call's payload names: its ranks would import them.
 
-        Gives way to requests: while a warm-up imports, `waiting()` is asked at each module it loads, and
-        once it says a request waits, the warm-up is interrupted there (`_GiveWay`), what it was loading
+        The payload holds the names the call's code uses (a cell's source; a function's, and those of the
+        notebook's own modules, which travel by value): finding "mlflow" there means a rank imports it. Code
+        in an installed package is pickled by name, so what it imports is not seen: its ranks import it
+        themselves, as without a preparation.
+        """
+        names: dict[bytes, list[str]] = {}
+        for hook in self.pending:
+            try:
+                module = importlib.import_module(hook)  # air_magic's own hook module: small, imports no package
+            except Exception:  # noqa: BLE001, S112 - run_preparations reports it
+                continue
+            for package in getattr(module, "PRELOADS", ()):
+                names.setdefault(package.encode(), []).append(hook)
+        if not names:
+            return []
+        try:
+            with open(payload, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return sorted({h for name, hooks in names.items() if _names(name).search(data) for h in hooks})
+        except (OSError, ValueError):  # no payload (an empty file cannot be mapped): nothing is needed
+            return []
+
+    def run_preparations(
+        self, waiting: Callable[[], bool] = lambda: False, only: Collection[str] | None = None
+    ) -> bool:
+        """Run the pending preparations (those named in `only`, if given), each catching its own failure (the
+        workers then import for themselves).
+
+        Gives way to requests: while a preparation imports, `waiting()` is asked at each module it loads, and
+        once it says a request waits, the preparation is interrupted there (`_GiveWay`), what it was loading
         is forgotten (`_roll_back`), and it stays pending for the next idle moment. Returns False then,
-        True once nothing is pending. Threads are no way out: the supervisor forks, and a thread caught
-        importing at fork time leaves its import locks held in the child.
+        True once nothing asked for is pending. Threads are no way out: the supervisor forks, and a thread
+        caught importing at fork time leaves its import locks held in the child.
         """
         import atexit
 
@@ -129,8 +163,8 @@ class Preloaded:
             registered.append((func, args, kwargs))
             return register(func, *args, **kwargs)
 
-        while self.pending:
-            name, env = self.pending.popitem()
+        for name in [n for n in list(self.pending) if only is None or n in only]:
+            env = self.pending.pop(name)
             start = before = set(sys.modules)
             registered.clear()
             give_way = _GiveWay(waiting, start)
@@ -140,14 +174,14 @@ class Preloaded:
             try:
                 module = importlib.import_module(name)
                 before = set(sys.modules)  # the hook module itself is air_magic's: never hidden
-                warm_up = getattr(module, "warm_up", None)
-                if warm_up is not None:
-                    packages = list(warm_up(env) or ())
-            except WarmUpInterrupted:
+                preload = getattr(module, "preload", None)
+                if preload is not None:
+                    packages = list(preload(env) or ())
+            except PreparationInterrupted:
                 pass
-            except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation; say why it did not happen
+            except Exception as exc:  # noqa: BLE001 - a preparation is an optimisation; say why it did not happen
                 if give_way.kept is None:
-                    print(f"air_magic supervisor: warm-up {name} failed: {exc!r}", file=sys.stderr, flush=True)
+                    print(f"air_magic supervisor: preparation {name} failed: {exc!r}", file=sys.stderr, flush=True)
             finally:
                 atexit.register = register
                 sys.meta_path.remove(give_way)
@@ -172,7 +206,7 @@ class Preloaded:
         return True
 
     def hide_in_child(self) -> None:
-        """In a forked worker: take what warm-ups imported out of sys.modules until the worker imports it."""
+        """In a forked worker: take what preparations imported out of sys.modules until the worker imports it."""
         if not self.hidden_tops:
             return
         groups: dict[str, dict[str, Any]] = {}
@@ -237,18 +271,18 @@ class _Restore(importlib.abc.Loader):
         module.__spec__ = self.spec  # the import system set ours; keep the package's own
 
 
-class WarmUpInterrupted(BaseException):
-    """Raised inside a warm-up at its next import once a request waits; a BaseException, so that code
+class PreparationInterrupted(BaseException):
+    """Raised inside a preparation at its next import once a request waits; a BaseException, so that code
     guarding an optional import with `except ImportError` or `except Exception` lets it through."""
 
 
 class _GiveWay(importlib.abc.MetaPathFinder):
-    """First on sys.meta_path during a warm-up: at each module to load, asks `waiting()`; once it says yes,
-    raises WarmUpInterrupted there and at every later import, so the warm-up unwinds whatever catches it.
+    """First on sys.meta_path during a preparation: at each module to load, asks `waiting()`; once it says yes,
+    raises PreparationInterrupted there and at every later import, so the preparation unwinds whatever catches it.
 
     It fires only at an import made by a module's own code (`_by_module_code`), and only where what it would
     drop holds no extension module (one loaded twice keeps the objects of its first load). When it fires it
-    notes, in `kept`, the modules the warm-up finished before the first one it was still loading: those
+    notes, in `kept`, the modules the preparation finished before the first one it was still loading: those
     finished before that one started, so they hold nothing of what is rolled back.
     """
 
@@ -273,7 +307,12 @@ class _GiveWay(importlib.abc.MetaPathFinder):
             if any(_is_extension(m) for m in dropped if m.__name__.partition(".")[0] not in sys.stdlib_module_names):
                 return None  # an extension module cannot be loaded twice: go on until it is kept
             self.kept = kept
-        raise WarmUpInterrupted(name)
+        raise PreparationInterrupted(name)
+
+
+def _names(name: bytes) -> re.Pattern[bytes]:
+    """`name` as a whole name (`mlflow`, `mlflow.log_metric`; not `mlflow_utils`) in a payload's bytes."""
+    return re.compile(rb"(?<![A-Za-z0-9_])" + re.escape(name) + rb"(?![A-Za-z0-9_])")
 
 
 def _is_extension(module: Any) -> bool:
@@ -283,7 +322,7 @@ def _is_extension(module: Any) -> bool:
 def _by_module_code() -> bool:
     """Whether the import being found was asked by a module's own code, not by a function.
 
-    Only there may a warm-up be interrupted: a module that fails while it loads is dropped whole, but a
+    Only there may a preparation be interrupted: a module that fails while it loads is dropped whole, but a
     function interrupted at a lazy import may leave its library half set up (SQLAlchemy's caches, say).
     """
     frame: Any = sys._getframe(2)
@@ -295,7 +334,7 @@ def _by_module_code() -> bool:
 
 
 def _roll_back(before: set[str], kept: set[str]) -> None:
-    """Forget what an interrupted warm-up loaded, except what `kept` names and finished standard modules.
+    """Forget what an interrupted preparation loaded, except what `kept` names and finished standard modules.
 
     A module is also forgotten when its parent package is (the import system dropped those still loading):
     loaded again later, it is bound to the new package like any fresh import.

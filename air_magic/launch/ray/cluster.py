@@ -100,11 +100,11 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
             context = ray.init(address="local", **ray_init_kwargs)
     context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
     _context = context
-    warm_up()  # the nodes start a worker for this notebook while the user types
+    prestart_workers()  # the nodes start a worker for this notebook while the user types
     return context
 
 
-def warm_up() -> None:
+def prestart_workers() -> None:
     """In the background: have every node with CPUs start a Ray worker for this notebook.
 
     A node starts its first worker for a notebook (a Ray job) slowly; done right after `ray_init`, the
@@ -122,7 +122,7 @@ def warm_up() -> None:
 
 
 def warming() -> threading.Thread | None:
-    """The warm-up's thread, if `ray_init` started one."""
+    """The thread of `prestart_workers`, if `ray_init` started one."""
     return _warming
 
 

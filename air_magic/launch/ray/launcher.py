@@ -189,7 +189,7 @@ class RayJob(JobHandle):
         try:
             world = self.launcher.take_hot(self.request)
             if world is None or not self._run_hot(world):
-                self._await_warm_up()
+                self._await_prestart()
                 self._place()
                 self._start_ranks()
             self._watch()
@@ -209,8 +209,8 @@ class RayJob(JobHandle):
                 self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time()))
             self.events.put(p.JobGone(self.job))
 
-    def _await_warm_up(self) -> None:
-        """A warm-up still starting the nodes' workers: wait for it, rather than have the nodes start more at once."""
+    def _await_prestart(self) -> None:
+        """`prestart_workers` still starting the nodes' workers: wait for it, rather than have the nodes start more."""
         warming = cluster_warming()
         deadline = time.monotonic() + START_WAIT
         while warming is not None and warming.is_alive() and time.monotonic() < deadline:

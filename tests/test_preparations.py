@@ -1,0 +1,102 @@
+"""The warm helper's background preparations (a hook module's `preload`): finished once for the calls whose ranks need
+them and kept for every later call; never waited for by a call whose ranks do not need them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from faults_common import run_here
+
+from air_magic.launch.local import local_launcher
+
+pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
+
+#: The package the preparation imports. Spelt in two parts: this module's source travels with every call (as a
+#: notebook's own modules do), and a call that names the package anywhere has its preparation finished first.
+PACKAGE = "slow" + "prep"
+#: A module of PACKAGE: its import takes 0.3 s and notes "<pid> m<i>" in `marks` beside the package.
+MODULE = """
+import os, pathlib, time
+time.sleep(0.3)
+with open(pathlib.Path(__file__).parent.parent / "marks", "a") as f:
+    f.write(f"{{os.getpid()}} m{i}\\n")
+"""
+HOOK = """
+import importlib
+
+PRELOADS = ({package!r},)
+
+def preload(env):
+    importlib.import_module({package!r})
+    return [{package!r}]
+"""
+
+
+def bare():
+    import os
+
+    return os.getpid()
+
+
+def uses_it(package: str):
+    import importlib
+    import os
+
+    return (importlib.import_module(package).LOADED_IN, os.getpid())
+
+
+@pytest.fixture
+def slow_preparation(tmp_path, monkeypatch):
+    """A helper that has the hook module `delayhook` on its path, whose preparation imports PACKAGE (3 s)."""
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import os\n" + "".join(f"from . import m{i}\n" for i in range(10)) + "LOADED_IN = os.getpid()\n"
+    )
+    for i in range(10):
+        (package / f"m{i}.py").write_text(MODULE.format(i=i))
+    (tmp_path / "delayhook.py").write_text(HOOK.format(package=PACKAGE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    launcher = local_launcher()
+    launcher.shutdown()  # the next helper finds the hook module on its path
+    try:
+        run_here(bare)  # the helper is up
+        yield launcher, tmp_path / "marks"
+    finally:
+        launcher.shutdown()
+
+
+def _wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_call_whose_ranks_do_not_need_a_preparation_never_waits_for_it(slow_preparation):
+    """Calls that do not name what the helper is preparing come back while it is still at it, back to back."""
+    launcher, marks = slow_preparation
+    launcher.prepare_hooks(["delayhook"], {})
+    _wait_for(marks.exists, 60)
+    for _ in range(3):
+        run_here(bare)
+        assert "m9" not in marks.read_text(), "a call waited for a preparation its ranks do not need"
+
+
+def test_a_preparation_interrupted_by_calls_is_finished_once_for_the_first_call_that_needs_it(slow_preparation):
+    """After calls that interrupt it, the first call whose code imports what the preparation brings has it finished
+    before its ranks start: every rank of that call and of the next finds it imported in the helper, done once."""
+    launcher, marks = slow_preparation
+    launcher.prepare_hooks(["delayhook"], {})
+    _wait_for(marks.exists, 60)
+    run_here(bare)
+    run_here(bare)
+    helper = launcher.supervisor_pid
+    for _ in range(2):
+        ranks = run_here(uses_it, PACKAGE).values
+        assert [loaded_in for loaded_in, _ in ranks] == [helper, helper], (ranks, helper)
+        assert all(pid != helper for _, pid in ranks)
+    finished = [line for line in marks.read_text().splitlines() if line.endswith(" m9")]
+    assert finished == [f"{helper} m9"], "the preparation did not finish exactly once, in the helper"
