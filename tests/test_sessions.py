@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import psutil
 import pytest
 
@@ -211,3 +215,24 @@ def test_a_notebook_object_of_a_name_the_session_holds_is_never_sent(session_ker
         run_dir = out.stdout.split("logs in ", 1)[1].split()[0]
         payload = session_kernel.value(f"__import__('os').path.getsize({run_dir!r} + '/payload.pkl')")
         assert int(payload) < 1_000_000, f"{code!r} sent {payload} bytes"
+
+
+def test_a_second_interrupt_stops_the_session_at_once(session_kernel):
+    """While the ranks are being asked to come back, a second Ctrl-C stops them without waiting for them."""
+    cell(session_kernel, f"--session twice {CPU}", "import signal, time").check()
+    mid = session_kernel.send(
+        f"%%distributed --session twice {CPU}\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('deaf', flush=True)\ntime.sleep(120)"
+    )
+
+    def interrupt_twice(out) -> bool:
+        if out.stdout.count("deaf") < 2:
+            return False
+        # the second, while the first is being waited on (a signal, as Jupyter sends it: no client call off-thread)
+        threading.Timer(1.0, os.kill, (session_kernel.pid, signal.SIGINT)).start()
+        return True
+
+    out = session_kernel.collect(mid, timeout=60, interrupt_when=interrupt_twice)
+    assert out.ename == "KeyboardInterrupt"
+    assert "session 'twice' ended" in out.traceback and "(interrupted)" in out.traceback
+    assert "did not come back" not in out.traceback
