@@ -92,9 +92,9 @@ def table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 
 #: What a result file cannot say about itself, shown under the tables that use it.
 NOTES = {
-    "launch-1xH200.json": "each round runs the methods in turn, so a hot call follows a fresh-process call and waits for "
-    "that call's ranks to finish exiting (results come back before the exits; the next call starts after them), "
-    "which is most of the 0.12 s.",
+    "launch-1xH200.json": "each round runs the methods in turn, so a hot call follows a fresh-process call and "
+    "waits for that call's ranks to finish exiting (results come back before the exits; the next call starts after "
+    "them), which is most of the 0.12 s.",
     "launch-4xH200.json": "measured before ranks stopped destroying a process group left open and tearing CUDA "
     "down at exit, which saved 0.5–0.9 s per call on 2×H200; not measured again on 4 GPUs.",
     "mlflow_launch-cpu-before.json": "the code before MLflow was imported by the helper between calls; kept to "
@@ -518,8 +518,49 @@ def raw_records() -> list[str]:
     ]
 
 
+def sessions() -> list[str]:
+    names = matching("sessions.json") + matching("sessions-*.json")
+    if not names:
+        return []
+    rows = []
+    for name in names:
+        d = load(name)
+        shape = d.get("shape", {})
+        what = f"{shape.get('layers')} layers, d_model {shape.get('d_model')}, seq {shape.get('seq')}, " + (
+            "compiled" if d.get("compile") else "not compiled"
+        )
+        for way in ("warm", "hot", "session"):
+            rows.append(
+                [
+                    machine_of(d, name),
+                    date_of(d),
+                    load_of(d),
+                    what,
+                    way,
+                    s(d["first_call_s"].get(way)),
+                    s(d["median_s"].get(way)),
+                    f"{d['ratio_to_session'][way]:.1f}×",
+                ]
+            )
+    return [
+        "## Sessions: ten training steps per call of a model that takes a while to build",
+        "",
+        (
+            "`bench/sessions.py`: a GPT-style decoder from torch alone, built, wrapped in DDP and compiled, trained 10 "
+            "steps per call: warm (built every call), hot (`keep_alive`, built every call), and a session cell that "
+            "reuses the model built by the session's first cell. Median of the calls after the first; the ratio is to "
+            "the session's."
+        ),
+        "",
+        *table(["machine", "date", "load", "model", "way", "first call", "median call", "× session"], rows),
+        source_line(names),
+        "",
+    ]
+
+
 SECTIONS: list[Callable[[], list[str]]] = [
     launch,
+    sessions,
     ddp_step,
     faults,
     panel,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -150,6 +151,7 @@ def main() -> None:
     median = {way: statistics.median(values) for way, values in times.items()}
     record = {
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_1min": os.getloadavg()[0],
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), {ranks} {kind} rank(s)",
         "shape": shape,
         "compile": compile_model,
