@@ -86,7 +86,8 @@ def test_cuda_used_in_the_notebook_does_not_matter(kernel):
 def test_failure_timeout_and_interrupt_free_the_gpus(kernel):
     """A rank failure, a timeout and a kernel interrupt each leave no process of the run holding GPU memory."""
     kernel.execute(
-        "@distributed()\ndef holds(fail):\n    import os, time, torch\n    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "@distributed()\ndef holds(fail):\n    import os, time, torch\n"
+        "    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
         "    x = torch.empty(2**30, device='cuda')\n    print('holding', os.getpid(), flush=True)\n"
         "    if fail and int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
         "        raise RuntimeError(f'rank {os.environ[\"RANK\"]} fails')\n    time.sleep(600)\n"
@@ -119,7 +120,8 @@ def test_nccl_job_listens_on_loopback_only(kernel):
     kernel.execute(
         "@distributed()\ndef waits():\n    import os, time, torch, torch.distributed as dist\n"
         "    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n    dist.init_process_group('nccl')\n"
-        "    t = torch.ones(1, device='cuda'); dist.all_reduce(t)\n    print('ready', flush=True)\n    time.sleep(8)\n    return t.item()"
+        "    t = torch.ones(1, device='cuda'); dist.all_reduce(t)\n    print('ready', flush=True)\n    time.sleep(8)\n"
+        "    return t.item()"
     ).check()
     msg = kernel.send("waits.distributed()")
     time.sleep(6)
@@ -147,7 +149,8 @@ def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the
 def _tensors_come_back_on_cpu(kernel: Kernel) -> None:
     kernel.execute(
         "from air_magic import distributed\n"
-        "@distributed()\ndef gives(fail):\n    import os, torch\n    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "@distributed()\ndef gives(fail):\n    import os, torch\n"
+        "    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
         "    model = torch.nn.Linear(4, 2).cuda()\n"
         "    if fail:\n        raise ValueError(torch.ones(2, device='cuda'))\n"
         "    return {'ones': torch.ones(2, device='cuda'), 'state': model.state_dict(), 'param': model.weight}\n"
@@ -178,6 +181,36 @@ def test_hot_ranks_keep_their_cuda_context_and_free_the_gpu_when_released(kernel
     assert gpu_pids() - before == held, "the second call ran in the same processes"
     assert first.error is None and second.error is None
     kernel.execute("%distributed_release").check()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and gpu_pids() - before:
+        time.sleep(0.5)
+    assert gpu_pids() - before == set()
+
+
+def test_a_session_keeps_a_model_on_every_gpu_through_an_error_and_frees_the_gpus_when_it_ends(kernel):
+    """A session cell's CUDA model is there for the next cell, in the same GPU processes, after a user error too;
+    %distributed_session shows each rank's device; --end leaves no GPU memory in use."""
+    kernel.execute("%load_ext air_magic").check()
+    before = gpu_pids()
+    kernel.execute(
+        "%%distributed --session gpu\n"
+        "import os, torch, torch.distributed as dist\n"
+        "local = int(os.environ['LOCAL_RANK'])\ntorch.cuda.set_device(local)\ndist.init_process_group('nccl')\n"
+        "model = torch.nn.Linear(1024, 1024).cuda()\nsteps = 0"
+    ).check()
+    held = gpu_pids() - before
+    assert len(held) == gpu_count()
+    typo = kernel.execute("%%distributed --session gpu\nmodel.weigth")
+    assert typo.ename == "AttributeError" and "session 'gpu' was kept" in typo.traceback
+    out = kernel.execute(
+        "%%distributed --session gpu\n"
+        "t = model(torch.ones(8, 1024, device='cuda')).sum()\ndist.all_reduce(t)\nsteps += 1\n(steps, t.device.type)"
+    ).check()
+    assert eval(out.result or "[]") == [(1, "cuda")] * gpu_count()
+    assert gpu_pids() - before == held, "the later cells ran in the same GPU processes"
+    listing = kernel.execute("%distributed_session").check().stdout
+    assert "cuda:0" in listing and "model: Linear" in listing
+    kernel.execute("%distributed_session --end gpu").check()
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and gpu_pids() - before:
         time.sleep(0.5)
