@@ -1,10 +1,13 @@
 """The notebook's own modules reach every rank as the notebook has them: imported by name inside a function or a
-cell, or by another such module; locally and on a simulated Ray cluster; the same after an edit and a reload."""
+cell, or by another such module; locally and on a simulated Ray cluster; the same after an edit and a reload. On Ray,
+an installed package that a node lacks or has in another version is brought with the call, or the call refused."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -14,12 +17,29 @@ from helpers import Kernel
 HELPERS = "import helpers_ct2\n\n\ndef version():\n    return '{tag} ' + helpers_ct2.TAG\n"
 
 
+def tiny_dist(root: Path, version: str) -> Path:
+    """A directory where the distribution `tinydist_am` of `version` is installed (its package and its metadata)."""
+    root.mkdir(parents=True)
+    (root / "tinydist_am").mkdir()
+    (root / "tinydist_am" / "__init__.py").write_text(f"VERSION = {version!r}\n")
+    meta = root / f"tinydist_am-{version}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tinydist_am\nVersion: {version}\n")
+    (meta / "RECORD").write_text(f"tinydist_am/__init__.py,,\n{meta.name}/METADATA,,\n{meta.name}/RECORD,,\n")
+    return root
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A simulated Ray cluster (a head and two 2-CPU nodes on 127.0.0.1) for the kernels of this module."""
+    """A simulated Ray cluster (a head and two 2-CPU nodes on 127.0.0.1) for the kernels of this module; the
+    second node's environment has `tinydist_am` 1.0 installed, the first none."""
     pytest.importorskip("ray")
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    c = ray_cluster.start_cluster()
+    site = tiny_dist(tmp_path_factory.mktemp("node-site") / "site", "1.0")
+    c = ray_cluster.start_cluster(nodes=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+        ray_cluster.add_node(c)
     yield c
     c.shutdown()
 
@@ -95,3 +115,34 @@ def ray_cluster_free(cluster) -> None:
         ray_cluster.wait_all_free(60)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(cluster, workdir, tmp_path):
+    """The notebook imported tinydist_am 2.0; one node lacks it and the other has 1.0. With packages='check' the
+    call is refused before any rank starts, naming the package, each node and version; with 'sync' (the default)
+    every rank imports the notebook's 2.0, and a second call too."""
+    site = tiny_dist(tmp_path / "notebook-site", "2.0")
+    env = {"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "PYTHONPATH": str(site)}
+    k = Kernel(workdir, env=env)
+    try:
+        k.execute(
+            f"from air_magic import ray_init, distributed\n"
+            f"_ = ray_init({cluster.address!r}, packages='check', log_to_driver=False)\n"
+            "import tinydist_am\n"
+            "@distributed(1, accelerator_type='CPU', num_nodes=2, mlflow=False)\n"
+            "def which():\n"
+            "    import importlib.metadata, tinydist_am\n"
+            "    return tinydist_am.VERSION, importlib.metadata.version('tinydist_am')\n"
+        ).check()
+        refused = k.execute("which.distributed()", timeout=300)
+        message = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", refused.traceback + refused.stdout).split())
+        assert "tinydist_am 2.0 here, missing on node" in message, message
+        assert "tinydist_am 2.0 here, 1.0 on node" in message and "No rank was started" in message, message
+        assert "pip install 'tinydist_am==2.0'" in message and "packages='sync'" in message, message
+        k.execute(f"_ = ray_init({cluster.address!r}, packages='sync')").check()
+        for _ in range(2):
+            assert k.value("which.distributed()").endswith("[('2.0', '2.0'), ('2.0', '2.0')]")
+    finally:
+        k.shutdown()
+    ray_cluster_free(cluster)

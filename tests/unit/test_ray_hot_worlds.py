@@ -7,16 +7,17 @@ import time
 import pytest
 
 from air_magic.launch import protocol as p
-from air_magic.launch.ray import launcher as ray_launcher_module
-from air_magic.launch.ray.launcher import HotWorld, RayLauncher, _world_key
+from air_magic.launch.ray import hot as hot_module
+from air_magic.launch.ray.hot import HotWorld, world_key
+from air_magic.launch.ray.launcher import RayLauncher
 
 
 @pytest.fixture
 def ended(monkeypatch):
     """The actors of every hot world ended, instead of asking Ray to end them."""
     gone: list[list[str]] = []
-    monkeypatch.setattr(ray_launcher_module, "require_connected", lambda: None)
-    monkeypatch.setattr(ray_launcher_module, "end_actors", lambda ray, actors, pg, grace: gone.append(actors))
+    monkeypatch.setattr(hot_module, "require_connected", lambda: None)
+    monkeypatch.setattr(hot_module, "end_actors", lambda ray, actors, pg, grace: gone.append(actors))
     return gone
 
 
@@ -36,7 +37,7 @@ def request(key: str = "k", keep_alive: float | None = 30.0, nodes: int = 2) -> 
 
 
 def world(req: p.JobRequest, actors: list[str], keep_alive: float = 30.0) -> HotWorld:
-    return HotWorld(_world_key(req), actors, None, [], "127.0.0.1", 1234, keep_alive)
+    return HotWorld(world_key(req), actors, None, [], "127.0.0.1", 1234, keep_alive)
 
 
 def test_the_next_call_of_the_same_world_takes_the_idle_hot_world(ended):

@@ -13,7 +13,6 @@ end-of-file on stdin and stops every worker it has.
 from __future__ import annotations
 
 import atexit
-import codecs
 import os
 import queue
 import subprocess
@@ -26,38 +25,15 @@ from ...errors import AirMagicError, describe_returncode
 from ...phase import Phase
 from .. import protocol as p
 from ..boot import PACKAGE_PARENT, boot_command, warm_default
-from ..errorfile import read_error_file
 from ..interface import JobHandle, Launcher, drain
+from ..rank_files import LogTail, outcome
 from ..rundir import RunDir, helper_log, write_private
 from ..stopper import STOP_GRACE, close_by_eof
 
 #: The supervisor's module: its command line names it.
 SUPERVISOR_MODULE = "air_magic.launch.local.supervisor"
-_READ_CHUNK = 1 << 20
 #: Seconds the next job waits at most for the processes of calls already over to finish exiting.
 ENDING_LIMIT = STOP_GRACE + 10
-
-
-class LogTail:
-    """Follows one rank's log file from its end when made (what an earlier attempt wrote is not read again)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self.offset = path.stat().st_size
-        except OSError:
-            self.offset = 0
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def read(self, final: bool = False) -> str:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(_READ_CHUNK)
-        except OSError:
-            return ""
-        self.offset += len(data)
-        return self.decoder.decode(data, final=final and len(data) < _READ_CHUNK)
 
 
 class LocalJob(JobHandle):
@@ -113,17 +89,7 @@ class LocalJob(JobHandle):
 
     def outcome(self, rank: int) -> p.RankOutcome:
         """The result or the error a rank left in the run directory."""
-        error = read_error_file(self.run_dir.error(rank), self.run_dir.error_pickle(rank), rank)
-        if error is not None:
-            try:
-                at: float | None = self.run_dir.error(rank).stat().st_mtime_ns / 1e9
-            except OSError:
-                at = None
-            return p.RankOutcome(error=error, error_at=at)
-        try:
-            return p.RankOutcome(value=self.run_dir.result(rank).read_bytes())
-        except OSError:
-            return p.RankOutcome()
+        return outcome(self.run_dir, rank)
 
     def relaunch(self, why: str) -> None:
         """Start this job on a fresh supervisor; the helpers' log says why the last one was replaced."""

@@ -1,8 +1,12 @@
 """The Ray launcher: ranks on several machines of a Ray cluster, behind the same Launcher interface.
 
 cluster.py   ray_init, the "is this notebook connected" check, what the cluster holds
-launcher.py  the notebook's side: placement group, one actor per rank, events for the runner
+launcher.py  the notebook's side: a pump per call, the hot worlds, shutdown
+pump.py      one call: place or reuse, start the ranks, watch them, report events, tear down
+placement.py the placement group and its actors, each rank's environment, ending actors
+hot.py       hot worlds (keep_alive): which call takes one, when one ends
 rank.py      what runs inside each rank's actor
+_compat.py   the only uses of Ray's private names
 
 Importing this package does not import Ray; a one-node call never comes here.
 """

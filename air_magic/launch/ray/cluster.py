@@ -23,11 +23,15 @@ from urllib.parse import urlparse
 from ...accelerators import DEFAULT_CPU_WORKERS, _check_count, parse_gpu_type
 from ...envvars import FORCE_CPU
 from ...errors import ConfigurationError
+from ._compat import cluster_mode_off
 
 #: The variable that, set to 0, makes Ray use 127.0.0.1 as this node's address (node_ip_address="127.0.0.1" alone
 #: is not enough).
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _context: Any = None
+#: ray_init's `packages` (see there; launch/ray/packages.py does it).
+PACKAGE_MODES = ("sync", "check", "off")
+_packages = "sync"
 _warming: threading.Thread | None = None
 
 INSTALL_HINT = "pip install 'air_magic[ray]'"
@@ -50,29 +54,29 @@ def _loopback_only() -> Iterator[None]:
     """While Ray starts here: every process it starts takes 127.0.0.1 as this node's address."""
     old = os.environ.get(_LOOPBACK_ENV)
     os.environ[_LOOPBACK_ENV] = "0"  # read by the processes Ray starts, at their import
-    constants = sys.modules.get("ray._private.ray_constants")
-    was = getattr(constants, "ENABLE_RAY_CLUSTER", None)
-    if constants is not None:
-        # this process read the variable when it imported ray
-        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010
     try:
-        yield
+        with cluster_mode_off():  # this process read the variable when it imported ray
+            yield
     finally:
-        if constants is not None and was is not None:
-            setattr(constants, "ENABLE_RAY_CLUSTER", was)  # noqa: B010
         if old is None:
             os.environ.pop(_LOOPBACK_ENV, None)
         else:
             os.environ[_LOOPBACK_ENV] = old
 
 
-def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
+def ray_init(address: str | None = None, *, packages: str = "sync", **ray_init_kwargs: Any) -> Any:
     """Connect this notebook to Ray, so that `distributed(..., num_nodes=N)` can run on N machines.
 
     address: None starts a Ray of this kernel's own on this machine, everything listening on
         127.0.0.1 only (the dashboard too, unless `dashboard_host=` says otherwise), or joins the
         cluster in RAY_ADDRESS when it is set; "auto" joins the cluster started on this machine with
         `ray start`; "ray://host:10001" connects through Ray Client; "host:6379" joins as a driver.
+    packages: what a call does when a node's installed packages differ from the notebook's (compared, before
+        any rank starts, for the distributions the notebook has imported). "sync" (the default): the call's
+        ranks get the notebook's exact versions through a Ray runtime environment (its `py_modules`, uploaded
+        and unpacked once per node); what cannot travel so is refused as with "check". "check": the call is
+        refused, naming each package, node and version. "off": calls run with the nodes' packages as they are.
+        It can be changed by calling ray_init again.
     ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
 
     Once connected, every node with CPUs starts a Ray worker for this notebook in the background, so
@@ -82,7 +86,10 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> Any:
     Ray's context; its `dashboard_link` attribute opens the dashboard (through the Jupyter server
     when this kernel runs under one with jupyter-server-proxy and the dashboard is on this machine).
     """
-    global _context
+    global _context, _packages
+    if packages not in PACKAGE_MODES:
+        raise ConfigurationError(f"packages must be one of {', '.join(map(repr, PACKAGE_MODES))}, got {packages!r}.")
+    _packages = packages
     ray = import_ray()
     if ray.is_initialized():
         if _context is None:  # connected by the user's own ray.init
@@ -119,6 +126,11 @@ def prestart_workers() -> None:
         return
     _warming = threading.Thread(target=_boot_nodes, name="air_magic-ray-warm-up", daemon=True)
     _warming.start()
+
+
+def packages_mode() -> str:
+    """What ray_init(packages=...) chose."""
+    return _packages
 
 
 def warming() -> threading.Thread | None:

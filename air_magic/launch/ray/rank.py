@@ -216,6 +216,19 @@ def node_ready() -> int:
     return os.getpid()
 
 
+def installed_versions(names: list[str]) -> list[str | None]:
+    """A task on one node: the version of each distribution installed there (None: not installed)."""
+    import importlib.metadata
+
+    found: list[str | None] = []
+    for name in names:
+        try:
+            found.append(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            found.append(None)
+    return found
+
+
 def _preload(names: tuple[str, ...]) -> None:
     """Import what the ranks will import anyway while the launcher places them; a module missing here is no error."""
     for name in names:

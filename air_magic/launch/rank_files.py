@@ -1,0 +1,70 @@
+"""What a rank left in the call's run directory, read the same way by every launcher.
+
+A rank's log file is the loss-free record of its output: `LogTail` follows it
+and decodes it into text for `RankOutput` events (the local launcher's ranks
+write it themselves; the Ray launcher appends what each node sends). Once a
+rank has exited, `outcome` reads its result or error file into the
+`RankOutcome` of its `RankExited`. This module starts nothing and writes
+nothing.
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+from . import protocol as p
+from .errorfile import read_error_file
+from .rundir import RunDir
+
+_READ_CHUNK = 1 << 20
+
+
+class LogTail:
+    """Follows one rank's log file from its end when made (what an earlier attempt wrote is not read again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.offset = path.stat().st_size
+        except OSError:
+            self.offset = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def read(self, final: bool = False) -> str:
+        """Text written since the last read (at most a chunk); `final`: the end of the file is the end of the log."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(_READ_CHUNK)
+        except OSError:
+            data = b""
+        self.offset += len(data)
+        return self.decoder.decode(data, final=final and len(data) < _READ_CHUNK)
+
+    def read_all(self, final: bool = False) -> list[str]:
+        """Every piece of text written since the last read."""
+        found: list[str] = []
+        while True:
+            text = self.read(final)
+            if text:
+                found.append(text)
+            if not text:
+                return found
+
+
+def outcome(run_dir: RunDir, rank: int, error_at: float | None = None) -> p.RankOutcome:
+    """The result or the error a rank left in the run directory (`error_at`: when the error was written, if the
+    error file's own time is not that, as for a file copied from another node)."""
+    error = read_error_file(run_dir.error(rank), run_dir.error_pickle(rank), rank)
+    if error is not None:
+        if error_at is None:
+            try:
+                error_at = run_dir.error(rank).stat().st_mtime_ns / 1e9
+            except OSError:
+                error_at = None
+        return p.RankOutcome(error=error, error_at=error_at)
+    try:
+        return p.RankOutcome(value=run_dir.result(rank).read_bytes())
+    except OSError:
+        return p.RankOutcome()

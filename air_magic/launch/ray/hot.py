@@ -1,0 +1,122 @@
+"""Hot worlds on Ray: the actors of a call kept for the next call of the same world, and when they end.
+
+After a call in which every rank succeeded, its actors, their placement group,
+what they imported and their default process group stay as a `HotWorld`; the
+next call of the same world (`world_key`, node count, ranks per node, GPU or
+not) runs in them, with the first call's MASTER_ADDR and MASTER_PORT. A hot
+world ends when it has been idle `keep_alive` s, when a call in it fails or is
+stopped (cancel, timeout, Ctrl-C), on `release_hot()` or `shutdown()`, and
+when a call of another world waits for resources (idle hot ranks may hold
+them). `HotWorlds` is that registry; it asks Ray for nothing but the end of a
+world's actors (placement.end_actors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import protocol as p
+from .cluster import require_connected
+from .placement import end_actors
+
+
+@dataclass(eq=False)
+class HotWorld:
+    """Actors kept between calls of one world: their placement group, where they run, where their group meets."""
+
+    key: str
+    actors: list[Any]
+    pg: Any
+    places: list[p.ActorPlace]
+    master: str
+    port: int
+    keep_alive: float
+    #: A call runs in it now.
+    busy: bool = True
+    #: Ends it once it has been idle `keep_alive` s.
+    timer: threading.Timer | None = field(default=None, repr=False)
+
+
+def world_key(request: p.JobRequest) -> str:
+    """What a call must share with a hot world to run in it."""
+    return f"{request.world_key}/{request.num_nodes}x{request.world_size // request.num_nodes}/{request.use_gpu}"
+
+
+class HotWorlds:
+    """The hot worlds of this notebook, idle or running a call (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._worlds: list[HotWorld] = []
+        self._lock = threading.Lock()
+
+    def take_hot(self, request: p.JobRequest) -> HotWorld | None:
+        """An idle hot world of this call's world, now busy; None if there is none."""
+        if not request.keep_alive:
+            return None
+        key = world_key(request)
+        with self._lock:
+            world = next((w for w in self._worlds if not w.busy and w.key == key), None)
+            if world is not None:
+                world.busy = True
+                if world.timer is not None:
+                    world.timer.cancel()
+            return world
+
+    def keep(self, world: HotWorld) -> None:
+        """A call in `world` is over and every rank succeeded: it waits `keep_alive` s for the next call."""
+        with self._lock:
+            if world not in self._worlds:
+                self._worlds.append(world)
+            world.busy = False
+            world.timer = threading.Timer(world.keep_alive, self._expire, args=(world,))
+            world.timer.daemon = True
+            world.timer.start()
+
+    def _expire(self, world: HotWorld) -> None:
+        """Idle `keep_alive` s (this runs in the world's timer thread): end it, unless a call took it meanwhile."""
+        with self._lock:
+            if world.busy or world not in self._worlds or world.timer is not threading.current_thread():
+                return  # taken by a call meanwhile, or already ended
+            self._worlds.remove(world)
+        self._end([world])
+
+    def drop(self, world: HotWorld) -> None:
+        """`world` is ending (its call failed, was stopped, or lost a rank): no call may take it."""
+        with self._lock:
+            if world in self._worlds:
+                self._worlds.remove(world)
+            if world.timer is not None:
+                world.timer.cancel()
+
+    def _end(self, worlds: list[HotWorld]) -> None:
+        if not worlds:
+            return
+        ray = require_connected()
+        for world in worlds:
+            if world.timer is not None:
+                world.timer.cancel()
+            end_actors(ray, world.actors, world.pg, 3.0)
+
+    def hot_worlds(self) -> list[HotWorld]:
+        """The hot worlds kept now, idle or running a call."""
+        with self._lock:
+            return list(self._worlds)
+
+    def release_hot(self) -> None:
+        """End every idle hot world now: its actors and their placement group (a running call's ranks end with it)."""
+        with self._lock:
+            idle = [w for w in self._worlds if not w.busy]
+            for world in idle:
+                self._worlds.remove(world)
+        with contextlib.suppress(Exception):  # a notebook no longer connected holds nothing
+            self._end(idle)
+
+    def end_all(self) -> None:
+        """End every hot world, a call's or not (at shutdown)."""
+        with self._lock:
+            worlds, self._worlds = self._worlds, []
+        with contextlib.suppress(Exception):
+            self._end(worlds)

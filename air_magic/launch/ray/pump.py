@@ -1,0 +1,348 @@
+"""A Ray call's pump: one thread per job that does every blocking Ray call and reports launcher events.
+
+It places the job (placement.py) or takes a hot world of the same world
+(hot.py), starts the ranks, long-polls each actor for output and for its
+outcome, and tears everything down: the ranks' own child processes, the
+actors, the placement group. What a node sends is appended to the rank's log
+in the run directory here (the full record) and read back into `RankOutput`
+as a local rank's log is (rank_files.LogTail); the result and error files it
+sends are kept there and read into the `RankOutcome` as a local rank's are.
+Relayed MLflow lines go to the rank's metrics file for the notebook's
+listener. A rank whose actor or node dies is reported as a `WorkerDiedError`.
+The runner sees only the events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+from ...errors import WorkerDiedError
+from .. import protocol as p
+from ..boot import INTERNAL_ERROR
+from ..interface import JobHandle, drain
+from ..rank_files import LogTail, outcome
+from ..rundir import RunDir, write_private
+from . import packages
+from .cluster import alive_nodes
+from .cluster import warming as cluster_warming
+from .hot import HotWorld, HotWorlds, world_key
+from .placement import LaunchError, Placement, code_dirs, end_actors, rank_envs
+
+#: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
+PLACEMENT_WAIT = 45.0
+#: How long the actors of a placed job may take to start, in seconds (a busy node takes long to start Ray workers).
+START_WAIT = 300.0
+#: Seconds an actor's poll waits for new output before it answers with none.
+POLL_WAIT = 0.5
+
+
+class Owner(HotWorlds):
+    """What a job asks of the launcher that started it (launcher.RayLauncher)."""
+
+    def actor_class(self) -> Any:
+        raise NotImplementedError
+
+    def probe_task(self) -> Any:
+        raise NotImplementedError
+
+    def forget(self, job: RayJob) -> None:
+        raise NotImplementedError
+
+
+class _Stopped(Exception):
+    """A stop came while the job was being placed or started."""
+
+
+class RayJob(JobHandle):
+    """One job on the cluster: its pump thread and the events it reports."""
+
+    def __init__(self, launcher: Owner, request: p.JobRequest, run_dir: RunDir, ray: Any) -> None:
+        self.launcher = launcher
+        self.request = request
+        self.run_dir = run_dir
+        self.ray = ray
+        self.job = request.job_id
+        self.per_node = request.world_size // request.num_nodes
+        self.events: queue.Queue[p.Event] = queue.Queue()
+        self.stop_asked = threading.Event()
+        self.grace = 3.0
+        self.actors: list[Any] = []
+        self.infos: list[p.ActorPlace] = []
+        self.pg: Any = None
+        #: The hot world this call runs in (reused, or made by this call when it asks for keep_alive).
+        self.world: HotWorld | None = None
+        self.started: set[int] = set()
+        self.exited: set[int] = set()
+        self.codes: dict[int, int] = {}
+        self.failed = False
+        self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
+        self.offsets = [0] * request.world_size
+        self.metrics_offsets = [0] * request.world_size
+        self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
+        self.thread.start()
+
+    # -- the JobHandle side (the runner's thread) ---------------------------
+    def next_events(self, timeout: float) -> list[p.Event]:
+        return drain(self.events, timeout)
+
+    def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
+        self.grace = grace  # no sessions here: `interrupt_after` is never asked of this launcher
+        self.stop_asked.set()
+
+    def close(self) -> None:
+        self.stop_asked.set()  # a no-op after JobGone; otherwise the pump tears down and ends alone
+        self.launcher.forget(self)
+
+    def dump_stacks(self) -> None:
+        for rank in sorted(self.started - self.exited):
+            with contextlib.suppress(Exception):
+                self.actors[rank].dump_stacks.remote("on request")  # arrives with the rank's next output
+
+    # -- the pump (its own thread) ------------------------------------------
+    def _pump(self) -> None:
+        try:
+            world = self.launcher.take_hot(self.request)
+            if world is None or not self._run_hot(world):
+                self._await_prestart()
+                self._place()
+                self._start_ranks()
+            self._watch()
+        except _Stopped:
+            pass
+        except LaunchError as exc:
+            self._fail(str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the runner, never raised in a thread
+            self._fail(f"the Ray launcher failed: {type(exc).__name__}: {exc}")
+        finally:
+            try:
+                self._keep_or_teardown()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(f"tearing the job down failed: {type(exc).__name__}: {exc}")
+            for rank in sorted(self.started - self.exited):
+                self._flush_decoder(rank)
+                self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time()))
+            self.events.put(p.JobGone(self.job))
+
+    def _await_prestart(self) -> None:
+        """`prestart_workers` still starting the nodes' workers: wait for it, rather than have the nodes start more."""
+        warming = cluster_warming()
+        deadline = time.monotonic() + START_WAIT
+        while warming is not None and warming.is_alive() and time.monotonic() < deadline:
+            if self.stop_asked.is_set():
+                raise _Stopped()
+            warming.join(0.05)
+
+    def _fail(self, message: str) -> None:
+        self.failed = True
+        self.events.put(p.LaunchFailed(self.job, message))
+
+    def _wait(self, refs: list[Any], limit: float, what: str) -> list[Any]:
+        """ray.get of `refs`, giving up at a stop or after `limit` s."""
+        deadline = time.monotonic() + limit
+        while True:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0.2)
+            if len(ready) == len(refs):
+                return list(self.ray.get(refs))
+            if self.stop_asked.is_set():
+                raise _Stopped()
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{what} did not happen within {limit:g} s")
+
+    def _run_hot(self, world: HotWorld) -> bool:
+        """Start the call in the hot world's actors; False (the world ended) if a node or actor of it was lost."""
+        self.world, self.actors, self.pg, self.infos = world, world.actors, world.pg, world.places
+        alive = {n["NodeID"] for n in alive_nodes(self.ray)}
+        lost = [pl for pl in world.places if pl.node_id not in alive]
+        why = f"node {lost[0].ip} ({lost[0].node_id[:8]}) left the Ray cluster" if lost else ""
+        if not lost:
+            try:
+                self._start_calls(world.master, world.port)
+                return True
+            except self.ray.exceptions.RayActorError as exc:
+                why = f"a Ray actor of theirs died ({' '.join(str(exc).split())[:200]})"
+        self.events.put(
+            p.RankOutput(
+                self.job, 0, f"air_magic: the hot ranks of this world were lost: {why}; starting fresh ranks.\n"
+            )
+        )
+        self._end_world()
+        return False
+
+    def _end_world(self) -> None:
+        """End the actors and placement group this job holds, and the hot world they belong to."""
+        actors, pg, world = self.actors, self.pg, self.world
+        self.actors, self.pg, self.infos, self.world = [], None, [], None
+        if world is not None:
+            self.launcher.drop(world)
+        end_actors(self.ray, actors, pg, self.grace)
+
+    def _place(self) -> None:
+        """Ask for the placement group and its actors; wait until the group is placed."""
+        placement = Placement(self.ray, self.request)
+        placement.check_fits()
+        runtime_env = packages.prepare(self.ray, placement.bundle, self.launcher.probe_task())
+        if self.stop_asked.is_set():
+            raise _Stopped()
+        self.pg, self.actors = placement.reserve(self.launcher.actor_class(), f"air_magic-{self.job[:12]}", runtime_env)
+        deadline = time.monotonic() + PLACEMENT_WAIT
+        ready = self.pg.ready()
+        while not self.ray.wait([ready], timeout=0.2)[0]:
+            if self.launcher.hot_worlds():
+                self.launcher.release_hot()  # idle hot ranks may hold what this call needs: it comes first
+            if self.stop_asked.is_set():
+                raise _Stopped()
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the Ray cluster could not reserve {placement.asked} within {PLACEMENT_WAIT:g} s: other work "
+                    f"holds them. {placement.free_text()}"
+                )
+
+    def _start_ranks(self) -> None:
+        """The placed actors: where each runs (rank 0 picks MASTER_PORT), then the call in each."""
+        wheres = [a.where.remote(rank == 0) for rank, a in enumerate(self.actors)]
+        self.infos = self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
+        master, port = self.infos[0].ip, self.infos[0].free_port
+        if self.request.keep_alive:
+            self.world = HotWorld(
+                world_key(self.request), self.actors, self.pg, self.infos, master, port, float(self.request.keep_alive)
+            )
+        self._start_calls(master, port)
+
+    def _start_calls(self, master: str, port: int) -> None:
+        req = self.request
+        payload = self.ray.put(req.payload)  # through the object store, fetched by each node once
+        job = dataclasses.replace(p.JobFile.of(req), sys_path=code_dirs(req.sys_path))
+        envs = rank_envs(req, self.infos, master, port, run_id=self.run_dir.path.name)
+        refs = [
+            actor.start.remote(p.RankCall(rank, job, envs[rank], hot=bool(req.keep_alive)), payload)
+            for rank, actor in enumerate(self.actors)
+        ]
+        for rank, pid in enumerate(self._wait(refs, START_WAIT, "starting the ranks")):
+            self.started.add(rank)
+            self.events.put(p.RankStarted(self.job, rank, int(pid)))
+
+    def _watch(self) -> None:
+        ray = self.ray
+        pending = {a.poll.remote(0, 0, POLL_WAIT): r for r, a in enumerate(self.actors)}
+        while pending:
+            if self.stop_asked.is_set():
+                return  # the teardown ends the ranks; their exits are reported after it
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
+            if ready:  # and whatever else is in already
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            for ref in ready:
+                rank = pending.pop(ref)
+                report: p.RankReport | None = None
+                try:
+                    report = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:
+                    pass
+                except ray.exceptions.RayActorError as exc:
+                    self._lost(rank, exc)
+                    continue
+                if report is not None:
+                    self._metrics(rank, report.metrics)
+                    self._output(rank, report.output)
+                if report is None or report.done is None:
+                    again = self.actors[rank].poll.remote(self.offsets[rank], self.metrics_offsets[rank], POLL_WAIT)
+                    pending[again] = rank
+                else:
+                    self._exited(rank, report.done)
+
+    def _output(self, rank: int, data: bytes) -> None:
+        if not data:
+            return
+        self.offsets[rank] += len(data)
+        with open(self.run_dir.log(rank), "ab") as f:  # the record here, read back as a local rank's log is
+            f.write(data)
+        for text in self.tails[rank].read_all():
+            self.events.put(p.RankOutput(self.job, rank, text))
+
+    def _metrics(self, rank: int, data: bytes) -> None:
+        """Lines the rank's MLflow relay wrote (tracking/relay.py), for the notebook's MLflow listener to log."""
+        if data:
+            self.metrics_offsets[rank] += len(data)
+            fd = os.open(self.run_dir.metrics(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+
+    def _flush_decoder(self, rank: int) -> None:
+        for text in self.tails[rank].read_all(final=True):
+            self.events.put(p.RankOutput(self.job, rank, text))
+
+    def _exited(self, rank: int, files: p.RankFiles) -> None:
+        """Keep what the rank left in the run directory here, and report its exit."""
+        rd = self.run_dir
+        for data, path in (
+            (files.result, rd.result(rank)),
+            (files.error, rd.error(rank)),
+            (files.error_pickle, rd.error_pickle(rank)),
+        ):
+            if data is not None:
+                write_private(path, data, exclusive=False)
+        result = outcome(rd, rank, error_at=files.error_at)
+        self._flush_decoder(rank)
+        self.exited.add(rank)
+        code = self.codes[rank] = INTERNAL_ERROR if files.code is None else int(files.code)
+        self.events.put(p.RankExited(self.job, rank, code, time.time(), result))
+
+    def _lost(self, rank: int, exc: BaseException) -> None:
+        """The rank's actor died under it: its process, or its whole node."""
+        self.failed = True
+        info = self.infos[rank] if rank < len(self.infos) else None
+        node_id = info.node_id if info is not None else ""
+        alive = {n["NodeID"] for n in alive_nodes(self.ray)}
+        where = f"node {info.ip if info else '?'} ({node_id[:8]})"
+        if node_id and node_id not in alive:
+            why = f"its {where} left the Ray cluster"
+        else:
+            why = f"its Ray actor (pid {info.pid if info else '?'} on {where}) died"
+        detail = " ".join(str(exc).split())[:400]
+        error = WorkerDiedError(
+            f"rank {rank} was lost: {why}, without a Python exception from the rank. Ray said: {detail}"
+        )
+        self._flush_decoder(rank)
+        self.exited.add(rank)
+        self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time(), p.RankOutcome(error=error)))
+
+    def _keep_or_teardown(self) -> None:
+        """A hot world whose call every rank finished cleanly stays for the next call; anything else ends."""
+        world = self.world
+        clean = (
+            world is not None
+            and not self.failed
+            and not self.stop_asked.is_set()
+            and len(self.codes) == self.request.world_size
+            and not any(self.codes.values())
+        )
+        if clean and world is not None:
+            self.launcher.keep(world)
+        else:
+            if self.actors and self.stop_asked.is_set():
+                self._stacks_before_stopping()
+            self._end_world()
+
+    def _stacks_before_stopping(self) -> None:
+        """Ranks still running write their stacks to their logs, which are read here once more (a second at most)."""
+        from ..stacks import STOPPING
+
+        running = sorted(self.started - self.exited)
+        if not running:
+            return
+        with contextlib.suppress(Exception):
+            asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
+            self.ray.wait(asked, num_returns=len(asked), timeout=1.0)
+            polls = {r: self.actors[r].poll.remote(self.offsets[r], self.metrics_offsets[r], 0) for r in running}
+            self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=1.0)
+            for rank, ref in polls.items():
+                with contextlib.suppress(Exception):
+                    self._output(rank, self.ray.get(ref, timeout=0).output)
