@@ -146,3 +146,37 @@ def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(
     finally:
         k.shutdown()
     ray_cluster_free(cluster)
+
+
+@pytest.mark.slow
+def test_what_ray_ranks_log_to_mlflow_reaches_the_charts_and_the_record(cluster, workdir):
+    """Each rank of a call on two Ray nodes logs a metric: its values are in the call's chart files here, so the live
+    charts and the static record show them for both ranks."""
+    env = {
+        "AIR_MAGIC_RUNS_DIR": str(workdir / "runs-charts"),
+        "AIR_MAGIC_DISPLAY": "text",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/charts-mlflow.db",
+    }
+    k = Kernel(workdir, env=env)
+    try:
+        k.execute(
+            f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
+            "%load_ext air_magic"
+        ).check()
+        k.execute(
+            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU\n"
+            "import os, mlflow\n"
+            "for step in range(3):\n"
+            "    mlflow.log_metric('loss', 10.0 * int(os.environ['RANK']) + step, step=step)\n",
+            timeout=300,
+        ).check()
+        shown = k.execute(
+            "import os\nfrom pathlib import Path\n"
+            "from air_magic.display.charts import MetricsTail, charts_text\n"
+            "run = max(Path(os.environ['AIR_MAGIC_RUNS_DIR']).iterdir(), key=lambda p: p.stat().st_mtime)\n"
+            "tail = MetricsTail(run, 2)\ntail.poll()\nprint(charts_text(tail))\n"
+        ).check()
+        assert "loss (3 values) — last rank 0: 2, rank 1: 12" in shown.stdout, shown.stdout
+    finally:
+        k.shutdown()
+    ray_cluster_free(cluster)

@@ -338,3 +338,5 @@ class RankReport:
     output: bytes
     metrics: bytes
     done: RankFiles | None = None
+    #: Lines for the live charts (the rank's chart file, tracking/tee.py) from the offset asked on.
+    charts: bytes = b""

@@ -21,6 +21,7 @@ A difference is handled as `ray_init(packages=...)` says:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -43,6 +44,8 @@ _probed: dict[tuple[str, str], str | None] = {}
 #: Distribution files uploaded, by (name, version): the runtime environment's URIs.
 _uploaded: dict[tuple[str, str], list[str]] = {}
 _lock = threading.Lock()
+#: What `_installed` read, and the sys.path directories' times it was read at.
+_seen: tuple[list[tuple[str, int]], dict[str, list[str]], dict[str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,20 +86,36 @@ def _kernel_closure() -> frozenset[str]:
     return frozenset(seen)
 
 
+def _installed() -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Top-level module -> its distributions, and distribution -> version: read again only when a `sys.path`
+    directory changed (a `%pip install` adds to one), as reading them takes a few tenths of a second."""
+    global _seen
+    stamp = []
+    for entry in sys.path:
+        with contextlib.suppress(OSError):
+            stamp.append((entry, os.stat(entry or ".").st_mtime_ns))
+    seen = _seen
+    if seen is None or seen[0] != stamp:
+        owners = dict(importlib.metadata.packages_distributions())
+        versions = {}
+        for dist in importlib.metadata.distributions():
+            name = dist.metadata["Name"]
+            if name and name not in versions:  # the first on sys.path is the one imported
+                versions[name] = dist.version
+        seen = _seen = (stamp, owners, versions)
+    return seen[1], seen[2]
+
+
 def notebook_distributions() -> dict[str, str]:
     """Distribution -> version, for each installed distribution this process has imported a module of."""
     tops = {name.split(".")[0] for name in list(sys.modules)} - set(sys.stdlib_module_names)
-    owners = importlib.metadata.packages_distributions()
+    owners, versions = _installed()
     skip = _kernel_closure()
     found: dict[str, str] = {}
     for top in tops:
         for dist in owners.get(top, []):
-            if _canonical(dist) in skip or dist in found:
-                continue
-            try:
-                found[dist] = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
+            if _canonical(dist) not in skip and dist in versions:
+                found[dist] = versions[dist]
     return found
 
 

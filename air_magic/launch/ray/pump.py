@@ -85,6 +85,7 @@ class RayJob(JobHandle):
         self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
         self.offsets = [0] * request.world_size
         self.metrics_offsets = [0] * request.world_size
+        self.charts_offsets = [0] * request.world_size
         self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
         self.thread.start()
 
@@ -230,7 +231,7 @@ class RayJob(JobHandle):
 
     def _watch(self) -> None:
         ray = self.ray
-        pending = {a.poll.remote(0, 0, POLL_WAIT): r for r, a in enumerate(self.actors)}
+        pending = {a.poll.remote((0, 0, 0), POLL_WAIT): r for r, a in enumerate(self.actors)}
         while pending:
             if self.stop_asked.is_set():
                 return  # the teardown ends the ranks; their exits are reported after it
@@ -249,9 +250,10 @@ class RayJob(JobHandle):
                     continue
                 if report is not None:
                     self._metrics(rank, report.metrics)
+                    self._charts(rank, report.charts)
                     self._output(rank, report.output)
                 if report is None or report.done is None:
-                    again = self.actors[rank].poll.remote(self.offsets[rank], self.metrics_offsets[rank], POLL_WAIT)
+                    again = self.actors[rank].poll.remote(self._offsets(rank), POLL_WAIT)
                     pending[again] = rank
                 else:
                     self._exited(rank, report.done)
@@ -269,11 +271,17 @@ class RayJob(JobHandle):
         """Lines the rank's MLflow relay wrote (tracking/relay.py), for the notebook's MLflow listener to log."""
         if data:
             self.metrics_offsets[rank] += len(data)
-            fd = os.open(self.run_dir.metrics(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            _append(self.run_dir.metrics(rank), data)
+
+    def _charts(self, rank: int, data: bytes) -> None:
+        """Values the rank logged, for the live charts and the record (tracking/tee.py), kept as a local rank's."""
+        if data:
+            self.charts_offsets[rank] += len(data)
+            _append(self.run_dir.chart_metrics(rank), data)
+
+    def _offsets(self, rank: int) -> tuple[int, int, int]:
+        """How much of the rank's log, MLflow lines and chart lines has arrived here."""
+        return self.offsets[rank], self.metrics_offsets[rank], self.charts_offsets[rank]
 
     def _flush_decoder(self, rank: int) -> None:
         for text in self.tails[rank].read_all(final=True):
@@ -341,8 +349,16 @@ class RayJob(JobHandle):
         with contextlib.suppress(Exception):
             asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
             self.ray.wait(asked, num_returns=len(asked), timeout=1.0)
-            polls = {r: self.actors[r].poll.remote(self.offsets[r], self.metrics_offsets[r], 0) for r in running}
+            polls = {r: self.actors[r].poll.remote(self._offsets(r), 0) for r in running}
             self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=1.0)
             for rank, ref in polls.items():
                 with contextlib.suppress(Exception):
                     self._output(rank, self.ray.get(ref, timeout=0).output)
+
+
+def _append(path: Any, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

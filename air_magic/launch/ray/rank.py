@@ -157,21 +157,21 @@ class RankActor:
 
             worker.tidy()
 
-    def poll(self, offset: int, metrics_offset: int, wait: float) -> RankReport:
-        """Output and relayed MLflow lines from the given byte offsets on (waiting up to `wait` s for output),
-        and the call's files once the rank is done and everything it wrote has been read."""
+    def poll(self, offsets: tuple[int, int, int], wait: float) -> RankReport:
+        """Output, relayed MLflow lines and chart lines from the given byte offsets on (waiting up to `wait` s for
+        any), and the call's files once the rank is done and everything it wrote has been read."""
         from air_magic.launch.protocol import RankReport
 
         assert self.scratch is not None
+        files = (self.scratch.log(self.rank), self.scratch.metrics(self.rank), self.scratch.chart_metrics(self.rank))
         deadline = time.monotonic() + wait
         while True:
             finished = self.done.is_set()
-            data = _read(self.scratch.log(self.rank), offset)
-            metrics = _read(self.scratch.metrics(self.rank), metrics_offset)
-            if finished and len(data) < _CHUNK and len(metrics) < _CHUNK:
-                return RankReport(data, metrics, self.outcome())
-            if data or metrics or time.monotonic() >= deadline:
-                return RankReport(data, metrics)
+            data, metrics, charts = (_read(path, at) for path, at in zip(files, offsets))
+            if finished and max(len(data), len(metrics), len(charts)) < _CHUNK:
+                return RankReport(data, metrics, self.outcome(), charts=charts)
+            if data or metrics or charts or time.monotonic() >= deadline:
+                return RankReport(data, metrics, charts=charts)
             self.done.wait(_OUTPUT_EVERY)  # the end of the call wakes this at once
 
     def outcome(self) -> RankFiles:
