@@ -346,6 +346,45 @@ def first_calls() -> list[str]:
     ]
 
 
+def call_patterns() -> list[str]:
+    names = matching("call_patterns*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        where = f"{machine_of(d, name)}, {d.get('ranks', '?')} ranks"
+        for pattern, v in d.get("summary", {}).items():
+            if pattern == "yardsticks":
+                rows += [
+                    [where, date_of(d), load_of(d), k.removesuffix(" s"), s(x), "", "", "", ""] for k, x in v.items()
+                ]
+                continue
+            rows.append(
+                [
+                    where,
+                    date_of(d),
+                    load_of(d),
+                    pattern,
+                    s(v["s"]),
+                    f"{v['against']}: {s(v['against s'])}",
+                    f"{v['ratio']:.2f}" if v.get("ratio") is not None else "–",
+                    s(v["bound s"]),
+                    "yes" if v["within bound"] else "**no**",
+                ]
+            )
+    return [
+        "## Call patterns",
+        "",
+        "`bench/call_patterns.py`: the same all-reduce job (logging one MLflow metric per rank unless bare) in a",
+        "fresh process per pattern, MLflow's default local store: Run All (`%load_ext` and the first call at once),",
+        "a 5 s pause, sweeps of warm and of hot (`keep_alive`) calls, and as yardsticks fresh processes",
+        "(`warm=False`) and torchrun. Bounds: Run All ≤ a fresh-process first call + 0.3 s; paused first call",
+        "≤ 1.5 × warm + 0.3 s on CPU (2 × on GPUs); logging calls 2-5 ≤ bare calls 2-5 + 0.3 s (medians).",
+        "",
+        *table(["machine", "date", "load", "pattern", "time", "against", "ratio", "bound", "within"], rows),
+        *notes(names),
+    ]
+
+
 def mlflow_logging() -> list[str]:
     names = matching("mlflow_logging-*.json")
     rows = []
@@ -566,6 +605,7 @@ SECTIONS: list[Callable[[], list[str]]] = [
     panel,
     mlflow_launch,
     first_calls,
+    call_patterns,
     mlflow_logging,
     data_read,
     ray,
