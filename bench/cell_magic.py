@@ -63,7 +63,8 @@ def main() -> None:
             magic = [timed(kc, f"%%distributed --gpus {args.gpus} --no-mlflow\n{body}") for _ in range(args.repeat)]
             deco = [timed(kc, "work.distributed()") for _ in range(args.repeat)]
             print(
-                f"{name:16s} %%distributed {statistics.median(magic):6.2f} s   @distributed {statistics.median(deco):6.2f} s"
+                f"{name:16s} %%distributed {statistics.median(magic):6.2f} s   @distributed "
+                f"{statistics.median(deco):6.2f} s"
             )
     finally:
         kc.stop_channels()

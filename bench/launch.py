@@ -61,11 +61,20 @@ with open({script!r}, "w") as f:
 CALLS = {
     "air_magic first call (starts helper)": "clock(NAME, lambda: distributed(N, mlflow=False)(job).distributed())",
     "air_magic warm": "clock(NAME, lambda: distributed(N, mlflow=False, warm=True)(job).distributed())",
-    "air_magic fresh processes (warm=False)": "clock(NAME, lambda: distributed(N, mlflow=False, warm=False)(job).distributed())",
-    "air_magic hot (keep_alive)": "clock(NAME, lambda: distributed(N, mlflow=False, keep_alive=600)(job).distributed())",
+    "air_magic fresh processes (warm=False)": (
+        "clock(NAME, lambda: distributed(N, mlflow=False, warm=False)(job).distributed())"
+    ),
+    "air_magic hot (keep_alive)": (
+        "clock(NAME, lambda: distributed(N, mlflow=False, keep_alive=600)(job).distributed())"
+    ),
     "air_magic hot, logs to MLflow": "clock(NAME, lambda: distributed(N, keep_alive=600)(job_logs).distributed())",
-    "torchrun": "clock(NAME, lambda: subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(N), {script!r}], check=True, capture_output=True))",
-    "accelerate notebook_launcher": "from accelerate import notebook_launcher; clock(NAME, lambda: notebook_launcher(job, num_processes=N))",
+    "torchrun": (
+        "clock(NAME, lambda: subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', "
+        "str(N), {script!r}], check=True, capture_output=True))"
+    ),
+    "accelerate notebook_launcher": (
+        "from accelerate import notebook_launcher; clock(NAME, lambda: notebook_launcher(job, num_processes=N))"
+    ),
 }
 
 

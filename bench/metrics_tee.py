@@ -45,7 +45,10 @@ def time_loop(fn, many):
     # CPU time of this thread: what the training loop pays, less sensitive to other processes than the wall clock
     t = time.thread_time()
     for i in range(calls):
-        fn({"a": 1.0 / (i + 1), "b": i, "c": 0.5, "d": 2.0} if many else "loss", step=i) if many else fn("loss", 1.0 / (i + 1), step=i)
+        if many:
+            fn({"a": 1.0 / (i + 1), "b": i, "c": 0.5, "d": 2.0}, step=i)
+        else:
+            fn("loss", 1.0 / (i + 1), step=i)
     return (time.thread_time() - t) / calls * 1e6
 out = {"plain_metric_us": [], "tee_metric_us": [], "plain_metrics4_us": [], "tee_metrics4_us": []}
 for _ in range(rounds):

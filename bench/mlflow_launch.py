@@ -76,7 +76,10 @@ client = mlflow.MlflowClient()
 runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=10000)
 out["logging runs"] = sum(1 for r in runs if r.info.run_name == "logs")
 out["logging runs with every rank's metric"] = sum(
-    1 for r in runs if r.info.run_name == "logs" and len(client.get_metric_history(r.info.run_id, "x")) == int(r.data.params["world_size"])
+    1
+    for r in runs
+    if r.info.run_name == "logs"
+    and len(client.get_metric_history(r.info.run_id, "x")) == int(r.data.params["world_size"])
 )
 from air_magic.tracking import ui as mlflow_ui
 mlflow_ui.shutdown()
@@ -175,7 +178,8 @@ def first_calls(args: argparse.Namespace, ranks: int, kind: str) -> dict:
             else ""
         )
         print(
-            f"{name}: load {row['loading s']:.2f} s{waited}; first {row['first s']:.2f} s, second {row['second s']:.2f} s, "
+            f"{name}: load {row['loading s']:.2f} s{waited}; first {row['first s']:.2f} s, second "
+            f"{row['second s']:.2f} s, "
             f"warm {row['warm median s']:.3f} s; bound {row['bound s']:.2f} s: first "
             f"{'ok' if row['first within bound'] else 'OVER'}, second {'ok' if row['second within bound'] else 'OVER'}",
             flush=True,
@@ -258,7 +262,8 @@ def main() -> None:
 
 def _print_warm_costs(report: dict, args: argparse.Namespace, ranks: list[int], device: str) -> None:
     print(
-        f"{device} ({report['host']}), warm calls, median of {args.repeat}; load average {report['load_before']:.1f} -> {report['load_after']:.1f}"
+        f"{device} ({report['host']}), warm calls, median of {args.repeat}; load average {report['load_before']:.1f} "
+        f"-> {report['load_after']:.1f}"
     )
     print(
         "| helper | ranks | no MLflow s | bare s | logs one metric s | logs - bare | logs - no MLflow | logs / bare |"
@@ -270,7 +275,8 @@ def _print_warm_costs(report: dict, args: argparse.Namespace, ranks: list[int], 
             data[str(n) + " median"] = med
             print(
                 f"| {variant} | {n} | {med['no MLflow']:.3f} | {med['bare']:.3f} | {med['logs']:.3f} | "
-                f"{med['logs'] - med['bare']:+.3f} | {med['logs'] - med['no MLflow']:+.3f} | {med['logs'] / med['bare']:.1f} |"
+                f"{med['logs'] - med['bare']:+.3f} | {med['logs'] - med['no MLflow']:+.3f} | "
+                f"{med['logs'] / med['bare']:.1f} |"
             )
     for variant, data in report["variants"].items():
         print(

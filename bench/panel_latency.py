@@ -72,7 +72,8 @@ quick.distributed()""",
 APPEARANCE = r"""
 () => {
   window.__watch = null; window.__times = []; window.__watch_idx = null;
-  const SHOWN = '.air-magic-starting, .air-magic-panel, .air-magic-record', LINES = '.air-magic-log, .air-magic-record-log';
+  const SHOWN = '.air-magic-starting, .air-magic-panel, .air-magic-record';
+  const LINES = '.air-magic-log, .air-magic-record-log';
   document.addEventListener('keydown', e => {
     if (!(e.key === 'Enter' && e.shiftKey) || window.__watch_idx == null) return;
     const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[window.__watch_idx];

@@ -87,6 +87,17 @@ def here_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fault_kernel(kernel):
+    """The module's kernel with faults_common.FAULT_SETUP run (`timed`, `report`) and its supervisor started before
+    the first test, so its leak check does not wait on it."""
+    from faults_common import FAULT_SETUP
+
+    kernel.execute(FAULT_SETUP).check()
+    kernel.execute("distributed(2, mlflow=False)(lambda: 0).distributed()").check()
+    return kernel
+
+
+@pytest.fixture(scope="module")
 def kernel(workdir, request):
     """A real ipykernel shared by the tests of one module, with air_magic importable.
 

@@ -118,3 +118,32 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
     wrapped = distributed(**settings)(func)
     spec = wrapped.settings.spec(func, args, {}, func.__name__)
     return runner.run(spec, [listener or Recorder()]).raise_for_status()
+
+
+#: Cell code for the kernel tests of faults: `timed(f)` calls f on the ranks and keeps its value or error and the
+#: time it came back; `report(error, ended)` prints them as one REPORT line (read by helpers.reported).
+FAULT_SETUP = """
+import os, sys, time, json, threading
+from air_magic import distributed
+
+def timed(fn, *args, **kwargs):
+    try:
+        value, error = fn.distributed(*args, **kwargs), None
+    except BaseException as exc:
+        value, error = None, exc
+    return value, error, time.time()
+
+def report(error, ended):
+    print("REPORT " + json.dumps({"type": type(error).__name__, "message": str(error),
+          "notes": getattr(error, "__notes__", []), "ended": ended}))
+"""
+
+
+def procs() -> set[int]:
+    """The pids of every process now, for a later leftover check."""
+    return {p.pid for p in psutil.process_iter()}
+
+
+def steps(rank: int, n: int = 3) -> list[str]:
+    """The lines the fault scenarios' ranks print before their fault."""
+    return [f"rank {rank} step {i}" for i in range(n)]

@@ -3,6 +3,7 @@ processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -105,6 +106,11 @@ def run_id_of(stdout: str) -> str:
         if "MLflow run: " in line:
             return line.split("MLflow run: ", 1)[1].split()[0].split("?", 1)[0].rsplit("/", 1)[-1]
     raise AssertionError(f"no MLflow link printed:\n{stdout}")
+
+
+def reported(stdout: str) -> Any:
+    """The JSON of the last `REPORT <json>` line a cell printed (how kernel tests hand back what they saw)."""
+    return json.loads([line for line in stdout.splitlines() if line.startswith("REPORT ")][-1][len("REPORT ") :])
 
 
 def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -234,7 +234,8 @@ def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_c
                 """(b, label) => { const c = b.cloneNode(true);
                    const t = [...c.childNodes].find(n => n.nodeType === 3) || c;
                    t.textContent = label; c.style.position = 'absolute'; c.style.visibility = 'hidden';
-                   b.parentNode.appendChild(c); const ok = c.scrollWidth <= b.clientWidth + 1; c.remove(); return ok; }""",
+                   b.parentNode.appendChild(c); const ok = c.scrollWidth <= b.clientWidth + 1;
+                   c.remove(); return ok; }""",
                 label,
             )
             assert fits, f"the Cancel button cuts {label!r}"

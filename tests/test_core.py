@@ -22,16 +22,17 @@ from air_magic import distributed
 
 
 @pytest.fixture(scope="module")
-def nb(kernel):
+def text_kernel(kernel):
+    """The module's kernel (plain-text display) with `distributed` imported."""
     kernel.execute(SETUP).check()
     return kernel
 
 
-def test_notebook_function_with_class_and_helper_all_reduces_on_two_ranks(nb):
+def test_notebook_function_with_class_and_helper_all_reduces_on_two_ranks(text_kernel):
     """A function from one cell, using a class and a helper from others, all-reduces over gloo and returns per rank."""
-    nb.execute("class Scale:\n    def __init__(self, k):\n        self.k = k\n").check()
-    nb.execute("def helper(x):\n    return x * 10\n").check()
-    nb.execute(
+    text_kernel.execute("class Scale:\n    def __init__(self, k):\n        self.k = k\n").check()
+    text_kernel.execute("def helper(x):\n    return x * 10\n").check()
+    text_kernel.execute(
         """
 @distributed(num_accelerators=2)
 def train(offset, scale):
@@ -43,18 +44,18 @@ def train(offset, scale):
     return helper(offset) + scale.k * t.item() + dist.get_rank()
 """
     ).check()
-    out = nb.execute("results = train.distributed(1, Scale(2)); results").check()
+    out = text_kernel.execute("results = train.distributed(1, Scale(2)); results").check()
     assert out.result == "[16.0, 17.0]"
     assert "[rank 0] rank 0 sees 3.0" in out.stdout
     assert "[rank 1] rank 1 sees 3.0" in out.stdout
 
 
-def test_workers_get_torchrun_variables_and_the_callers_context(nb, workdir):
+def test_workers_get_torchrun_variables_and_the_callers_context(text_kernel, workdir):
     """Each rank sees RANK, LOCAL_RANK, WORLD_SIZE, ..., and the notebook's cwd, sys.path and environment at call
     time."""
     sub = workdir / "elsewhere"
     sub.mkdir(exist_ok=True)
-    nb.execute(
+    text_kernel.execute(
         f"""
 import sys
 os.chdir({str(sub)!r})
@@ -63,14 +64,16 @@ sys.path.append("/tmp/air-magic-extra-path")
 @distributed(num_accelerators=3)
 def context():
     import os, sys
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MY_SETTING"]
-    return {{k: os.environ.get(k) for k in keys}} | {{"cwd": os.getcwd(), "path": "/tmp/air-magic-extra-path" in sys.path, "pid": os.getpid()}}
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"]
+    keys.append("MY_SETTING")
+    seen = {{"cwd": os.getcwd(), "path": "/tmp/air-magic-extra-path" in sys.path, "pid": os.getpid()}}
+    return {{k: os.environ.get(k) for k in keys}} | seen
 ctx = context.distributed()
 os.chdir({str(workdir)!r})
 import json; print(json.dumps(ctx))
 """
     ).check()
-    ctx = json.loads(out_line(nb.execute("print(json.dumps(ctx))").check().stdout))
+    ctx = json.loads(out_line(text_kernel.execute("print(json.dumps(ctx))").check().stdout))
     assert [c["RANK"] for c in ctx] == ["0", "1", "2"]
     assert [c["LOCAL_RANK"] for c in ctx] == ["0", "1", "2"]
     assert {c["WORLD_SIZE"] for c in ctx} == {"3"} and {c["LOCAL_WORLD_SIZE"] for c in ctx} == {"3"}
@@ -79,8 +82,8 @@ import json; print(json.dumps(ctx))
     assert {c["MY_SETTING"] for c in ctx} == {"42"}
     assert {c["cwd"] for c in ctx} == {str(sub)}
     assert all(c["path"] for c in ctx)
-    assert len({c["pid"] for c in ctx}) == 3 and nb.pid not in {c["pid"] for c in ctx}
-    port2 = nb.execute("context.distributed()[0]['MASTER_PORT']").check().result
+    assert len({c["pid"] for c in ctx}) == 3 and text_kernel.pid not in {c["pid"] for c in ctx}
+    port2 = text_kernel.execute("context.distributed()[0]['MASTER_PORT']").check().result
     assert port2.strip("'") != ctx[0]["MASTER_PORT"], "a fresh port is chosen per call"
 
 
@@ -88,17 +91,17 @@ def out_line(text: str) -> str:
     return [line for line in text.splitlines() if line.startswith("[")][-1]
 
 
-def test_cuda_touched_in_the_notebook_and_two_calls_in_a_row(nb):
+def test_cuda_touched_in_the_notebook_and_two_calls_in_a_row(text_kernel):
     """After torch ran in the kernel, two calls in a row still work (workers are never forks of the kernel)."""
-    nb.execute("import torch; x = torch.zeros(1)").check()
-    nb.execute("@distributed(2)\ndef rank():\n    import os\n    return int(os.environ['RANK'])").check()
-    assert nb.execute("rank.distributed()").check().result == "[0, 1]"
-    assert nb.execute("rank.distributed()").check().result == "[0, 1]"
+    text_kernel.execute("import torch; x = torch.zeros(1)").check()
+    text_kernel.execute("@distributed(2)\ndef rank():\n    import os\n    return int(os.environ['RANK'])").check()
+    assert text_kernel.execute("rank.distributed()").check().result == "[0, 1]"
+    assert text_kernel.execute("rank.distributed()").check().result == "[0, 1]"
 
 
-def test_rank_exception_keeps_type_names_rank_and_stops_peers(nb):
+def test_rank_exception_keeps_type_names_rank_and_stops_peers(text_kernel):
     """A rank that raises gives the original type, the rank and its remote traceback; the peers are stopped at once."""
-    nb.execute(
+    text_kernel.execute(
         """
 class TrainingDiverged(Exception):
     pass
@@ -115,13 +118,13 @@ except TrainingDiverged as e:
     caught = e
 """
     ).check()
-    out = nb.execute(
+    out = text_kernel.execute(
         "print(type(caught).__name__, caught.__notes__, type(caught.__cause__).__name__, caught.__cause__)"
     ).check()
     assert out.stdout.startswith("TrainingDiverged ")
     assert "rank 1 of 2" in out.stdout
     assert "RemoteTraceback" in out.stdout and "loss is nan" in out.stdout
-    err = nb.execute("fails.distributed()")
+    err = text_kernel.execute("fails.distributed()")
     assert err.ename == "TrainingDiverged"
     assert "rank 1 of 2" in err.traceback and "raise TrainingDiverged" in err.traceback
 
@@ -134,9 +137,9 @@ except TrainingDiverged as e:
         ("import ctypes; ctypes.string_at(0)", "signal 11 (SIGSEGV)"),
     ],
 )
-def test_rank_that_dies_without_exception_is_named_with_code_and_output(nb, body, expect):
+def test_rank_that_dies_without_exception_is_named_with_code_and_output(text_kernel, body, expect):
     """os._exit, SIGKILL and a segfault name the rank, the exit code or signal, and the tail of its output."""
-    nb.execute(
+    text_kernel.execute(
         f"""
 @distributed(2)
 def dies():
@@ -147,16 +150,16 @@ def dies():
     time.sleep(120)
 """
     ).check()
-    err = nb.execute("dies.distributed()")
+    err = text_kernel.execute("dies.distributed()")
     assert err.ename == "WorkerDiedError", err.traceback
     assert "rank 0" in err.traceback and expect in err.traceback
     assert "last words of rank 0" in err.traceback
 
 
-def test_timeout_stops_workers_and_their_children(nb, workdir):
+def test_timeout_stops_workers_and_their_children(text_kernel, workdir):
     """On expiry every worker, a subprocess it spawned and its DataLoader workers are stopped; a TimeoutError says how
     to change the limit."""
-    nb.execute(
+    text_kernel.execute(
         """
 @distributed(2, timeout=6)
 def hangs():
@@ -173,64 +176,66 @@ def hangs():
         print("batch", flush=True)
 """
     ).check()
-    err = nb.execute("hangs.distributed()", timeout=60)  # how long the stop takes: bench/faults.py
+    err = text_kernel.execute("hangs.distributed()", timeout=60)  # how long the stop takes: bench/faults.py
     assert err.ename == "DistributedTimeoutError"
     assert "timeout of 6 s" in err.traceback and "timeout=" in err.traceback
     assert (
-        nb.execute(
-            "isinstance(_ if False else None, type(None)); issubclass(__import__('air_magic.errors').errors.DistributedTimeoutError, TimeoutError)"
+        text_kernel.execute(
+            "isinstance(_ if False else None, type(None)); "
+            "issubclass(__import__('air_magic.errors').errors.DistributedTimeoutError, TimeoutError)"
         ).result
         == "True"
     )
 
 
-def test_interrupt_stops_workers_and_next_call_works(nb):
+def test_interrupt_stops_workers_and_next_call_works(text_kernel):
     """A kernel interrupt during a call stops every worker and raises KeyboardInterrupt; the next call runs."""
-    nb.execute(
-        "@distributed(2, timeout=None)\ndef sleeper():\n    import time\n    print('sleeping', flush=True)\n    time.sleep(300)"
+    text_kernel.execute(
+        "@distributed(2, timeout=None)\ndef sleeper():\n    import time\n    print('sleeping', flush=True)\n"
+        "    time.sleep(300)"
     ).check()
-    msg = nb.send("sleeper.distributed()")
+    msg = text_kernel.send("sleeper.distributed()")
     time.sleep(4)
-    nb.interrupt()
-    out = nb.collect(msg, timeout=30)
+    text_kernel.interrupt()
+    out = text_kernel.collect(msg, timeout=30)
     assert out.ename == "KeyboardInterrupt"
     left = leftover_processes(set(), wait=5, kind="job")
     assert left == [], [(p.pid, p.ppid(), p.cmdline()) for p in left]
-    assert nb.execute("rank.distributed()").check().result == "[0, 1]"
+    assert text_kernel.execute("rank.distributed()").check().result == "[0, 1]"
 
 
-def test_errors_before_anything_starts(nb):
+def test_errors_before_anything_starts(text_kernel):
     """Unpicklable arguments and globals, impossible accelerator settings and bad timeouts fail with the culprit
     named."""
-    nb.execute("import threading\nlock = threading.Lock()").check()
-    err = nb.execute("@distributed(2)\ndef uses_lock():\n    return lock.locked()\nuses_lock.distributed()")
+    text_kernel.execute("import threading\nlock = threading.Lock()").check()
+    err = text_kernel.execute("@distributed(2)\ndef uses_lock():\n    return lock.locked()\nuses_lock.distributed()")
     assert err.ename == "SerializationError" and "global 'lock'" in err.traceback
-    err = nb.execute("@distributed(2)\ndef takes(x):\n    return 1\ntakes.distributed(x=threading.Lock())")
+    err = text_kernel.execute("@distributed(2)\ndef takes(x):\n    return 1\ntakes.distributed(x=threading.Lock())")
     assert err.ename == "SerializationError" and "argument 'x'" in err.traceback
-    err = nb.execute("distributed(accelerator_type='GPU_2xH100')")
+    err = text_kernel.execute("distributed(accelerator_type='GPU_2xH100')")
     assert err.ename == "ConfigurationError" and "none were detected" in err.traceback
     for bad in ["True", "0", "-5", "'soon'"]:
-        err = nb.execute(f"distributed(2, timeout={bad})")
+        err = text_kernel.execute(f"distributed(2, timeout={bad})")
         assert err.ename == "ConfigurationError" and "timeout" in err.traceback, bad
     for bad in ["0", "-1", "1.5", "True"]:
-        err = nb.execute(f"distributed(num_accelerators={bad})")
+        err = text_kernel.execute(f"distributed(num_accelerators={bad})")
         assert err.ename == "ConfigurationError" and "num_accelerators" in err.traceback, bad
 
 
-def test_decorated_object_api(nb):
+def test_decorated_object_api(text_kernel):
     """.func runs locally, a direct call explains what to call, with_overrides copies, old names warn."""
-    nb.execute("@distributed(2)\ndef add(a, b):\n    return a + b").check()
-    assert nb.execute("add.func(1, 2)").check().result == "3"
-    err = nb.execute("add(1, 2)")
+    text_kernel.execute("@distributed(2)\ndef add(a, b):\n    return a + b").check()
+    assert text_kernel.execute("add.func(1, 2)").check().result == "3"
+    err = text_kernel.execute("add(1, 2)")
     assert err.ename == "TypeError" and "add.distributed(...)" in err.traceback and "add.func(...)" in err.traceback
-    assert nb.execute("add.with_overrides(num_accelerators=3).distributed(1, 1)").check().result == "[2, 2, 2]"
-    assert nb.execute("add.settings.num_accelerators").check().result == "2"
-    out = nb.execute(
+    assert text_kernel.execute("add.with_overrides(num_accelerators=3).distributed(1, 1)").check().result == "[2, 2, 2]"
+    assert text_kernel.execute("add.settings.num_accelerators").check().result == "2"
+    out = text_kernel.execute(
         "import warnings\nwith warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
         "    old = distributed(gpus=2)\nprint(w[0].category.__name__, w[0].message)"
     ).check()
     assert "FutureWarning" in out.stdout and "num_accelerators" in out.stdout
-    err = nb.execute("distributed(num_accelerators=2, gpus=2)")
+    err = text_kernel.execute("distributed(num_accelerators=2, gpus=2)")
     assert err.ename == "ConfigurationError"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import Kernel
+from helpers import Kernel, reported
 from widget_state import WidgetMirror, click, run_cell
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ except Exception as exc:
 """,
         timeout=120,
     ).check()
-    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    report = reported(out.stdout)
     message = report["message"]
     assert report["type"] == "DistributedTimeoutError", message
     assert re.search(r"rank 0: in stuck_in_data_loading \(.+, line \d+\)", message), message
@@ -181,7 +181,7 @@ except Exception as exc:
 """,
         timeout=120,
     ).check()
-    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    report = reported(out.stdout)
     assert report["type"] == "DistributedTimeoutError", report
     assert "rank 0: in stuck_in_data_loading" in report["message"], report["message"]
     assert "rank 1: in waiting_for_the_slow_rank" in report["message"], report["message"]
@@ -236,7 +236,7 @@ except Exception as exc:
 """,
         timeout=120,
     ).check()
-    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    report = reported(out.stdout)
     assert report["type"] == "DistributedTimeoutError", report
     assert "rank 0: in read_batches (" in report["message"], report["message"]
     from air_magic.launch.stack_dumps import parse

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import REAL_NODE, gpu_count
+from helpers import REAL_NODE, gpu_count, reported
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,7 +18,8 @@ KERNEL_ENV = REAL_NODE
 
 def test_a_collective_only_one_rank_enters_leaves_the_flight_recorder_dump_with_the_logs(kernel):
     """Rank 0 waits in an all_reduce rank 1 never joins: NCCL's watchdog (10 s here) dumps each rank's flight recorder
-    into the run directory's flight_recorder/, the ranks saw the recorder's settings, and the error says how to read it."""
+    into the run directory's flight_recorder/, the ranks saw the recorder's settings, and the error says how to read
+    it."""
     out = kernel.execute(
         """
 import json
@@ -30,7 +30,8 @@ def lonely_all_reduce():
     import datetime, os, time, torch, torch.distributed as dist
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=10))
-    print("FR " + os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] + " " + os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], flush=True)
+    env = os.environ
+    print("FR " + env["TORCH_NCCL_TRACE_BUFFER_SIZE"] + " " + env["TORCH_NCCL_DUMP_ON_TIMEOUT"], flush=True)
     dist.all_reduce(torch.ones(1, device="cuda"))  # a warm-up both ranks enter
     torch.cuda.synchronize()
     if dist.get_rank() == 0:
@@ -46,7 +47,7 @@ except BaseException as exc:
         timeout=240,
     ).check()
     assert "FR 2000 1" in out.stdout, out.stdout[-3000:]
-    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("REPORT ")][-1][7:])
+    report = reported(out.stdout)
     logs = [line for line in out.stdout.splitlines() if "logs in " in line]
     run_dir = Path(logs[-1].split("logs in ", 1)[1].split()[0])
     dumps = sorted((run_dir / "flight_recorder").glob("rank_*"))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def nb(workdir):
+def fresh_kernel(workdir):
     """A notebook in a fresh kernel where air_magic has not been loaded yet."""
     notebook = Kernel(workdir, kernel_env(workdir))
     yield notebook
@@ -23,48 +23,50 @@ def nb(workdir):
 
 
 @pytest.fixture
-def loaded(nb):
-    nb.execute("%load_ext air_magic").check(clean_stderr=True)
-    return nb
+def loaded(fresh_kernel):
+    fresh_kernel.execute("%load_ext air_magic").check(clean_stderr=True)
+    return fresh_kernel
 
 
 def run_dirs(workdir: Path) -> set[str]:
     return {p.name for p in (workdir / "runs").iterdir() if p.is_dir()}
 
 
-def supervisor_pid(nb: Kernel) -> int | None:
-    nb.execute("from air_magic.launch.local import local_launcher as _launcher").check(clean_stderr=True)
-    pid = int(nb.value("_launcher().supervisor_pid or -1"))
+def supervisor_pid(fresh_kernel: Kernel) -> int | None:
+    fresh_kernel.execute("from air_magic.launch.local import local_launcher as _launcher").check(clean_stderr=True)
+    pid = int(fresh_kernel.value("_launcher().supervisor_pid or -1"))
     return None if pid == -1 else pid
 
 
-def test_load_twice_is_harmless_and_unload_removes_the_magic_and_supervisor(nb):
+def test_load_twice_is_harmless_and_unload_removes_the_magic_and_supervisor(fresh_kernel):
     """%load_ext registers %%distributed once however often it runs; %unload_ext removes it and stops the supervisor."""
-    assert "Cell magic `%%distributed` not found" in nb.execute("%%distributed\n1").stderr
-    nb.execute("%load_ext air_magic").check(clean_stderr=True)
-    second = nb.execute("%load_ext air_magic\nimport air_magic\nair_magic.load_ipython_extension(get_ipython())").check(
-        clean_stderr=True
-    )
+    assert "Cell magic `%%distributed` not found" in fresh_kernel.execute("%%distributed\n1").stderr
+    fresh_kernel.execute("%load_ext air_magic").check(clean_stderr=True)
+    second = fresh_kernel.execute(
+        "%load_ext air_magic\nimport air_magic\nair_magic.load_ipython_extension(get_ipython())"
+    ).check(clean_stderr=True)
     assert "already loaded" in second.stdout
     count = "sum(type(c).__name__ == 'DistributedMagics' for c in get_ipython().configurables)"
-    assert nb.value(count) == "1"
+    assert fresh_kernel.value(count) == "1"
     assert (
-        nb.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])").check(clean_stderr=True).result
+        fresh_kernel.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])")
+        .check(clean_stderr=True)
+        .result
         == "[0, 1]"
     )
-    sup = supervisor_pid(nb)
+    sup = supervisor_pid(fresh_kernel)
     assert sup is not None and psutil.pid_exists(sup)
 
-    nb.execute("%unload_ext air_magic").check(clean_stderr=True)
-    assert nb.value("'distributed' in get_ipython().magics_manager.magics['cell']") == "False"
-    assert nb.value(count) == "0"
-    assert "Cell magic `%%distributed` not found" in nb.execute("%%distributed\n1").stderr
+    fresh_kernel.execute("%unload_ext air_magic").check(clean_stderr=True)
+    assert fresh_kernel.value("'distributed' in get_ipython().magics_manager.magics['cell']") == "False"
+    assert fresh_kernel.value(count) == "0"
+    assert "Cell magic `%%distributed` not found" in fresh_kernel.execute("%%distributed\n1").stderr
     assert not psutil.pid_exists(sup) or psutil.Process(sup).status() == psutil.STATUS_ZOMBIE
-    assert supervisor_pid(nb) is None
+    assert supervisor_pid(fresh_kernel) is None
 
-    nb.execute("%load_ext air_magic").check(clean_stderr=True)
+    fresh_kernel.execute("%load_ext air_magic").check(clean_stderr=True)
     assert (
-        nb.execute("%%distributed --num-accelerators 2\nimport os\nint(os.environ['RANK'])")
+        fresh_kernel.execute("%%distributed --num-accelerators 2\nimport os\nint(os.environ['RANK'])")
         .check(clean_stderr=True)
         .result
         == "[0, 1]"
@@ -127,7 +129,8 @@ def test_cell_runs_with_the_notebook_globals_it_uses_and_returns_per_rank_values
         "SCALE = 10\n"
         "def inner(x):\n    return x + 1\n"
         "def helper(x):\n    return inner(x) * SCALE\n"
-        "class Point:\n    def __init__(self, x):\n        self.x = x\n    def norm(self):\n        return abs(self.x)\n"
+        "class Point:\n    def __init__(self, x):\n        self.x = x\n    def norm(self):\n"
+        "        return abs(self.x)\n"
     ).check(clean_stderr=True)
     out = loaded.execute(
         "%%distributed --gpus 2 --out ranks --no-mlflow\n"

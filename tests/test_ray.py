@@ -438,7 +438,8 @@ def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdi
         assert "[rank 1] on node 1" in out.stdout
         check = k.execute(
             "import mlflow\n"
-            "run = mlflow.search_runs(search_all_experiments=True, order_by=['start_time DESC'], output_format='list')[0]\n"
+            "run = mlflow.search_runs(search_all_experiments=True, order_by=['start_time DESC'], "
+            "output_format='list')[0]\n"
             "history = mlflow.MlflowClient().get_metric_history(run.info.run_id, 'node_rank')\n"
             "print(len(set(got)), len(got), sorted(m.value for m in history), run.info.status)\n"
         ).check()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers import run_id_of
+from helpers import reported, run_id_of
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -68,7 +66,7 @@ print("REPORT " + json.dumps(seen))
 """,
         timeout=180,
     ).check()
-    seen = json.loads(out.stdout.split("REPORT ", 1)[1])
+    seen = reported(out.stdout)
     assert [c for c, _ in seen[str(2**20)] if c == "ResultSizeWarning"] == []
     [message] = [m for c, m in seen[str(5 * 2**20)] if c == "ResultSizeWarning"]
     assert "rank 1 returned 5 MiB" in message and "rank 0 returned" not in message
@@ -101,7 +99,7 @@ print("REPORT " + json.dumps(errors))
 """,
         timeout=240,
     ).check()
-    errors = json.loads(out.stdout.split("REPORT ", 1)[1])
+    errors = reported(out.stdout)
     kind, one, cause = errors["[1] False"]
     assert kind == "SerializationError" and cause == "ValueError"
     assert one.startswith("the return value of rank 1 could not be rebuilt in this process (ValueError: ")

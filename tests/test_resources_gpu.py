@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers import REAL_NODE, gpu_count, run_id_of
+from helpers import REAL_NODE, gpu_count, reported, run_id_of
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -39,7 +37,7 @@ print("REPORT " + json.dumps({"ranks": ranks, "cuda": bool(torch and torch.cuda.
 """,
         timeout=300,
     ).check()
-    report = json.loads(out.stdout.split("REPORT ", 1)[1])
+    report = reported(out.stdout)
     assert report["cuda"] is False
     got = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db").get_run(run_id_of(out.stdout)).data.metrics
     for rank in report["ranks"]:

@@ -51,20 +51,21 @@ print(_run.info.status, _run.data.tags.get("air_magic.restarts"), len(_same_dir)
 
 
 @pytest.fixture(scope="module")
-def nb(kernel):
+def restart_kernel(kernel):
+    """The module's kernel with the restart tests' helpers defined (SETUP)."""
     kernel.execute(SETUP).check()
     return kernel
 
 
-def mlflow_run(nb, stdout: str) -> str:
+def mlflow_run(restart_kernel, stdout: str) -> str:
     """'<status> <restarts tag> <runs made for this call> <max_restarts param>' of the call's MLflow run."""
     [run_dir] = run_dirs(stdout)
-    return nb.execute(MLFLOW_RUN.format(run_id=run_id_of(stdout), run_dir=run_dir)).check().stdout.strip()
+    return restart_kernel.execute(MLFLOW_RUN.format(run_id=run_id_of(stdout), run_dir=run_dir)).check().stdout.strip()
 
 
-def test_a_rank_killed_in_the_first_attempt_restarts_the_call_which_returns_the_second_attempts_results(nb):
+def test_a_rank_killed_in_the_first_attempt_restarts_the_call_which_returns_the_second_attempts_results(restart_kernel):
     """SIGKILL of rank 1 with max_restarts=1: every rank starts again and the call returns attempt 1's values."""
-    out = nb.execute(
+    out = restart_kernel.execute(
         "result = killed_once.run()\nprint(result.values, result.attempts, result.status.value)", timeout=180
     ).check()
     assert "[(0, 1, '1'), (1, 1, '1')] 2 FINISHED" in out.stdout
@@ -75,32 +76,32 @@ def test_a_rank_killed_in_the_first_attempt_restarts_the_call_which_returns_the_
     assert log.index("rank 0 in attempt 0") < log.index(marker) < log.index("rank 0 in attempt 1")
     assert out.stdout.count("[rank 0] rank 0 in attempt 0") == 1, "the second attempt's tail read the first one again"
     assert (run_dir / "attempt-0" / "payload.pkl").exists() and (run_dir / "rank-1.result.pkl").exists()
-    assert mlflow_run(nb, out.stdout) == "FINISHED 1 1 1"
+    assert mlflow_run(restart_kernel, out.stdout) == "FINISHED 1 1 1"
 
 
-def test_the_same_rank_killed_without_restarts_is_a_worker_died_error(nb):
+def test_the_same_rank_killed_without_restarts_is_a_worker_died_error(restart_kernel):
     """With max_restarts=0 the killed rank ends the call at once, as before: WorkerDiedError naming it."""
-    err = nb.execute("killed_once.with_overrides(max_restarts=0).distributed()", timeout=180)
+    err = restart_kernel.execute("killed_once.with_overrides(max_restarts=0).distributed()", timeout=180)
     assert err.ename == "WorkerDiedError", err.traceback
     assert "rank 1 was killed by signal 9 (SIGKILL)" in err.traceback and "earlier attempts" not in err.traceback
 
 
-def test_a_rank_that_always_raises_gets_three_attempts_then_its_exception_lists_the_earlier_ones(nb):
+def test_a_rank_that_always_raises_gets_three_attempts_then_its_exception_lists_the_earlier_ones(restart_kernel):
     """max_restarts=2: three attempts, then the rank's own exception type and traceback, noting attempts 1 and 2."""
-    msg = nb.send("always_diverges.distributed()")
-    out = nb.collect(msg, timeout=180)
+    msg = restart_kernel.send("always_diverges.distributed()")
+    out = restart_kernel.collect(msg, timeout=180)
     assert out.ename == "TrainingDiverged", out.traceback
     assert "loss is nan in attempt 2" in out.traceback and "raise TrainingDiverged" in out.traceback
     assert "attempt 1: rank 1 raised TrainingDiverged: loss is nan in attempt 0" in out.traceback
     assert "attempt 2: rank 1 raised TrainingDiverged: loss is nan in attempt 1" in out.traceback
     assert "this is attempt 3" in out.traceback and "failed after 3 attempts" in out.stdout
-    assert mlflow_run(nb, out.stdout) == "FAILED 2 1 2"
+    assert mlflow_run(restart_kernel, out.stdout) == "FAILED 2 1 2"
 
 
-def test_the_cell_magic_takes_max_restarts_from_its_option_or_the_configured_default(nb):
+def test_the_cell_magic_takes_max_restarts_from_its_option_or_the_configured_default(restart_kernel):
     """%%distributed --max-restarts 1 restarts a killed rank; so does c.DistributedMagics.default_max_restarts; -1 is
     refused."""
-    nb.execute("%load_ext air_magic").check()
+    restart_kernel.execute("%load_ext air_magic").check()
     cell = (
         "import os, signal, time\n"
         "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '0':\n"
@@ -108,31 +109,37 @@ def test_the_cell_magic_takes_max_restarts_from_its_option_or_the_configured_def
         "int(os.environ['TORCHELASTIC_RESTART_COUNT'])"
     )
     assert (
-        nb.execute(f"%%distributed --gpus 2 --no-mlflow --max-restarts 1\n{cell}", timeout=180).check().result
+        restart_kernel.execute(f"%%distributed --gpus 2 --no-mlflow --max-restarts 1\n{cell}", timeout=180)
+        .check()
+        .result
         == "[1, 1]"
     )
-    err = nb.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180)
+    err = restart_kernel.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180)
     assert err.ename == "WorkerDiedError"
-    nb.execute("%config DistributedMagics.default_max_restarts = 1").check()
+    restart_kernel.execute("%config DistributedMagics.default_max_restarts = 1").check()
     try:
-        assert nb.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180).check().result == "[1, 1]"
-        bad = nb.execute("%config DistributedMagics.default_max_restarts = -1")
+        assert (
+            restart_kernel.execute(f"%%distributed --gpus 2 --no-mlflow\n{cell}", timeout=180).check().result
+            == "[1, 1]"
+        )
+        bad = restart_kernel.execute("%config DistributedMagics.default_max_restarts = -1")
         assert "default_max_restarts" in bad.traceback + bad.stderr
     finally:
-        nb.execute("%config DistributedMagics.default_max_restarts = 0").check()
-    out = nb.execute("%%distributed --max-restarts -1\n1")
+        restart_kernel.execute("%config DistributedMagics.default_max_restarts = 0").check()
+    out = restart_kernel.execute("%%distributed --max-restarts -1\n1")
     assert "UsageError" in out.stderr and "0 or more" in out.stderr
 
 
-def test_an_interrupt_with_restarts_left_ends_the_call_without_a_restart(nb):
+def test_an_interrupt_with_restarts_left_ends_the_call_without_a_restart(restart_kernel):
     """Ctrl-C during a call with max_restarts=3 stops every rank and raises KeyboardInterrupt; no attempt 2 starts."""
-    nb.execute(
+    restart_kernel.execute(
         "@distributed(2, accelerator_type='CPU', timeout=None, max_restarts=3, mlflow=False)\n"
-        "def sleeps():\n    import os, time\n    print('asleep', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True)\n"
+        "def sleeps():\n    import os, time\n"
+        "    print('asleep', os.environ['TORCHELASTIC_RESTART_COUNT'], flush=True)\n"
         "    time.sleep(300)"
     ).check()
-    msg = nb.send("sleeps.distributed()")
-    out = nb.collect(msg, timeout=60, interrupt_when=lambda o: o.stdout.count("asleep 0") == 2)
+    msg = restart_kernel.send("sleeps.distributed()")
+    out = restart_kernel.collect(msg, timeout=60, interrupt_when=lambda o: o.stdout.count("asleep 0") == 2)
     assert out.ename == "KeyboardInterrupt", out.traceback
     assert "attempt 2" not in out.stdout and "asleep 1" not in out.stdout
     [run_dir] = run_dirs(out.stdout)
@@ -174,10 +181,10 @@ def test_hot_ranks_that_fail_end_and_the_restart_runs_in_fresh_ranks():
         local_launcher().release_hot()
 
 
-def test_the_log_and_the_record_keep_every_attempt(nb):
+def test_the_log_and_the_record_keep_every_attempt(restart_kernel):
     """The static record (text/plain twin) shows 'attempt 2 of 2' and the earlier failure; each log keeps both
     attempts."""
-    out = nb.execute(
+    out = restart_kernel.execute(
         "from air_magic.display.record import record_bundle\n"
         "from air_magic.display.tail import TailBuffer\n"
         "r = killed_once.with_overrides(mlflow=False).run()\n"
@@ -226,7 +233,10 @@ def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_on
     from test_demos import DEMOS, PROBE, demo_run
 
     (tmp_path / "runs").mkdir()
-    probe = '{"results": results, "attempts": result.attempts, "earlier": result.earlier_failures, "exactly_once": exactly_once}'
+    probe = (
+        '{"results": results, "attempts": result.attempts, "earlier": result.earlier_failures, '
+        '"exactly_once": exactly_once}'
+    )
     run = demo_run.execute(
         DEMOS / "restarts.ipynb",
         workdir=tmp_path,

@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def nb(kernel):
+def supervised_kernel(kernel):
+    """The module's kernel with `distributed` imported and its supervisor already started."""
     kernel.execute("import os, time\nfrom air_magic import distributed").check()
     kernel.execute("distributed(2, mlflow=False)(lambda: 0).distributed()").check()  # the supervisor is up
     return kernel
@@ -48,12 +49,14 @@ def inet_sockets(proc: psutil.Process) -> list:
         return []
 
 
-def test_every_socket_a_run_opens_is_on_loopback_and_the_supervisor_has_none(nb, workdir):
+def test_every_socket_a_run_opens_is_on_loopback_and_the_supervisor_has_none(supervised_kernel, workdir):
     """While a gloo job runs, every listening socket of its processes is on 127.0.0.1, every peer is local, and the
     supervisor uses pipes only."""
     before = {p.pid for p in psutil.process_iter()}
-    kernel_listening = {c.laddr for c in inet_sockets(psutil.Process(nb.pid)) if c.status == psutil.CONN_LISTEN}
-    msg = nb.send(
+    kernel_listening = {
+        c.laddr for c in inet_sockets(psutil.Process(supervised_kernel.pid)) if c.status == psutil.CONN_LISTEN
+    }
+    msg = supervised_kernel.send(
         """
 @distributed(2, timeout=120)
 def waits():
@@ -82,28 +85,30 @@ print(waits.distributed())
             break
         time.sleep(0.2)
     assert run_dir is not None, "the job did not get ready"
-    tree = psutil.Process(nb.pid).children(recursive=True)
+    tree = psutil.Process(supervised_kernel.pid).children(recursive=True)
     listening, peers, supervisor_sockets = [], [], []
     for proc in tree:
         conns = inet_sockets(proc)
         if (
             "air_magic.launch.local.supervisor" in " ".join(proc.cmdline())
             and "AIR_MAGIC_JOB" not in _env(proc)
-            and proc.ppid() == nb.pid
+            and proc.ppid() == supervised_kernel.pid
         ):
             supervisor_sockets += conns
         listening += [c.laddr for c in conns if c.status == psutil.CONN_LISTEN]
         peers += [c.raddr for c in conns if c.raddr]
-    kernel_after = {c.laddr for c in inet_sockets(psutil.Process(nb.pid)) if c.status == psutil.CONN_LISTEN}
+    kernel_after = {
+        c.laddr for c in inet_sockets(psutil.Process(supervised_kernel.pid)) if c.status == psutil.CONN_LISTEN
+    }
     (run_dir / "go").touch()
-    out = nb.collect(msg, timeout=60).check()
+    out = supervised_kernel.collect(msg, timeout=60).check()
     assert "[2.0, 2.0]" in out.stdout
     assert listening, "at least the rendezvous store was listening"
     assert all(loopback(a.ip) for a in listening), listening
     assert peers and all(loopback(a.ip) for a in peers), peers
     assert supervisor_sockets == [], "the supervisor talks to the kernel over pipes, never a socket"
     assert kernel_after == kernel_listening, "the kernel itself opened no new listening socket"
-    supervisor_logs = list(run_dir.parent.glob(f"supervisor-{nb.pid}.log"))
+    supervisor_logs = list(run_dir.parent.glob(f"supervisor-{supervised_kernel.pid}.log"))
     assert supervisor_logs and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in supervisor_logs)
     assert_nothing_left(before)
     assert_nothing_lost(run_dir, {r: [f"rank {r} ready with 2.0"] for r in (0, 1)}, out.stdout)

@@ -13,7 +13,10 @@ from air_magic.launch.stopper import Stopper, stop_tree
 
 pytestmark = pytest.mark.slow
 
-_IGNORES_TERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+_IGNORES_TERM = (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); time.sleep(60)"
+)
 
 
 def _start(code: str) -> subprocess.Popen[str]:

@@ -59,13 +59,13 @@ def mine(proc: psutil.Process) -> bool:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     """A fresh working directory with no tracking URI configured: MLflow's local default lands here."""
-    path = tmp_path_factory.mktemp("mlflow-nb")
+    path = tmp_path_factory.mktemp("mlflow-default_store_kernel")
     (path / "runs").mkdir()
     return path
 
 
 @pytest.fixture(scope="module")
-def nb(store):
+def default_store_kernel(store):
     """A kernel with no MLflow configuration; killed outright at the end, after which no MLflow UI may remain."""
     ui_before = {p.pid for p in mlflow_ui_processes()}
     procs_before = {p.pid for p in psutil.process_iter()}
@@ -93,9 +93,9 @@ def client(store):
     return mlflow.MlflowClient(f"sqlite:///{store}/mlflow.db")
 
 
-def test_call_makes_a_finished_run_with_settings_metrics_and_logs(nb, store, client):
+def test_call_makes_a_finished_run_with_settings_metrics_and_logs(default_store_kernel, store, client):
     """A call on the default local store makes a FINISHED run with its settings, both ranks' metrics and rank logs."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 @distributed(num_accelerators=2, timeout=600)
 def train(steps):
@@ -123,9 +123,9 @@ train.distributed(25)
     assert "rank 1 done" in text
 
 
-def test_link_opens_the_run_in_a_local_ui_on_loopback_over_the_same_store(nb):
+def test_link_opens_the_run_in_a_local_ui_on_loopback_over_the_same_store(default_store_kernel):
     """The printed link points at a local MLflow UI on 127.0.0.1 whose API serves the run and its metric."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 @distributed(num_accelerators=2)
 def one():
@@ -164,11 +164,11 @@ one.distributed()
     }
     assert listening == {"127.0.0.1"}, listening
     assert len(mlflow_ui_processes()) >= 1
-    again = nb.execute("one.distributed()").check()
+    again = default_store_kernel.execute("one.distributed()").check()
     assert LINK.search(again.stdout).group(1).split("#")[0] == base, "later calls reuse the same UI"
 
 
-def test_the_local_ui_starts_when_its_link_is_first_opened_not_with_the_call(nb, tmp_path):
+def test_the_local_ui_starts_when_its_link_is_first_opened_not_with_the_call(default_store_kernel, tmp_path):
     """A call prints its link at once but starts no MLflow UI; the first request to the link starts the UI and is
     answered by it, and a later call reuses it."""
     before = {p.pid for p in mlflow_ui_processes()}
@@ -183,7 +183,7 @@ try:
 finally:
     del os.environ["MLFLOW_TRACKING_URI"]
 """
-    out = nb.execute(code).check()
+    out = default_store_kernel.execute(code).check()
     base, fragment = LINK.search(out.stdout).group(1).split("#", 1)
     assert base.startswith("http://127.0.0.1:"), base
     assert not mlflow_ui_processes(before), "a UI was started before anybody opened the link"
@@ -193,14 +193,14 @@ finally:
     assert [m["key"] for m in data["run"]["data"]["metrics"] if not m["key"].startswith("system/")] == ["seen"]
     started = mlflow_ui_processes(before)
     assert started, "opening the link started no MLflow UI"
-    again = nb.execute(code).check()
+    again = default_store_kernel.execute(code).check()
     assert LINK.search(again.stdout).group(1).split("#")[0] == base, "a later call reuses the same UI"
     assert {p.pid for p in mlflow_ui_processes(before)} == {p.pid for p in started}
 
 
-def test_nested_run_and_experiment_chosen_in_the_notebook(nb, client):
+def test_nested_run_and_experiment_chosen_in_the_notebook(default_store_kernel, client):
     """With an active run and an experiment set in the notebook, the call is a child run in that experiment."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 mlflow.set_experiment("chosen-here")
 with mlflow.start_run(run_name="outer") as outer:
@@ -219,9 +219,9 @@ print("OUTER", outer.info.run_id)
     assert len(client.get_metric_history(run.info.run_id, "x")) == 2
 
 
-def test_worker_set_experiment_gets_a_clear_warning_and_still_logs(nb, client):
+def test_worker_set_experiment_gets_a_clear_warning_and_still_logs(default_store_kernel, client):
     """A rank that calls mlflow.set_experiment is told where its metrics go, and they still land on the call's run."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 mlflow.set_experiment("chosen-here")
 @distributed(num_accelerators=2)
@@ -238,9 +238,9 @@ stubborn.distributed()
     assert len(client.get_metric_history(run_id_of(out.stdout), "y")) == 2
 
 
-def test_failed_and_timed_out_calls_end_failed_and_killed(nb, client):
+def test_failed_and_timed_out_calls_end_failed_and_killed(default_store_kernel, client):
     """A rank that raises ends the run FAILED; a call stopped by its timeout ends it KILLED, logs stored in both."""
-    failed = nb.execute(
+    failed = default_store_kernel.execute(
         """
 @distributed(num_accelerators=2)
 def boom():
@@ -252,7 +252,7 @@ boom.distributed()
     run = client.get_run(run_id_of(failed.stdout))
     assert run.info.status == "FAILED"
     assert len(client.list_artifacts(run.info.run_id, "logs")) == 2
-    slow = nb.execute(
+    slow = default_store_kernel.execute(
         """
 @distributed(num_accelerators=2, timeout=3)
 def slow():
@@ -266,9 +266,9 @@ slow.distributed()
     assert client.get_run(run_id_of(slow.stdout)).info.status == "KILLED"
 
 
-def test_interrupted_call_ends_killed(nb, client):
+def test_interrupted_call_ends_killed(default_store_kernel, client):
     """Interrupting the kernel during a call ends its run KILLED."""
-    msg = nb.send(
+    msg = default_store_kernel.send(
         """
 @distributed(num_accelerators=2)
 def forever():
@@ -282,19 +282,19 @@ forever.distributed()
     seen = ""
     while "[rank 1] started" not in seen or "[rank 0] started" not in seen:
         assert time.monotonic() < deadline, f"ranks did not start: {seen}"
-        m = nb.kc.get_iopub_msg(timeout=120)
+        m = default_store_kernel.kc.get_iopub_msg(timeout=120)
         if m["parent_header"].get("msg_id") == msg and m["msg_type"] == "stream":
             seen += m["content"]["text"]
-    nb.interrupt()
-    out = nb.collect(msg, timeout=120)
+    default_store_kernel.interrupt()
+    out = default_store_kernel.collect(msg, timeout=120)
     assert out.ename == "KeyboardInterrupt"
     assert client.get_run(run_id_of(seen)).info.status == "KILLED"
 
 
-def test_no_mlflow_means_no_run_and_no_mlflow_in_workers(nb, client):
+def test_no_mlflow_means_no_run_and_no_mlflow_in_workers(default_store_kernel, client):
     """mlflow=False makes no run and leaves the workers without mlflow or its run variables."""
     before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 @distributed(num_accelerators=2, mlflow=False)
 def plain():
@@ -308,9 +308,9 @@ plain.distributed()
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == before
 
 
-def test_workers_do_not_import_mlflow_unless_the_function_does(nb):
+def test_workers_do_not_import_mlflow_unless_the_function_does(default_store_kernel):
     """With tracking on, a function that does not use mlflow runs in workers that never import it."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 @distributed(num_accelerators=2)
 def untouched():
@@ -322,9 +322,9 @@ untouched.distributed()
     assert out.result == "[(False, True), (False, True)]"
 
 
-def test_eight_ranks_logging_every_step_lose_no_metric(nb, client):
+def test_eight_ranks_logging_every_step_lose_no_metric(default_store_kernel, client):
     """8 ranks each logging 2,000 steps to the default local sqlite store: every metric arrives, no lock errors."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 @distributed(num_accelerators=8, timeout=1200)
 def classic(steps):
@@ -355,9 +355,9 @@ def test_configured_server_link_is_that_servers_run_page():
     assert not mlflow_ui._uis and not mlflow_ui_processes(before)
 
 
-def test_unreachable_tracking_server_warns_and_the_call_still_runs(nb):
+def test_unreachable_tracking_server_warns_and_the_call_still_runs(default_store_kernel):
     """When the run cannot be created, the call runs without MLflow and a warning says why and how to turn it off."""
-    out = nb.execute(
+    out = default_store_kernel.execute(
         """
 import warnings
 os.environ.update(MLFLOW_TRACKING_URI="http://127.0.0.1:9", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def nb(workdir):
+def preload_kernel(workdir):
+    """A kernel whose warm helper preloads torch and a local package, mypkg (AIR_MAGIC_PRELOAD)."""
     pkg = workdir / "pkgs" / "mypkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("VERSION = 1\n")
@@ -30,10 +31,10 @@ def nb(workdir):
     assert not psutil.wait_procs(sup, timeout=15)[1], "the supervisor outlived its kernel"
 
 
-def test_warm_and_fresh_workers_give_the_same_results_and_errors(nb):
+def test_warm_and_fresh_workers_give_the_same_results_and_errors(preload_kernel):
     """The same function returns the same values and raises the same error whether workers are forked warm or spawned
     fresh."""
-    nb.execute(
+    preload_kernel.execute(
         """
 @distributed(2)
 def probe(fail):
@@ -48,41 +49,46 @@ warm = probe.with_overrides(warm=True).distributed(False)
 fresh = probe.with_overrides(warm=False).distributed(False)
 """
     ).check()
-    assert nb.execute("[w[:3] for w in warm] == [f[:3] for f in fresh]").check().result == "True"
-    assert nb.execute("warm[1][:3]").check().result == "([3.0, 3.0], '1', False)"
-    assert nb.execute("len({r[3] for r in warm + fresh})").check().result == "4", "every process draws its own seed"
+    assert preload_kernel.execute("[w[:3] for w in warm] == [f[:3] for f in fresh]").check().result == "True"
+    assert preload_kernel.execute("warm[1][:3]").check().result == "([3.0, 3.0], '1', False)"
+    assert preload_kernel.execute("len({r[3] for r in warm + fresh})").check().result == "4", (
+        "every process draws its own seed"
+    )
     for warm in (True, False):
-        err = nb.execute(f"probe.with_overrides(warm={warm}).distributed(True)")
+        err = preload_kernel.execute(f"probe.with_overrides(warm={warm}).distributed(True)")
         assert err.ename == "KeyError" and "rank 1 of 2" in err.traceback
 
 
-def test_forked_ranks_do_not_share_random_streams(nb):
+def test_forked_ranks_do_not_share_random_streams(preload_kernel):
     """Python's and NumPy's random numbers differ between ranks and calls, as in fresh processes."""
-    nb.execute(
-        "@distributed(2, warm=True)\ndef draw():\n    import random, numpy\n    return (random.random(), float(numpy.random.rand()))\n"
+    preload_kernel.execute(
+        "@distributed(2, warm=True)\ndef draw():\n    import random, numpy\n"
+        "    return (random.random(), float(numpy.random.rand()))\n"
         "a = draw.distributed(); b = draw.distributed()"
     ).check()
-    assert nb.execute("len({x for pair in a + b for x in pair})").check().result == "8"
+    assert preload_kernel.execute("len({x for pair in a + b for x in pair})").check().result == "8"
 
 
-def test_package_upgraded_on_disk_is_seen_by_the_next_call(nb, workdir):
+def test_package_upgraded_on_disk_is_seen_by_the_next_call(preload_kernel, workdir):
     """A preloaded package rewritten between two calls is seen by the second (the supervisor is replaced, and its log
     says why)."""
-    nb.execute("@distributed(2, warm=True)\ndef version():\n    import mypkg\n    return mypkg.VERSION").check()
-    assert nb.execute("version.distributed()").check().result == "[1, 1]"
-    before = {p.pid for p in psutil.Process(nb.pid).children()}
+    preload_kernel.execute(
+        "@distributed(2, warm=True)\ndef version():\n    import mypkg\n    return mypkg.VERSION"
+    ).check()
+    assert preload_kernel.execute("version.distributed()").check().result == "[1, 1]"
+    before = {p.pid for p in psutil.Process(preload_kernel.pid).children()}
     init = workdir / "pkgs" / "mypkg" / "__init__.py"
     init.write_text("VERSION = 2\n")
-    assert nb.execute("version.distributed()").check().result == "[2, 2]"
-    after = {p.pid for p in psutil.Process(nb.pid).children()}
+    assert preload_kernel.execute("version.distributed()").check().result == "[2, 2]"
+    after = {p.pid for p in psutil.Process(preload_kernel.pid).children()}
     assert after - before, "a fresh supervisor was started"
-    log = (workdir / "runs" / f"supervisor-{nb.pid}.log").read_text()
+    log = (workdir / "runs" / f"supervisor-{preload_kernel.pid}.log").read_text()
     assert "replaced by a fresh helper: " in log and "mypkg" in log, log  # the helpers' log says why
 
 
-def test_workers_are_children_of_the_supervisor_not_the_kernel(nb):
+def test_workers_are_children_of_the_supervisor_not_the_kernel(preload_kernel):
     """Workers never descend directly from the kernel, so what the notebook did to CUDA cannot reach them."""
-    nb.execute("@distributed(2, warm=True)\ndef parent():\n    import os\n    return os.getppid()").check()
-    ppids = eval(nb.execute("parent.distributed()").check().result)
-    assert nb.pid not in ppids
+    preload_kernel.execute("@distributed(2, warm=True)\ndef parent():\n    import os\n    return os.getppid()").check()
+    ppids = eval(preload_kernel.execute("parent.distributed()").check().result)
+    assert preload_kernel.pid not in ppids
     assert all("air_magic.launch.local.supervisor" in " ".join(psutil.Process(p).cmdline()) for p in set(ppids))

@@ -3,12 +3,10 @@ back."""
 
 from __future__ import annotations
 
-import signal
-import time
 from pathlib import Path
 
-import cloudpickle
 import pytest
+from fakes import WORLD, Diverged, ScriptedLauncher
 
 from air_magic import distributed, runner
 from air_magic.decorator import Settings, check_max_restarts
@@ -16,67 +14,8 @@ from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, JobCancelledError, WorkerDiedError
 from air_magic.job import JobResult, JobSpec, JobStatus, RankState, StopReason
-from air_magic.launch import protocol as p
-from air_magic.launch.interface import JobHandle, Launcher
 from air_magic.launch.rundir import ERROR_RESERVE, RunDir
 from air_magic.listeners import Listener, RunContext
-
-WORLD = 2
-
-
-class Diverged(Exception):
-    pass
-
-
-class ScriptedJob(JobHandle):
-    """One attempt whose ranks do what `plan` says: "ok", "die" (rank 1 SIGKILLed), "raise" (rank 0), "hang",
-    "launch failed" (before any rank starts)."""
-
-    def __init__(self, request: p.JobRequest, plan: str) -> None:
-        self.job, self.attempt = request.job_id, request.restart_count
-        self.pending: list[p.Event] = []
-        self.running = set(range(WORLD))
-        if plan == "launch failed":
-            self.pending += [p.LaunchFailed(self.job, "no room"), p.JobGone(self.job)]
-            self.running.clear()
-            return
-        self.pending += [p.RankStarted(self.job, r, 1000 + r) for r in range(WORLD)]
-        self.pending.append(p.RankOutput(self.job, 0, f"rank 0 in attempt {self.attempt}\n"))
-        if plan == "ok":
-            for r in range(WORLD):
-                self.exit(r, 0, p.RankOutcome(value=cloudpickle.dumps((r, self.attempt))))
-        elif plan == "die":
-            self.exit(1, -signal.SIGKILL, p.RankOutcome())
-        elif plan == "raise":
-            self.exit(
-                0, 1, p.RankOutcome(error=Diverged(f"loss is nan in attempt {self.attempt}"), error_at=time.time())
-            )
-
-    def exit(self, rank: int, code: int, outcome: p.RankOutcome) -> None:
-        self.running.discard(rank)
-        self.pending.append(p.RankExited(self.job, rank, code, time.time(), outcome))
-        if not self.running:
-            self.pending.append(p.JobGone(self.job))
-
-    def next_events(self, timeout: float) -> list[p.Event]:
-        out, self.pending = self.pending, []
-        if not out:
-            time.sleep(min(timeout, 0.01))
-        return out
-
-    def stop(self, reason: str, grace: float) -> None:
-        for rank in sorted(self.running):
-            self.exit(rank, -signal.SIGTERM, p.RankOutcome())
-
-
-class ScriptedLauncher(Launcher):
-    def __init__(self, *plans: str) -> None:
-        self.plans = list(plans)
-        self.requests: list[p.JobRequest] = []
-
-    def start(self, request: p.JobRequest, run_dir: RunDir) -> JobHandle:
-        self.requests.append(request)
-        return ScriptedJob(request, self.plans[len(self.requests) - 1])
 
 
 class Heard(Listener):

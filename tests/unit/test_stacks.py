@@ -125,7 +125,8 @@ def test_a_rank_outside_its_call_is_in_no_user_code():
     """After its call returned, a rank's main thread is air_magic's own: the boot line that started it is not user
     code."""
     after = DUMP.replace(f'  File "{WORKER}", line 95 in run', f'  File "{WORKER}", line 133 in finish').replace(
-        f'  File "{SITE}", line 4000 in barrier\n  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank\n'
+        f'  File "{SITE}", line 4000 in barrier\n'
+        '  File "/tmp/ipykernel_1/123.py", line 7 in waiting_for_the_slow_rank\n'
         '  File "/tmp/ipykernel_1/123.py", line 12 in train\n',
         "",
     )
