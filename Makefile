@@ -29,7 +29,7 @@ test: $(VENV)/.installed browser
 	$(VENV)/bin/ruff check air_magic tests bench
 	$(VENV)/bin/mypy air_magic
 	$(MAKE) docs VENV=$(VENV)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # -W --keep-going: every warning (a broken link, a name autodoc cannot find) fails the build, all reported at once.
 # -E: read every page afresh (the API pages follow __all__, which Sphinx does not track).

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_demos import DEMOS, PROBE, demo_run  # one loader of demo_notebooks/run.py
+from demos_common import DEMOS, PROBE, demo_run
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow

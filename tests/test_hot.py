@@ -200,14 +200,16 @@ def test_cells_with_keep_alive_log_each_call_to_its_own_run_and_interrupt_or_rel
     # Between calls a hot rank keeps none of MLflow's logging threads: a left-over one held the end of the
     # next call that did not log for 1 s (its queue waited out a 1 s timeout when shut down).
     threads = kernel.execute(
-        "%%distributed --gpus 2 --keep-alive 60\nimport os, threading\n(os.getpid(), [t.name for t in threading.enumerate()])"
+        "%%distributed --gpus 2 --keep-alive 60\nimport os, threading\n"
+        "(os.getpid(), [t.name for t in threading.enumerate()])"
     ).check()
     for pid, names in eval(threads.result):
         assert pid in hot and not [n for n in names if "MLflow" in n or "ThreadPoolExecutor" in n], names
 
     before = {p.pid for p in psutil.process_iter()}
     msg = kernel.send(
-        "%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)"
+        "%%distributed --gpus 2 --keep-alive 60 --no-mlflow\nimport time\nprint('sleeping', flush=True)\n"
+        "time.sleep(600)"
     )
     out = kernel.collect(msg, timeout=120, interrupt_when=lambda o: o.stdout.count("] sleeping") == 2)
     assert out.ename == "KeyboardInterrupt"

@@ -230,7 +230,7 @@ def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):
 def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_once_per_epoch(tmp_path):
     """restarts.ipynb: rank 1 SIGKILLed at step 11, the call restarts from step 10 and every file counts once per
     epoch."""
-    from test_demos import DEMOS, PROBE, demo_run
+    from demos_common import DEMOS, PROBE, demo_run
 
     (tmp_path / "runs").mkdir()
     probe = (

@@ -215,3 +215,48 @@ def test_a_warm_up_does_not_give_way_where_it_would_drop_an_extension_module(tmp
     finally:
         for name in [n for n in sys.modules if n.partition(".")[0] in ("extpkg", "purepkg", "exthook")]:
             sys.modules.pop(name)
+
+
+def test_site_packages_are_watched_by_their_top_level_entry(tmp_path, monkeypatch):
+    """An installed package is seen as changed when an upgrade replaces its files; the user's own files when edited."""
+    from air_magic.launch.local.preload import Preloaded
+    from air_magic.launch.protocol import LaunchJob
+
+    site = tmp_path / "lib" / "site-packages"
+    (site / "fakepkg").mkdir(parents=True)
+    (site / "fakepkg" / "__init__.py").write_text("from . import sub\n")
+    (site / "fakepkg" / "sub.py").write_text("X = 1\n")
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "mine.py").write_text("Y = 1\n")
+    monkeypatch.syspath_prepend(str(own))
+    monkeypatch.syspath_prepend(str(site))
+    import fakepkg  # type: ignore[import-not-found]
+    import mine  # type: ignore[import-not-found]
+
+    try:
+        watched = Preloaded(warm=False)
+        watched._watch([fakepkg, fakepkg.sub, mine])
+        assert set(watched.files) == {str(own / "mine.py"), str(site / "fakepkg")}, "one entry per installed package"
+        msg = LaunchJob(
+            job="j",
+            world_size=1,
+            fork=True,
+            executable=sys.executable,
+            sys_path=sys.path,
+            run_dir="",
+            env=dict(os.environ),
+            package_parent="",
+        )
+        assert watched.stale_reason(msg) is None
+        (site / "fakepkg" / "__init__.py").unlink()  # what pip does on upgrade: old files out, new files in
+        (site / "fakepkg" / "__init__.py").write_text("from . import sub\nNEW = 1\n")
+        assert "fakepkg changed on disk" in (watched.stale_reason(msg) or "")
+        watched = Preloaded(warm=False)
+        watched._watch([mine])
+        time.sleep(0.01)
+        (own / "mine.py").write_text("Y = 2\n")
+        assert "mine.py changed on disk" in (watched.stale_reason(msg) or "")
+    finally:
+        for name in ("fakepkg", "fakepkg.sub", "mine"):
+            sys.modules.pop(name, None)
