@@ -18,10 +18,12 @@ agree). A GPU's memory is the device's, not the rank's: a GPU that several
 ranks or other programs share shows them all.
 
 NVML is read here and CUDA is never initialized. Without nvidia-ml-py, a
-driver, or a GPU call, only CPU and memory are sampled. Calls across several
-nodes (Ray) are not sampled: their pids are processes of other machines, and
-no figure is better than a wrong one. Sampling never blocks the call: it runs
-on its own thread and `psutil.cpu_percent(interval=None)` does not sleep.
+driver, or a GPU call, only CPU and memory are sampled. The ranks of a call
+across several nodes (Ray) are processes of other machines: each is sampled
+on its node (CPU and memory) and its figures arrive with its output
+(launch/rank_files.py's usage file); their GPUs are not read yet. Sampling
+never blocks the call: it runs on its own thread and
+`psutil.cpu_percent(interval=None)` does not sleep.
 
 Imports neither ipywidgets nor mlflow: the display and the tracking read it.
 """
@@ -39,6 +41,8 @@ from typing import Any
 import psutil
 
 from .job import JobResult, JobSpec
+from .launch.rank_files import read_usage
+from .launch.rundir import RunDir
 from .listeners import Listener, RunContext
 
 #: Seconds between two samples.
@@ -256,11 +260,9 @@ class ResourceSampler(Listener):
 
     # -- runner hooks --------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
-        if ctx.spec.num_nodes != 1:
-            return  # the ranks' pids belong to other machines
         self._ctx = ctx
         visible = ctx.spec.extra_env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self._gpus = rank_gpus(ctx.spec, visible)
+        self._gpus = rank_gpus(ctx.spec, visible) if ctx.spec.num_nodes == 1 else {}
         self._thread = threading.Thread(target=self._loop, name="air_magic-resources", daemon=True)
         self._thread.start()
 
@@ -300,6 +302,11 @@ class ResourceSampler(Listener):
         gpu_reads: dict[str, tuple[float | None, int, int] | None] = {}
         now: dict[int, Usage] = {}
         for rank, pid in pids.items():
+            if self._ctx.spec.num_nodes != 1:  # a process of another machine: its node's figures
+                found = read_usage(RunDir(self._ctx.run_dir).usage(rank))
+                if found is not None:
+                    now[rank] = Usage(*found)
+                continue
             tree = self._tree(pid)
             if tree is None:
                 continue  # the rank has exited

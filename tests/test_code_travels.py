@@ -149,9 +149,9 @@ def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(
 
 
 @pytest.mark.slow
-def test_what_ray_ranks_log_to_mlflow_reaches_the_charts_and_the_record(cluster, workdir):
+def test_what_ray_ranks_log_to_mlflow_and_use_reaches_the_panel_and_the_record(cluster, workdir):
     """Each rank of a call on two Ray nodes logs a metric: its values are in the call's chart files here, so the live
-    charts and the static record show them for both ranks."""
+    charts and the static record show them for both ranks; what each rank uses, sampled on its node, arrives too."""
     env = {
         "AIR_MAGIC_RUNS_DIR": str(workdir / "runs-charts"),
         "AIR_MAGIC_DISPLAY": "text",
@@ -165,7 +165,8 @@ def test_what_ray_ranks_log_to_mlflow_reaches_the_charts_and_the_record(cluster,
         ).check()
         k.execute(
             "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU\n"
-            "import os, mlflow\n"
+            "import os, time, mlflow\n"
+            "time.sleep(2.5)\n"
             "for step in range(3):\n"
             "    mlflow.log_metric('loss', 10.0 * int(os.environ['RANK']) + step, step=step)\n",
             timeout=300,
@@ -175,8 +176,12 @@ def test_what_ray_ranks_log_to_mlflow_reaches_the_charts_and_the_record(cluster,
             "from air_magic.display.charts import MetricsTail, charts_text\n"
             "run = max(Path(os.environ['AIR_MAGIC_RUNS_DIR']).iterdir(), key=lambda p: p.stat().st_mtime)\n"
             "tail = MetricsTail(run, 2)\ntail.poll()\nprint(charts_text(tail))\n"
+            "from air_magic.launch.rank_files import read_usage\nfrom air_magic.launch.rundir import RunDir\n"
+            "used = [read_usage(RunDir(run).usage(r), fresh=600) for r in range(2)]\n"
+            "print('USED', [u is not None and u[1] > 10 * 2**20 for u in used])\n"
         ).check()
         assert "loss (3 values) — last rank 0: 2, rank 1: 12" in shown.stdout, shown.stdout
+        assert "USED [True, True]" in shown.stdout, shown.stdout
     finally:
         k.shutdown()
     ray_cluster_free(cluster)

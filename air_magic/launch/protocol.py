@@ -340,3 +340,5 @@ class RankReport:
     done: RankFiles | None = None
     #: Lines for the live charts (the rank's chart file, tracking/tee.py) from the offset asked on.
     charts: bytes = b""
+    #: What the rank uses now, sampled on its node: CPU % (100 = one core) and resident bytes, with its children.
+    usage: tuple[float, int] | None = None

@@ -4,13 +4,15 @@ A rank's log file is the loss-free record of its output: `LogTail` follows it
 and decodes it into text for `RankOutput` events (the local launcher's ranks
 write it themselves; the Ray launcher appends what each node sends). Once a
 rank has exited, `outcome` reads its result or error file into the
-`RankOutcome` of its `RankExited`. This module starts nothing and writes
-nothing.
+`RankOutcome` of its `RankExited`. `write_usage` / `read_usage` keep what a
+rank on another node uses, as its node sampled it. This module starts nothing.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
+import time
 from pathlib import Path
 
 from . import protocol as p
@@ -51,6 +53,24 @@ class LogTail:
                 found.append(text)
             if not text:
                 return found
+
+
+def write_usage(path: Path, usage: tuple[float, int]) -> None:
+    """Keep what a rank on another node uses now (its node sampled it): CPU % and resident bytes."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{usage[0]:.1f} {int(usage[1])}\n")
+    os.replace(tmp, path)
+
+
+def read_usage(path: Path, fresh: float = 5.0) -> tuple[float, int] | None:
+    """What `write_usage` kept, if it was written in the last `fresh` seconds (a rank that ended sends none)."""
+    try:
+        if time.time() - path.stat().st_mtime > fresh:
+            return None
+        cpu, memory = path.read_text().split()
+        return float(cpu), int(memory)
+    except (OSError, ValueError):
+        return None
 
 
 def outcome(run_dir: RunDir, rank: int, error_at: float | None = None) -> p.RankOutcome:

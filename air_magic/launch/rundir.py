@@ -190,6 +190,10 @@ class RunDir:
         """Every metric value the rank logged, as JSON lines, for the live charts (tracking/tee.py)."""
         return self.path / f"rank-{rank}.metrics.jsonl"
 
+    def usage(self, rank: int) -> Path:
+        """What a rank on another node uses, as sampled there and last received (rank_files.py)."""
+        return self.path / f"rank-{rank}.usage"
+
     @property
     def payload(self) -> Path:
         return self.path / "payload.pkl"

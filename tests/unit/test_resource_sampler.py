@@ -10,6 +10,8 @@ from pathlib import Path
 from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
 from air_magic.job import JobResult, JobSpec, RankResult, RankState
+from air_magic.launch.rank_files import write_usage
+from air_magic.launch.rundir import RunDir
 from air_magic.listeners import RunContext
 from air_magic.resources import (
     Peak,
@@ -105,15 +107,20 @@ def test_the_record_names_each_rank_s_peak(tmp_path: Path):
     assert "peak" not in plain["text/plain"] and "rank 0: done" in plain["text/plain"]
 
 
-def test_a_multi_node_call_is_not_sampled(tmp_path: Path):
-    """Ranks on other machines have pids this machine does not know: nothing is sampled, nothing is shown."""
+def test_a_multi_node_call_shows_what_each_node_sampled_and_never_reads_a_local_pid(tmp_path: Path):
+    """Ranks on other machines: their pids are not read here (this process's pid stands in and shows nothing);
+    a rank's figures are those its node sent last (its usage file), and a rank with none shows none."""
     ctx = RunContext(spec(4, nodes=2), tmp_path, [])
-    ctx.pids.update({0: 1, 1: 1})
+    ctx.pids.update({0: os.getpid(), 1: os.getpid()})
+    write_usage(RunDir(tmp_path).usage(1), (150.0, 3 * GiB))
     sampler = ResourceSampler(period=0.05)
     sampler.on_start(ctx)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while 1 not in sampler.latest() and time.monotonic() < deadline:
+        time.sleep(0.05)
     sampler.on_end(JobResult(ctx.spec, tmp_path, []))
-    assert sampler.count == 0 and sampler.latest() == {} and sampler.peaks() == {}
+    assert sampler.latest() == {1: Usage(150.0, 3 * GiB)}
+    assert sampler.peaks()[1].memory == 3 * GiB and 0 not in sampler.peaks()
 
 
 class FakeNvml:

@@ -4,11 +4,8 @@ It places the job (placement.py) or takes a hot world of the same world
 (hot.py), starts the ranks, long-polls each actor for output and for its
 outcome, and tears everything down: the ranks' own child processes, the
 actors, the placement group. What a node sends is appended to the rank's log
-in the run directory here (the full record) and read back into `RankOutput`
-as a local rank's log is (rank_files.LogTail); the result and error files it
-sends are kept there and read into the `RankOutcome` as a local rank's are.
-Relayed MLflow lines go to the rank's metrics file for the notebook's
-listener. A rank whose actor or node dies is reported as a `WorkerDiedError`.
+in the run directory here, with its MLflow and chart lines and its result
+(received.py). A rank whose actor or node dies is reported as a `WorkerDiedError`.
 The runner sees only the events.
 """
 
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import queue
 import signal
 import threading
@@ -27,13 +23,13 @@ from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..interface import JobHandle, drain
-from ..rank_files import LogTail, outcome
-from ..rundir import RunDir, write_private
+from ..rundir import RunDir
 from . import packages
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming
 from .hot import HotWorld, HotWorlds, world_key
 from .placement import LaunchError, Placement, code_dirs, end_actors, rank_envs
+from .received import Received
 
 #: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
 PLACEMENT_WAIT = 45.0
@@ -82,10 +78,7 @@ class RayJob(JobHandle):
         self.exited: set[int] = set()
         self.codes: dict[int, int] = {}
         self.failed = False
-        self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
-        self.offsets = [0] * request.world_size
-        self.metrics_offsets = [0] * request.world_size
-        self.charts_offsets = [0] * request.world_size
+        self.received = Received(run_dir, request.world_size)
         self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
         self.thread.start()
 
@@ -249,55 +242,24 @@ class RayJob(JobHandle):
                     self._lost(rank, exc)
                     continue
                 if report is not None:
-                    self._metrics(rank, report.metrics)
-                    self._charts(rank, report.charts)
-                    self._output(rank, report.output)
+                    self._output(rank, report)
                 if report is None or report.done is None:
-                    again = self.actors[rank].poll.remote(self._offsets(rank), POLL_WAIT)
+                    again = self.actors[rank].poll.remote(self.received.offsets(rank), POLL_WAIT)
                     pending[again] = rank
                 else:
                     self._exited(rank, report.done)
 
-    def _output(self, rank: int, data: bytes) -> None:
-        if not data:
-            return
-        self.offsets[rank] += len(data)
-        with open(self.run_dir.log(rank), "ab") as f:  # the record here, read back as a local rank's log is
-            f.write(data)
-        for text in self.tails[rank].read_all():
+    def _output(self, rank: int, report: p.RankReport) -> None:
+        for text in self.received.take(rank, report):
             self.events.put(p.RankOutput(self.job, rank, text))
 
-    def _metrics(self, rank: int, data: bytes) -> None:
-        """Lines the rank's MLflow relay wrote (tracking/relay.py), for the notebook's MLflow listener to log."""
-        if data:
-            self.metrics_offsets[rank] += len(data)
-            _append(self.run_dir.metrics(rank), data)
-
-    def _charts(self, rank: int, data: bytes) -> None:
-        """Values the rank logged, for the live charts and the record (tracking/tee.py), kept as a local rank's."""
-        if data:
-            self.charts_offsets[rank] += len(data)
-            _append(self.run_dir.chart_metrics(rank), data)
-
-    def _offsets(self, rank: int) -> tuple[int, int, int]:
-        """How much of the rank's log, MLflow lines and chart lines has arrived here."""
-        return self.offsets[rank], self.metrics_offsets[rank], self.charts_offsets[rank]
-
     def _flush_decoder(self, rank: int) -> None:
-        for text in self.tails[rank].read_all(final=True):
+        for text in self.received.rest(rank):
             self.events.put(p.RankOutput(self.job, rank, text))
 
     def _exited(self, rank: int, files: p.RankFiles) -> None:
         """Keep what the rank left in the run directory here, and report its exit."""
-        rd = self.run_dir
-        for data, path in (
-            (files.result, rd.result(rank)),
-            (files.error, rd.error(rank)),
-            (files.error_pickle, rd.error_pickle(rank)),
-        ):
-            if data is not None:
-                write_private(path, data, exclusive=False)
-        result = outcome(rd, rank, error_at=files.error_at)
+        result = self.received.outcome(rank, files)
         self._flush_decoder(rank)
         self.exited.add(rank)
         code = self.codes[rank] = INTERNAL_ERROR if files.code is None else int(files.code)
@@ -349,16 +311,8 @@ class RayJob(JobHandle):
         with contextlib.suppress(Exception):
             asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
             self.ray.wait(asked, num_returns=len(asked), timeout=1.0)
-            polls = {r: self.actors[r].poll.remote(self._offsets(r), 0) for r in running}
+            polls = {r: self.actors[r].poll.remote(self.received.offsets(r), 0) for r in running}
             self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=1.0)
             for rank, ref in polls.items():
                 with contextlib.suppress(Exception):
-                    self._output(rank, self.ray.get(ref, timeout=0).output)
-
-
-def _append(path: Any, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+                    self._output(rank, self.ray.get(ref, timeout=0))

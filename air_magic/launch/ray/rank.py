@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from air_magic.launch.rundir import RunDir
 
 _CHUNK = 1 << 20
+#: Seconds between two samples of what the rank uses (sent with its output).
+_SAMPLE_EVERY = 1.0
 #: While a call runs, how often `poll` looks for new output (the call's end is seen at once).
 _OUTPUT_EVERY = 0.05
 
@@ -64,6 +66,9 @@ class RankActor:
         self.done = threading.Event()
         self.hot = False
         self.calls = 0
+        #: This process and its children as last sampled (cpu_percent measures from one reading to the next).
+        self.procs: dict[int, Any] = {}
+        self.sampled = 0.0
         self.preloading = threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True)
         self.preloading.start()
 
@@ -171,8 +176,29 @@ class RankActor:
             if finished and max(len(data), len(metrics), len(charts)) < _CHUNK:
                 return RankReport(data, metrics, self.outcome(), charts=charts)
             if data or metrics or charts or time.monotonic() >= deadline:
-                return RankReport(data, metrics, charts=charts)
+                return RankReport(data, metrics, charts=charts, usage=self.usage())
             self.done.wait(_OUTPUT_EVERY)  # the end of the call wakes this at once
+
+    def usage(self) -> tuple[float, int] | None:
+        """CPU % and resident bytes of this rank (its process and every child), at most once a second."""
+        import psutil
+
+        if time.monotonic() - self.sampled < _SAMPLE_EVERY:
+            return None
+        self.sampled = time.monotonic()
+        me = psutil.Process()
+        cpu, memory, procs = 0.0, 0, {}
+        for proc in [me, *me.children(recursive=True)]:
+            known = self.procs.get(proc.pid, proc)
+            try:
+                with known.oneshot():
+                    cpu += known.cpu_percent(interval=None)  # 0 at a process's first reading
+                    memory += known.memory_info().rss
+                procs[proc.pid] = known
+            except psutil.Error:
+                continue
+        self.procs = procs
+        return cpu, memory
 
     def outcome(self) -> RankFiles:
         """The exit code and the bytes of the result or error files the rank left."""
