@@ -13,7 +13,7 @@ A difference is handled as `ray_init(packages=...)` says:
   distribution (its packages and its metadata), so every rank imports the
   notebook's exact version. Ray uploads them once and each node unpacks them
   once (a second call reuses both). A distribution that cannot be carried
-  (single-file modules, over 100 MiB, files not found) is refused as below.
+  (a single-file module, an editable install, over 100 MiB) is refused as below.
 - "check": the call is refused before any rank starts, with an error that
   names each package, node and version and the way out.
 - "off": nothing is compared.
@@ -160,8 +160,18 @@ def _files_of(dist: str) -> list[str] | None:
                 return None  # a single-file module cannot be a py_modules entry
             continue
         paths.append(path)
+    if len(paths) == 1:
+        return None  # no package directory of its own (an editable install points elsewhere): nothing to bring
     total = sum(os.path.getsize(os.path.join(d, f)) for p in paths for d, _, fs in os.walk(p) for f in fs)
     return paths if total <= SYNC_LIMIT else None
+
+
+def _job_py_modules(ray: Any) -> list[str]:
+    """The `py_modules` of the job's own runtime environment (ray_init(runtime_env=...)): an actor's replace them."""
+    try:
+        return list(ray.get_runtime_context().runtime_env.get("py_modules") or [])
+    except Exception:  # noqa: BLE001 - none, or a context that does not say
+        return []
 
 
 def prepare(ray: Any, bundle: dict[str, float], probe: Any) -> dict[str, Any] | None:
@@ -188,12 +198,12 @@ def prepare(ray: Any, bundle: dict[str, float], probe: Any) -> dict[str, Any] | 
                     _uploaded[key] = upload_py_modules(paths)
                 uris += _uploaded[key]
             if not stuck:
-                return {"py_modules": uris}
+                return {"py_modules": [*_job_py_modules(ray), *uris]}
             found = [d for d in found if d.dist in stuck]
     wanted = " ".join(sorted({f"'{d.dist}=={d.want}'" for d in found}))
     how = f"Install the notebook's versions on those nodes (pip install {wanted})"
     if mode == "sync":
-        how = f"They cannot be brought with the call (a single-file module, or over 100 MiB). {how}"
+        how = f"They cannot be brought with the call (a single-file module, an editable install, over 100 MiB). {how}"
     else:
         how += ", or call ray_init(..., packages='sync') to bring them with each call"
     raise LaunchError(
