@@ -96,6 +96,28 @@ def test_modules_imported_by_name_travel_to_local_ranks(workdir):
 
 
 @pytest.mark.slow
+def test_a_session_imports_the_notebooks_copy_and_the_reloaded_one_next(workdir):
+    """Session cells import a module beside the notebook whose file is gone; after an edit and a reload in the
+    notebook, the next session cell (same processes, same namespace otherwise) imports the new code."""
+    (workdir / "helpers_ss.py").write_text("def version():\n    return 'v1'\n")
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    try:
+        k.execute("%load_ext air_magic\nimport helpers_ss").check()
+        (workdir / "helpers_ss.py").unlink()
+        line = "%%distributed --session travels --gpus 2 --accelerator-type CPU --no-mlflow --out got\n"
+        k.execute(line + "import os, helpers_ss\nkept = os.getpid()\nhelpers_ss.version()", timeout=180).check()
+        assert k.value("got") == "['v1', 'v1']"
+        (workdir / "helpers_ss.py").write_text("def version():\n    return 'v2'\n")
+        k.execute("import importlib\nimportlib.reload(helpers_ss)").check()
+        (workdir / "helpers_ss.py").unlink()
+        k.execute(line + "import os, helpers_ss\n(helpers_ss.version(), kept == os.getpid())", timeout=180).check()
+        assert k.value("got") == "[('v2', True), ('v2', True)]"
+        k.execute("%distributed_release").check()
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.slow
 def test_modules_imported_by_name_travel_to_ray_ranks(cluster, workdir):
     """On two Ray nodes: the same as locally, the files gone from every node's disk before the call."""
     k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
