@@ -24,18 +24,21 @@ pytest_plugins = ("lab", "s3_server")
 #: modules to its two workers (--dist loadfile --no-loadscope-reorder) in collection order, so these start first and
 #: no long module is left to run alone at the end; the others follow in their usual order.
 LONGEST_FIRST = (
-    "test_demos_sharded.py",
-    "test_demos.py",
-    "test_data_demo.py",
-    "test_mlflow_speed.py",
+    "test_demos_sharded.py",  # DeepSpeed builds its CPU communication op on the first run
     "test_ray.py",
+    "test_mlflow_speed.py",
+    "test_demos.py",
     "test_code_travels.py",
-    "test_demos_ddp.py",
+    "test_restarts.py",
+    "test_data_demo.py",
     "test_data_cache.py",
-    "test_package.py",
+    "test_tracking.py",
     "test_core.py",
     "test_faults.py",
     "test_data_checkpoint.py",
+    "test_hang.py",
+    "test_demos_ddp.py",
+    "test_data_dataset.py",
 )
 
 
