@@ -122,7 +122,7 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
         pids = [int(p) for r in (0, 1) for p in re.findall(r"pid (\d+) child (\d+)", _log_text(cell, r))[0]]
         nb.screenshot("panel-running.png")
         cell.locator(".air-magic-panel button", has_text="Cancel").click()
-        cell.get_by_text("JobCancelledError").wait_for(timeout=30_000)  # how soon: bench/panel_latency.py
+        cell.get_by_text("JobCancelledError").wait_for(timeout=30_000)  # how soon after Cancel: bench/faults.py
         nb.wait_done(2)
         gone_by = time.monotonic() + 5
         while not _gone(pids):
