@@ -236,3 +236,20 @@ def test_a_second_interrupt_stops_the_session_at_once(session_kernel):
     assert out.ename == "KeyboardInterrupt"
     assert "session 'twice' ended" in out.traceback and "(interrupted)" in out.traceback
     assert "did not come back" not in out.traceback
+
+
+def test_a_process_a_session_rank_started_stays_with_the_session_and_ends_with_it(session_kernel):
+    """A child a rank keeps (a compile worker, a DataLoader's persistent worker) neither ends the session when the
+    cell ends nor outlives the session."""
+    first = cell(
+        session_kernel,
+        f"--session kids {CPU}",
+        "import os, subprocess\nkid = subprocess.Popen(['sleep', '120'])\n(os.getpid(), kid.pid)",
+    )
+    pids = values(first)
+    again = cell(session_kernel, f"--session kids {CPU}", "(os.getpid(), kid.pid, kid.poll())")
+    assert values(again) == [(rank, kid, None) for rank, kid in pids]
+    session_kernel.execute("%distributed_session --end kids").check()
+    procs = [psutil.Process(pid) for pair in pids for pid in pair if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]

@@ -261,9 +261,17 @@ class Supervisor:
 
     # -- process trees -----------------------------------------------------
     def processes(self, job: Job) -> dict[int, psutil.Process]:
-        """Every live process of the job: workers, their descendants, and adopted orphans."""
+        """Every live process of the job: workers, their descendants, and adopted orphans.
+
+        While the job's hot ranks are kept, what they started and still own (torch.compile's compile workers,
+        a DataLoader's persistent workers) stays with them: it ends when their pool does, not with the call.
+        """
         known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
-        return job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
+        found = job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
+        if job.pool is not None and job.pool in self.pools.pools:
+            kept = {proc.pid for proc in job.pool.processes()}
+            found = {pid: proc for pid, proc in found.items() if pid not in kept}
+        return found
 
     def interrupt(self, job: Job, after: float, reason: str) -> None:
         """A session's call: ask its ranks to come back (`interrupt_session`) rather than stop them; any other: stop."""
