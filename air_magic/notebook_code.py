@@ -41,6 +41,22 @@ def _distributed_names() -> frozenset[str]:
     return frozenset(importlib.metadata.packages_distributions())
 
 
+@lru_cache(maxsize=256)
+def _holds_distributions(directory: str) -> bool:
+    """A sys.path directory where packages are installed (`pip install --target`, a conda or system prefix):
+    it holds the metadata of some distribution."""
+    try:
+        return any(entry.endswith((".dist-info", ".egg-info")) for entry in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def _top_directory(name: str, real: str) -> str:
+    """The sys.path directory a top-level module `name` was found in, from its file's real path."""
+    parent = os.path.dirname(real)
+    return os.path.dirname(parent) if os.path.basename(real).startswith("__init__.") else parent
+
+
 _OWN_PACKAGE = __name__.split(".")[0]
 #: Top-level module name and file -> whether it travels by value (a file is judged once).
 _judged: dict[tuple[str, str], bool] = {}
@@ -58,6 +74,7 @@ def _travels_by_value(name: str, module: ModuleType) -> bool:
             and name not in sys.stdlib_module_names
             and not real.startswith(_installed_roots())
             and name not in _distributed_names()
+            and not _holds_distributions(_top_directory(name, real))
         )
         _judged[(name, file)] = known
     return known
