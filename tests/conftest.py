@@ -24,13 +24,11 @@ pytest_plugins = ("lab", "s3_server")
 #: modules to its two workers (--dist loadfile --no-loadscope-reorder) in collection order, so these start first and
 #: no long module is left to run alone at the end; the others follow in their usual order.
 LONGEST_FIRST = (
-    "test_demos_sharded.py",  # DeepSpeed builds its CPU communication op on the first run
     "test_ray.py",
+    "test_demos_sharded.py",  # DeepSpeed builds its CPU communication op on a machine's first run
     "test_mlflow_speed.py",
-    "test_demos.py",
     "test_code_travels.py",
     "test_restarts.py",
-    "test_data_demo.py",
     "test_data_cache.py",
     "test_tracking.py",
     "test_core.py",
@@ -39,6 +37,8 @@ LONGEST_FIRST = (
     "test_hang.py",
     "test_demos_ddp.py",
     "test_data_dataset.py",
+    "test_boundary.py",
+    "test_demos.py",
 )
 
 
