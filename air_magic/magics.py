@@ -101,6 +101,11 @@ def _session_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _session_option(help: str) -> Any:
+    """The --session option of the line magics that act on one session."""
+    return argument("--session", default=sessions.DEFAULT_SESSION, type=_session_name, metavar="NAME", help=help)
+
+
 def _identifier(text: str) -> str:
     if not text.isidentifier() or keyword.iskeyword(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a valid Python variable name")
@@ -355,13 +360,7 @@ class DistributedMagics(Magics):
             print(said)
 
     @magic_arguments()
-    @argument(
-        "--session",
-        default=sessions.DEFAULT_SESSION,
-        type=_session_name,
-        metavar="NAME",
-        help="The session to send the values to. Default: 'default'.",
-    )
+    @_session_option("The session to send the values to. Default: 'default'.")
     @argument("--ranks", type=_ranks, default=None, metavar="R", help="Only these ranks, such as 0 or 0,2.")
     @argument("names", nargs="+", type=_identifier, metavar="VARIABLE", help="Notebook variables to send.")
     @line_magic
@@ -380,13 +379,7 @@ class DistributedMagics(Magics):
         sessions.push(args.session, {name: shell.user_ns[name] for name in args.names}, args.ranks)
 
     @magic_arguments()
-    @argument(
-        "--session",
-        default=sessions.DEFAULT_SESSION,
-        type=_session_name,
-        metavar="NAME",
-        help="The session to read from. Default: 'default'.",
-    )
+    @_session_option("The session to read from. Default: 'default'.")
     @argument("--rank", type=int, default=None, metavar="R", help="One rank's value instead of a list by rank.")
     @argument("name", type=_identifier, metavar="VARIABLE", help="The name on the ranks.")
     @line_magic
