@@ -43,12 +43,24 @@ def _distributed_names() -> frozenset[str]:
 
 @lru_cache(maxsize=256)
 def _holds_distributions(directory: str) -> bool:
-    """A sys.path directory where packages are installed (`pip install --target`, a conda or system prefix):
-    it holds the metadata of some distribution."""
+    """A directory where packages are installed (`pip install --target`, a conda or system prefix): it holds
+    the metadata of some distribution."""
     try:
-        return any(entry.endswith((".dist-info", ".egg-info")) for entry in os.listdir(directory))
+        return any(entry.endswith(".dist-info") for entry in os.listdir(directory))
     except OSError:
         return False
+
+
+def _installed_tree(directory: str) -> bool:
+    """`directory` is an install directory or lies inside one (a package's vendored copy of another, which it
+    puts on sys.path itself, as debugpy does with pydevd)."""
+    while True:
+        if _holds_distributions(directory):
+            return True
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return False
+        directory = parent
 
 
 def _top_directory(name: str, real: str) -> str:
@@ -58,6 +70,8 @@ def _top_directory(name: str, real: str) -> str:
 
 
 _OWN_PACKAGE = __name__.split(".")[0]
+#: Modules the interpreter imports at start-up from its own configuration, never the notebook's code.
+_SITE_HOOKS = frozenset({"sitecustomize", "usercustomize"})
 #: Top-level module name and file -> whether it travels by value (a file is judged once).
 _judged: dict[tuple[str, str], bool] = {}
 
@@ -74,7 +88,8 @@ def _travels_by_value(name: str, module: ModuleType) -> bool:
             and name not in sys.stdlib_module_names
             and not real.startswith(_installed_roots())
             and name not in _distributed_names()
-            and not _holds_distributions(_top_directory(name, real))
+            and name not in _SITE_HOOKS
+            and not _installed_tree(_top_directory(name, real))
         )
         _judged[(name, file)] = known
     return known

@@ -20,17 +20,21 @@ def _import_from(directory, name: str):
 
 def test_a_module_beside_the_notebook_travels_and_one_in_an_install_directory_does_not(tmp_path):
     """A module in a plain directory is the notebook's; one in a directory holding distribution metadata (what
-    `pip install --target` makes, put on PYTHONPATH) is installed and is imported by name on the ranks."""
+    `pip install --target` makes, put on PYTHONPATH), or inside such a directory (a package's vendored copy of
+    another), is installed and is imported by name on the ranks."""
     own_dir, installed_dir = tmp_path / "notebook", tmp_path / "site"
+    vendored_dir = installed_dir / "tool" / "_vendored" / "lib"
     own_dir.mkdir()
-    installed_dir.mkdir()
-    (installed_dir / "something-1.0.dist-info").mkdir()
+    vendored_dir.mkdir(parents=True)
+    (installed_dir / "tool-1.0.dist-info").mkdir()
     own = _import_from(own_dir, f"helpers_{uuid.uuid4().hex[:8]}")
     installed = _import_from(installed_dir, f"lib_{uuid.uuid4().hex[:8]}")
+    vendored = _import_from(vendored_dir, f"vendored_{uuid.uuid4().hex[:8]}")  # put on sys.path by its package
     try:
         found = {m.__name__ for m in notebook_code.notebook_modules()}
         assert own.__name__ in found
         assert installed.__name__ not in found
+        assert vendored.__name__ not in found
     finally:
-        sys.modules.pop(own.__name__, None)
-        sys.modules.pop(installed.__name__, None)
+        for module in (own, installed, vendored):
+            sys.modules.pop(module.__name__, None)
