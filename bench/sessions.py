@@ -100,6 +100,17 @@ hot = distributed(num_accelerators=RANKS, accelerator_type=TYPE, mlflow=False, k
 """
 
 
+def gpu_name() -> str:
+    """The first GPU's name, from NVML (this process creates no CUDA context)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def timed(kernel: Kernel, code: str) -> float:
     t0 = time.perf_counter()
     kernel.execute(code, timeout=1800).check()
@@ -152,6 +163,7 @@ def main() -> None:
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "load_average_1min": os.getloadavg()[0],
+        "device": gpu_name() if gpus else "",
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), {ranks} {kind} rank(s)",
         "shape": shape,
         "compile": compile_model,
