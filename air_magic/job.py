@@ -92,6 +92,8 @@ class RankResult:
     value: Any = None
     returncode: int | None = None
     pid: int | None = None
+    #: The address of the machine the rank ran on, where the launcher said (Ray); "": this one.
+    host: str = ""
     log_path: Path | None = None
     #: Wall time (time.time()) the launcher saw the rank's process end.
     exited_at: float | None = None

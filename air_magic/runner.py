@@ -179,6 +179,7 @@ class _Run(AttemptOutcome):
         elif isinstance(event, p.RankStarted):
             self.started.add(event.rank)
             self.result.ranks[event.rank].pid = self.ctx.pids[event.rank] = event.pid
+            self.result.ranks[event.rank].host = event.host
             self.set_state(event.rank, RankState.RUNNING)
             if all(r.pid is not None for r in self.result.ranks):
                 self.enter_phase(Phase.RUNNING)

@@ -1,7 +1,7 @@
 """Sessions as the notebook sees them: which exist, what their ranks hold, how each ended, and the calls on them.
 
 The state itself lives on the ranks (launch/session.py) and the processes in
-the launcher's hot ranks (launch/local/pool.py); this module keeps the
+the launcher's hot ranks (launch/local/pool.py, launch/ray/hot.py); this module keeps the
 notebook's record of each session, so that a cell asking for another world
 under a session's name is refused before anything starts, an end is never
 silent (said when it is seen, and again in the `NameError` of a name the lost
@@ -43,6 +43,8 @@ class Record:
     num_nodes: int
     keep_alive: float
     pids: dict[int, int] = field(default_factory=dict)
+    #: rank -> the address of its machine, where the launcher said (Ray).
+    hosts: dict[int, str] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     #: rank -> name -> "type, size", as each rank said after its last call.
@@ -138,6 +140,7 @@ def before(spec: JobSpec) -> None:
 def after(spec: JobSpec, result: JobResult) -> None:
     """Record what the call left: the session's pids and names, or its end (said in one line), and explain a
     NameError for a name that ranks of an ended session held."""
+    _notice_ends()  # ranks found lost when this call came (Ray) ended with their reason before it started new ones
     name = spec.session or ""
     record = _live.get(name)
     pids = {r.rank: r.pid for r in result.ranks if r.pid is not None}
@@ -155,6 +158,7 @@ def after(spec: JobSpec, result: JobResult) -> None:
                 name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or DEFAULT_IDLE, pids
             )
         record.pids, record.last_used = pids, time.monotonic()
+        record.hosts = {r.rank: r.host for r in result.ranks if r.host}
         record.keep_alive = spec.keep_alive or record.keep_alive
         record.names.update(result.session_names)
     _explain_name_error(name, result.error)
@@ -282,14 +286,17 @@ def table() -> str:
     if not sessions:
         return "No session is alive. Start one with a `%%distributed --session [NAME]` cell."
     host = socket.gethostname()
+    here = {a.address for addresses in psutil.net_if_addrs().values() for a in addresses}
     lines: list[str] = []
     for record in sessions.values():
         left = max(0.0, record.keep_alive - (time.monotonic() - record.last_used))
         lines.append(f"session {record.name!r}: {record.shape()}, ends after {left:,.0f} s more idle")
         for rank in range(record.world_size):
             pid = record.pids.get(rank)
-            try:
-                memory = f"{psutil.Process(pid).memory_info().rss / 2**20:,.0f} MiB" if pid else "?"
+            node = record.hosts.get(rank, host if record.num_nodes == 1 else "(Ray)")
+            try:  # a process of another machine is not looked at here
+                local = pid and (record.num_nodes == 1 or node in here)
+                memory = f"{psutil.Process(pid).memory_info().rss / 2**20:,.0f} MiB" if local else "?"
             except psutil.Error:
                 memory = "gone"
             device = (
@@ -297,7 +304,6 @@ def table() -> str:
                 if record.accelerator_type.startswith("GPU")
                 else "cpu"
             )
-            node = host if record.num_nodes == 1 else "(Ray)"
             names = record.names.get(rank, {})
             held = "; ".join(f"{n}: {d}" for n, d in names.items()) or "(nothing assigned)"
             lines.append(f"  rank {rank}: pid {pid}, {node}, {device}, {memory} in use; {held}")

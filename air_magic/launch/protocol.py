@@ -203,6 +203,8 @@ class RankStarted(Event):
     job: str
     rank: int
     pid: int
+    #: The address of the machine the rank runs on, where the launcher knows it (Ray); "": this one.
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,8 @@ class RankFiles:
     error_pickle: bytes | None = None
     #: Wall time the error file was written.
     error_at: float | None = None
+    #: A session's call that failed in user code: the rank stays usable (worker.session_kept).
+    session_kept: bool = False
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,12 @@ def _run_in_session(target: object, args: tuple[object, ...], kwargs: dict[str, 
     """Run a session call with Ctrl-C live: the supervisor's SIGINT raises KeyboardInterrupt in the user's code.
 
     Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does). A rank whose
-    call runs in another thread than the main one (a Ray actor's) is interrupted by its launcher instead.
+    call runs in another thread than the main one (a Ray actor's) is interrupted by its launcher instead
+    (session.interrupt_call).
     """
     if threading.current_thread() is not threading.main_thread():
-        return session.run(target, args, kwargs, rank)
+        with session.interruptible():
+            return session.run(target, args, kwargs, rank)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return session.run(target, args, kwargs, rank)

@@ -9,6 +9,13 @@ stopped (cancel, timeout, Ctrl-C), on `release_hot()` or `shutdown()`, and
 when a call of another world waits for resources (idle hot ranks may hold
 them). `HotWorlds` is that registry; it asks Ray for nothing but the end of a
 world's actors (placement.end_actors).
+
+A session's world (`JobRequest.session`) is found by the session's name, not
+by its world: a call of the session runs in it whatever its environment, and
+the pump keeps it after a call that failed in user code. Another call never
+takes it, and a call waiting for resources does not end it (its memory is held
+until it ends). Its end outside a call (idle, released) is kept for
+`ended_sessions`, once.
 """
 
 from __future__ import annotations
@@ -34,10 +41,28 @@ class HotWorld:
     master: str
     port: int
     keep_alive: float
+    #: The session it holds, if any.
+    session: str | None = None
     #: A call runs in it now.
     busy: bool = True
     #: Ends it once it has been idle `keep_alive` s.
     timer: threading.Timer | None = field(default=None, repr=False)
+
+
+class SessionBusy(Exception):
+    """A call of a session whose world cannot take it (it runs a call, or is another world)."""
+
+
+def _check_session(world: HotWorld, request: p.JobRequest) -> None:
+    shape = world.key.split("/", 1)[1]
+    asked = world_key(request).split("/", 1)[1]
+    if world.busy or shape != asked:
+        nodes = len({pl.node_id for pl in world.places})
+        raise SessionBusy(
+            f"session {world.session!r} holds {len(world.actors)} rank(s) on {nodes} node(s)"
+            + (" and is running a call" if world.busy else "")
+            + f"; end it with %distributed_session --end {world.session} to start another world under that name"
+        )
 
 
 def world_key(request: p.JobRequest) -> str:
@@ -51,14 +76,24 @@ class HotWorlds:
     def __init__(self) -> None:
         self._worlds: list[HotWorld] = []
         self._lock = threading.Lock()
+        #: (session, why) of each session world that ended outside a call, oldest first (`ended_sessions`).
+        self._session_ends: list[tuple[str, str]] = []
 
     def take_hot(self, request: p.JobRequest) -> HotWorld | None:
-        """An idle hot world of this call's world, now busy; None if there is none."""
+        """An idle hot world of this call's world (or its session's), now busy; None if there is none.
+
+        A session whose world runs a call, or holds another number of ranks or nodes, is a `SessionBusy`.
+        """
         if not request.keep_alive:
             return None
         key = world_key(request)
         with self._lock:
-            world = next((w for w in self._worlds if not w.busy and w.key == key), None)
+            if request.session is not None:
+                world = next((w for w in self._worlds if w.session == request.session), None)
+                if world is not None:
+                    _check_session(world, request)
+            else:
+                world = next((w for w in self._worlds if not w.busy and w.key == key and w.session is None), None)
             if world is not None:
                 world.busy = True
                 if world.timer is not None:
@@ -81,7 +116,34 @@ class HotWorlds:
             if world.busy or world not in self._worlds or world.timer is not threading.current_thread():
                 return  # taken by a call meanwhile, or already ended
             self._worlds.remove(world)
+            self._ended([world], f"idle for {world.keep_alive:g} s (its keep-alive)")
         self._end([world])
+
+    def _ended(self, worlds: list[HotWorld], why: str) -> None:
+        """Keep (session, why) of the session worlds among `worlds`, ending outside a call (hold the lock)."""
+        self._session_ends += [(w.session, why) for w in worlds if w.session is not None]
+
+    def session_lost(self, name: str, why: str) -> None:
+        """Session `name`'s world was found lost when a call came; that call starts another."""
+        with self._lock:
+            self._session_ends.append((name, why))
+
+    def ended_sessions(self) -> list[tuple[str, str]]:
+        """(session, why) for each session world that ended outside a call since last asked."""
+        with self._lock:
+            ends, self._session_ends = self._session_ends, []
+        return ends
+
+    def end_idle_session(self, name: str, why: str) -> bool:
+        """End session `name`'s world now if it is idle; False if it runs a call (or there is none)."""
+        with self._lock:
+            world = next((w for w in self._worlds if w.session == name and not w.busy), None)
+            if world is None:
+                return False
+            self._worlds.remove(world)
+        with contextlib.suppress(Exception):
+            self._end([world])
+        return True
 
     def drop(self, world: HotWorld) -> None:
         """`world` is ending (its call failed, was stopped, or lost a rank): no call may take it."""
@@ -105,14 +167,23 @@ class HotWorlds:
         with self._lock:
             return list(self._worlds)
 
-    def release_hot(self) -> None:
-        """End every idle hot world now: its actors and their placement group (a running call's ranks end with it)."""
+    def release_hot(self, sessions: bool = True) -> None:
+        """End every idle hot world now: its actors and their placement group (a running call's ranks end with it).
+
+        `sessions=False` leaves the sessions' worlds (a call waiting for resources ends only plain hot ranks).
+        """
         with self._lock:
-            idle = [w for w in self._worlds if not w.busy]
+            idle = [w for w in self._worlds if not w.busy and (sessions or w.session is None)]
             for world in idle:
                 self._worlds.remove(world)
+            self._ended(idle, "%distributed_release ended every hot rank")
         with contextlib.suppress(Exception):  # a notebook no longer connected holds nothing
             self._end(idle)
+
+    def idle_sessions(self) -> list[HotWorld]:
+        """The sessions' worlds that wait for a call now."""
+        with self._lock:
+            return [w for w in self._worlds if w.session is not None and not w.busy]
 
     def end_all(self) -> None:
         """End every hot world, a call's or not (at shutdown)."""

@@ -19,9 +19,10 @@ from .rank import RankActor
 
 
 class RayLauncher(Owner, Launcher):
-    """Ranks on the nodes of the Ray cluster this notebook joined with `ray_init`; hot ranks kept as `HotWorld`s."""
+    """Ranks on the nodes of the Ray cluster this notebook joined with `ray_init`; hot ranks and sessions kept as
+    `HotWorld`s."""
 
-    supports = frozenset({"keep_alive"})
+    supports = frozenset({"keep_alive", "session"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,6 +67,16 @@ class RayLauncher(Owner, Launcher):
     def forget(self, job: RayJob) -> None:
         with self._lock:
             self._jobs.discard(job)
+
+    def end_session(self, name: str) -> None:
+        """End session `name`'s world now: idle, at once; running a call, that call is stopped and ends it."""
+        why = "%distributed_session --end ended it"
+        if self.end_idle_session(name, why):
+            return
+        with self._lock:
+            jobs = [j for j in self._jobs if j.world is not None and j.world.session == name]
+        for job in jobs:
+            job.end_session(why)
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Stop every job still running, wait for its teardown, and end every hot world (at exit, on unload)."""

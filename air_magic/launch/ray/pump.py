@@ -7,6 +7,13 @@ actors, the placement group. What a node sends is appended to the rank's log
 in the run directory here, with its MLflow and chart lines and its result
 (received.py). A rank whose actor or node dies is reported as a `WorkerDiedError`.
 The runner sees only the events.
+
+A session's call (`JobRequest.session`) runs in the session's world and keeps
+it when every rank that failed stays usable (`RankFiles.session_kept`). A stop
+with `interrupt_after` waits that long, raises KeyboardInterrupt in each rank
+still running (`RankActor.interrupt`) and gives them `COME_BACK` s before it
+stops them as any stop does. When the world ends, `SessionEnded` says why,
+before `JobGone`.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..interface import JobHandle, drain
+from ..local.jobs import COME_BACK, Interrupt
 from ..rundir import RunDir
 from . import packages
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming
-from .hot import HotWorld, HotWorlds, world_key
+from .hot import HotWorld, HotWorlds, SessionBusy, world_key
 from .placement import LaunchError, Placement, code_dirs, end_actors, rank_envs
 from .received import Received
 
@@ -77,7 +85,19 @@ class RayJob(JobHandle):
         self.started: set[int] = set()
         self.exited: set[int] = set()
         self.codes: dict[int, int] = {}
+        #: Ranks whose failed session call left them usable.
+        self.kept: set[int] = set()
         self.failed = False
+        #: Why the job failed to launch or lost something, as said in its LaunchFailed.
+        self.failure = ""
+        #: The calls were sent to the ranks: an interrupt now asks them to come back rather than stopping the job.
+        self.calling = False
+        #: A session's call asked to come back (`stop` with `interrupt_after`).
+        self.interrupt: Interrupt | None = None
+        #: Why the last stop was asked (StopReason's words).
+        self.stop_reason = ""
+        #: Why the session's world ends with this job (said in SessionEnded); None: kept, or no session.
+        self.session_end: str | None = None
         self.received = Received(run_dir, request.world_size)
         self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
         self.thread.start()
@@ -87,8 +107,18 @@ class RayJob(JobHandle):
         return drain(self.events, timeout)
 
     def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
-        self.grace = grace  # no sessions here: `interrupt_after` is never asked of this launcher
+        self.grace = grace
+        if interrupt_after is not None and self.request.session is not None and not self.stop_asked.is_set():
+            if self.interrupt is None:  # the pump carries it out (_interrupting)
+                self.interrupt = Interrupt(time.monotonic() + interrupt_after, reason)
+            return
+        self.stop_reason = reason
         self.stop_asked.set()
+
+    def end_session(self, why: str) -> None:
+        """Stop this session's call now and end its world, saying `why`."""
+        self.session_end = self.session_end or why
+        self.stop("session ended", self.grace)
 
     def close(self) -> None:
         self.stop_asked.set()  # a no-op after JobGone; otherwise the pump tears down and ends alone
@@ -110,7 +140,7 @@ class RayJob(JobHandle):
             self._watch()
         except _Stopped:
             pass
-        except LaunchError as exc:
+        except (LaunchError, SessionBusy) as exc:
             self._fail(str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the runner, never raised in a thread
             self._fail(f"the Ray launcher failed: {type(exc).__name__}: {exc}")
@@ -129,12 +159,17 @@ class RayJob(JobHandle):
         warming = cluster_warming()
         deadline = time.monotonic() + START_WAIT
         while warming is not None and warming.is_alive() and time.monotonic() < deadline:
-            if self.stop_asked.is_set():
+            if self._halted():
                 raise _Stopped()
             warming.join(0.05)
 
+    def _halted(self) -> bool:
+        """A stop came, or an interrupt before any rank runs the call (nothing to interrupt: it stops)."""
+        return self.stop_asked.is_set() or (self.interrupt is not None and not self.calling)
+
     def _fail(self, message: str) -> None:
         self.failed = True
+        self.failure = self.failure or message
         self.events.put(p.LaunchFailed(self.job, message))
 
     def _wait(self, refs: list[Any], limit: float, what: str) -> list[Any]:
@@ -144,7 +179,7 @@ class RayJob(JobHandle):
             ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0.2)
             if len(ready) == len(refs):
                 return list(self.ray.get(refs))
-            if self.stop_asked.is_set():
+            if self._halted():
                 raise _Stopped()
             if time.monotonic() > deadline:
                 raise LaunchError(f"{what} did not happen within {limit:g} s")
@@ -161,11 +196,12 @@ class RayJob(JobHandle):
                 return True
             except self.ray.exceptions.RayActorError as exc:
                 why = f"a Ray actor of theirs died ({' '.join(str(exc).split())[:200]})"
-        self.events.put(
-            p.RankOutput(
-                self.job, 0, f"air_magic: the hot ranks of this world were lost: {why}; starting fresh ranks.\n"
-            )
-        )
+        if world.session is not None:
+            self.launcher.session_lost(world.session, f"its ranks were lost: {why}")
+            said = f"the ranks of session {world.session!r} were lost: {why}; starting new ranks (their names are gone)"
+        else:
+            said = f"the hot ranks of this world were lost: {why}; starting fresh ranks"
+        self.events.put(p.RankOutput(self.job, 0, f"air_magic: {said}.\n"))
         self._end_world()
         return False
 
@@ -182,20 +218,27 @@ class RayJob(JobHandle):
         placement = Placement(self.ray, self.request)
         placement.check_fits()
         runtime_env = packages.prepare(self.ray, placement.bundle, self.launcher.probe_task())
-        if self.stop_asked.is_set():
+        if self._halted():
             raise _Stopped()
         self.pg, self.actors = placement.reserve(self.launcher.actor_class(), f"air_magic-{self.job[:12]}", runtime_env)
         deadline = time.monotonic() + PLACEMENT_WAIT
         ready = self.pg.ready()
         while not self.ray.wait([ready], timeout=0.2)[0]:
-            if self.launcher.hot_worlds():
-                self.launcher.release_hot()  # idle hot ranks may hold what this call needs: it comes first
-            if self.stop_asked.is_set():
+            if self.launcher.hot_worlds():  # idle hot ranks may hold what this call needs: it comes first
+                self.launcher.release_hot(sessions=False)  # a session's are held until it ends
+            if self._halted():
                 raise _Stopped()
             if time.monotonic() > deadline:
+                sessions = sorted(str(w.session) for w in self.launcher.idle_sessions())
+                held = (
+                    f" Idle session(s) {', '.join(map(repr, sessions))} hold ranks: %distributed_session --end NAME "
+                    "frees them."
+                    if sessions
+                    else ""
+                )
                 raise LaunchError(
                     f"the Ray cluster could not reserve {placement.asked} within {PLACEMENT_WAIT:g} s: other work "
-                    f"holds them. {placement.free_text()}"
+                    f"holds them. {placement.free_text()}{held}"
                 )
 
     def _start_ranks(self) -> None:
@@ -205,12 +248,20 @@ class RayJob(JobHandle):
         master, port = self.infos[0].ip, self.infos[0].free_port
         if self.request.keep_alive:
             self.world = HotWorld(
-                world_key(self.request), self.actors, self.pg, self.infos, master, port, float(self.request.keep_alive)
+                world_key(self.request),
+                self.actors,
+                self.pg,
+                self.infos,
+                master,
+                port,
+                float(self.request.keep_alive),
+                session=self.request.session,
             )
         self._start_calls(master, port)
 
     def _start_calls(self, master: str, port: int) -> None:
         req = self.request
+        self.calling = True
         payload = self.ray.put(req.payload)  # through the object store, fetched by each node once
         job = dataclasses.replace(p.JobFile.of(req), sys_path=code_dirs(req.sys_path))
         envs = rank_envs(req, self.infos, master, port, run_id=self.run_dir.path.name)
@@ -220,7 +271,7 @@ class RayJob(JobHandle):
         ]
         for rank, pid in enumerate(self._wait(refs, START_WAIT, "starting the ranks")):
             self.started.add(rank)
-            self.events.put(p.RankStarted(self.job, rank, int(pid)))
+            self.events.put(p.RankStarted(self.job, rank, int(pid), self.infos[rank].ip))
 
     def _watch(self) -> None:
         ray = self.ray
@@ -228,6 +279,8 @@ class RayJob(JobHandle):
         while pending:
             if self.stop_asked.is_set():
                 return  # the teardown ends the ranks; their exits are reported after it
+            if self.interrupt is not None:
+                self._interrupting(self.interrupt)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
             if ready:  # and whatever else is in already
                 ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
@@ -249,6 +302,26 @@ class RayJob(JobHandle):
                 else:
                     self._exited(rank, report.done)
 
+    def _interrupting(self, interrupt: Interrupt) -> None:
+        """A session's call asked to come back: KeyboardInterrupt in its running ranks, a stop if they do not."""
+        running = sorted(self.started - self.exited)
+        now = time.monotonic()
+        if not running:
+            return
+        if not interrupt.signalled and now >= interrupt.at:
+            interrupt.signalled = True
+            for rank in running:
+                with contextlib.suppress(Exception):
+                    self.actors[rank].interrupt.remote()
+        elif interrupt.signalled and now >= interrupt.give_up_at:
+            self.session_end = self.session_end or (
+                f"rank(s) {', '.join(map(str, running))} did not come back from KeyboardInterrupt within "
+                f"{COME_BACK:g} s (interrupted because: {interrupt.why}); a rank waiting in a collective (or in one "
+                "long call into C) cannot, so every rank was stopped"
+            )
+            self.stop_reason = interrupt.why
+            self.stop_asked.set()
+
     def _output(self, rank: int, report: p.RankReport) -> None:
         for text in self.received.take(rank, report):
             self.events.put(p.RankOutput(self.job, rank, text))
@@ -263,6 +336,8 @@ class RayJob(JobHandle):
         self._flush_decoder(rank)
         self.exited.add(rank)
         code = self.codes[rank] = INTERNAL_ERROR if files.code is None else int(files.code)
+        if code != 0 and files.session_kept:
+            self.kept.add(rank)
         self.events.put(p.RankExited(self.job, rank, code, time.time(), result))
 
     def _lost(self, rank: int, exc: BaseException) -> None:
@@ -280,26 +355,43 @@ class RayJob(JobHandle):
         error = WorkerDiedError(
             f"rank {rank} was lost: {why}, without a Python exception from the rank. Ray said: {detail}"
         )
+        if self.request.session is not None:
+            self.session_end = self.session_end or f"rank {rank} was lost: {why}"
         self._flush_decoder(rank)
         self.exited.add(rank)
         self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time(), p.RankOutcome(error=error)))
 
     def _keep_or_teardown(self) -> None:
-        """A hot world whose call every rank finished cleanly stays for the next call; anything else ends."""
+        """A hot world whose call every rank finished cleanly stays for the next call; anything else ends.
+
+        A session's world stays also when each rank that failed stays usable (`kept`).
+        """
         world = self.world
         clean = (
             world is not None
             and not self.failed
             and not self.stop_asked.is_set()
             and len(self.codes) == self.request.world_size
-            and not any(self.codes.values())
+            and all(code == 0 or rank in self.kept for rank, code in self.codes.items())
         )
         if clean and world is not None:
             self.launcher.keep(world)
         else:
+            if world is not None and world.session is not None:
+                self.session_end = self.session_end or self._why_session_ends()
             if self.actors and self.stop_asked.is_set():
                 self._stacks_before_stopping()
             self._end_world()
+        if self.session_end is not None:
+            self.events.put(p.SessionEnded(self.job, self.request.session or "", self.session_end))
+
+    def _why_session_ends(self) -> str:
+        unusable = [rank for rank, code in sorted(self.codes.items()) if code != 0 and rank not in self.kept]
+        if self.stop_asked.is_set():
+            return f"its ranks were stopped ({self.stop_reason or 'stopped'})"
+        if unusable:
+            return f"rank {unusable[0]} raised an error that leaves it unusable"
+        return self.failure or "its call did not finish on every rank"
 
     def _stacks_before_stopping(self) -> None:
         """Ranks still running write their stacks to their logs, which are read here once more (a second at most)."""

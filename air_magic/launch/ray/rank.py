@@ -8,7 +8,9 @@ file in a private scratch directory on its node (so C and CUDA writes are
 caught too), sets the rank's environment and runs the call in a thread
 through worker.run, exactly as a local rank does. The launcher then
 long-polls `poll` for new output and, at the end, for the result or error
-files. `dump_stacks` has the rank write where it is to its log.
+files. `dump_stacks` has the rank write where it is to its log; `interrupt`
+raises KeyboardInterrupt in a session call's thread (a signal cannot reach it:
+it is not the main thread), at the next Python line it runs.
 `terminate` ends every process the rank started and removes the scratch
 directory; the launcher then kills the actor itself.
 
@@ -63,6 +65,8 @@ class RankActor:
         self.scratch: RunDir | None = None
         self.rank = 0
         self.code: int | None = None
+        #: The last call failed in a session's user code and the rank stays usable (worker.session_kept).
+        self.kept = False
         self.done = threading.Event()
         self.hot = False
         self.calls = 0
@@ -101,7 +105,7 @@ class RankActor:
         if self.scratch is not None:
             shutil.rmtree(self.scratch.path, ignore_errors=True)  # the last call's, already reported
         job = call.job
-        self.rank, self.code, self.calls = call.rank, None, self.calls + 1
+        self.rank, self.code, self.kept, self.calls = call.rank, None, False, self.calls + 1
         self.done.clear()
         scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{call.rank}")
         write_private(scratch.payload, payload)
@@ -126,7 +130,7 @@ class RankActor:
         from air_magic.launch.boot import INTERNAL_ERROR
 
         assert self.scratch is not None
-        code = INTERNAL_ERROR
+        code, kept = INTERNAL_ERROR, False
         # two threads importing torch at once can abort the process: the call waits for the preload (it would
         # import the same modules anyway)
         self.preloading.join()
@@ -135,6 +139,7 @@ class RankActor:
                 worker.keep_process_group()
                 self.hot = True
             code = worker.run(self.scratch.path, self.rank)
+            kept = code != 0 and worker.session_kept
         except BaseException:  # noqa: BLE001 - air_magic's own failure: into the rank's log
             traceback.print_exc()
         finally:
@@ -150,9 +155,9 @@ class RankActor:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            self.code = code
+            self.code, self.kept = code, kept
             self.done.set()
-        if hot and code == 0:
+        if hot and (code == 0 or kept):
             # no next call right away: tidy up while waiting, so that a quick re-run does not wait for it
             threading.Timer(worker.TIDY_AFTER, self._tidy, args=(call,)).start()
 
@@ -215,7 +220,14 @@ class RankActor:
             error=_read_all(rd.error(rank)),
             error_pickle=_read_all(rd.error_pickle(rank)),
             error_at=error_at,
+            session_kept=self.kept,
         )
+
+    def interrupt(self) -> bool:
+        """KeyboardInterrupt in the session call running now (session.interrupt_call); False if none runs."""
+        from air_magic.launch import session
+
+        return not self.done.is_set() and session.interrupt_call()
 
     def dump_stacks(self, why: str) -> int:
         """This process and its children write their threads' stacks to the rank's log (launch/stacks.py)."""
