@@ -132,3 +132,19 @@ def test_a_function_in_a_ray_session_takes_refs_and_pull_brings_values_back(ray_
     assert values(ray_kernel.execute("combine.distributed(Ref('model'), 2)")) == [12, 14]
     ray_kernel.execute("pulled = %distributed_pull --session fn last").check()
     assert ray_kernel.value("pulled") == "[12, 14]"
+
+
+def test_an_actor_lost_while_the_session_idles_is_said_and_the_next_cell_gets_new_ranks(ray_kernel):
+    """Rank 1's actor process dies between cells: the next cell says the session's ranks were lost, its NameError
+    names the ranks that held the name, and it runs in new actors."""
+    import psutil
+
+    pids = values(cell(ray_kernel, f"--session lost {RAY}", "import os\nweights = [1, 2]\nos.getpid()"))
+    psutil.Process(pids[1]).kill()
+    psutil.wait_procs([psutil.Process(pids[1])], timeout=15)
+    out = cell(ray_kernel, f"--session lost {RAY}", "weights")
+    assert out.ename == "NameError" and "held 'weights'" in out.traceback, out.traceback
+    assert "session 'lost'" in out.stderr and "its ranks were lost" in out.stderr, out.stderr
+    assert "the ranks of session 'lost' were lost" in out.stdout, out.stdout
+    fresh = values(cell(ray_kernel, f"--session lost {RAY}", "import os\nos.getpid()"))
+    assert not set(fresh) & set(pids)

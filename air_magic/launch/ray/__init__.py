@@ -6,7 +6,8 @@ pump.py      one call: place or reuse, start the ranks, watch them, report event
 received.py  what the ranks send back, kept in the run directory here as a local rank's files are
 packages.py  the nodes' installed packages against the notebook's: brought with the call, or refused
 placement.py the placement group and its actors, each rank's environment, ending actors
-hot.py       hot worlds (keep_alive): which call takes one, when one ends
+hot.py       hot worlds (keep_alive) and sessions' worlds: which call takes one, when one ends
+ending.py    a session's call: its ranks interrupted before they are stopped, the world kept or why it ends
 rank.py      what runs inside each rank's actor
 _compat.py   the only uses of Ray's private names
 

@@ -11,9 +11,9 @@ The runner sees only the events.
 A session's call (`JobRequest.session`) runs in the session's world and keeps
 it when every rank that failed stays usable (`RankFiles.session_kept`). A stop
 with `interrupt_after` waits that long, raises KeyboardInterrupt in each rank
-still running (`RankActor.interrupt`) and gives them `COME_BACK` s before it
-stops them as any stop does. When the world ends, `SessionEnded` says why,
-before `JobGone`.
+still running (`RankActor.interrupt`) and gives them a few seconds before it
+stops them as any stop does (ending.py decides). When the world ends,
+`SessionEnded` says why, before `JobGone`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..interface import JobHandle, drain
-from ..local.jobs import COME_BACK, Interrupt
 from ..rundir import RunDir
 from . import packages
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming
+from .ending import SessionCall
 from .hot import HotWorld, HotWorlds, SessionBusy, world_key
 from .placement import LaunchError, Placement, code_dirs, end_actors, rank_envs
 from .received import Received
@@ -85,19 +85,14 @@ class RayJob(JobHandle):
         self.started: set[int] = set()
         self.exited: set[int] = set()
         self.codes: dict[int, int] = {}
-        #: Ranks whose failed session call left them usable.
-        self.kept: set[int] = set()
         self.failed = False
         #: Why the job failed to launch or lost something, as said in its LaunchFailed.
         self.failure = ""
         #: The calls were sent to the ranks: an interrupt now asks them to come back rather than stopping the job.
         self.calling = False
-        #: A session's call asked to come back (`stop` with `interrupt_after`).
-        self.interrupt: Interrupt | None = None
         #: Why the last stop was asked (StopReason's words).
         self.stop_reason = ""
-        #: Why the session's world ends with this job (said in SessionEnded); None: kept, or no session.
-        self.session_end: str | None = None
+        self.session = SessionCall(request.session)
         self.received = Received(run_dir, request.world_size)
         self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
         self.thread.start()
@@ -108,16 +103,18 @@ class RayJob(JobHandle):
 
     def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
         self.grace = grace
-        if interrupt_after is not None and self.request.session is not None and not self.stop_asked.is_set():
-            if self.interrupt is None:  # the pump carries it out (_interrupting)
-                self.interrupt = Interrupt(time.monotonic() + interrupt_after, reason)
-            return
+        if (
+            interrupt_after is not None
+            and not self.stop_asked.is_set()
+            and self.session.ask_back(reason, interrupt_after)
+        ):
+            return  # the pump carries it out (_watch)
         self.stop_reason = reason
         self.stop_asked.set()
 
     def end_session(self, why: str) -> None:
         """Stop this session's call now and end its world, saying `why`."""
-        self.session_end = self.session_end or why
+        self.session.ends(why)
         self.stop("session ended", self.grace)
 
     def close(self) -> None:
@@ -164,8 +161,12 @@ class RayJob(JobHandle):
             warming.join(0.05)
 
     def _halted(self) -> bool:
-        """A stop came, or an interrupt before any rank runs the call (nothing to interrupt: it stops)."""
-        return self.stop_asked.is_set() or (self.interrupt is not None and not self.calling)
+        """A stop came, or an interrupt before any rank runs the call (nothing to interrupt: it is a stop)."""
+        asked = self.session.interrupt
+        if asked is not None and not self.calling and not self.stop_asked.is_set():
+            self.stop_reason = asked.why
+            self.stop_asked.set()
+        return self.stop_asked.is_set()
 
     def _fail(self, message: str) -> None:
         self.failed = True
@@ -279,8 +280,11 @@ class RayJob(JobHandle):
         while pending:
             if self.stop_asked.is_set():
                 return  # the teardown ends the ranks; their exits are reported after it
-            if self.interrupt is not None:
-                self._interrupting(self.interrupt)
+            gave_up = self.session.interrupting(sorted(self.started - self.exited), self._interrupt)
+            if gave_up is not None:
+                self.stop_reason = gave_up
+                self.stop_asked.set()
+                return
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
             if ready:  # and whatever else is in already
                 ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
@@ -302,25 +306,9 @@ class RayJob(JobHandle):
                 else:
                     self._exited(rank, report.done)
 
-    def _interrupting(self, interrupt: Interrupt) -> None:
-        """A session's call asked to come back: KeyboardInterrupt in its running ranks, a stop if they do not."""
-        running = sorted(self.started - self.exited)
-        now = time.monotonic()
-        if not running:
-            return
-        if not interrupt.signalled and now >= interrupt.at:
-            interrupt.signalled = True
-            for rank in running:
-                with contextlib.suppress(Exception):
-                    self.actors[rank].interrupt.remote()
-        elif interrupt.signalled and now >= interrupt.give_up_at:
-            self.session_end = self.session_end or (
-                f"rank(s) {', '.join(map(str, running))} did not come back from KeyboardInterrupt within "
-                f"{COME_BACK:g} s (interrupted because: {interrupt.why}); a rank waiting in a collective (or in one "
-                "long call into C) cannot, so every rank was stopped"
-            )
-            self.stop_reason = interrupt.why
-            self.stop_asked.set()
+    def _interrupt(self, rank: int) -> None:
+        with contextlib.suppress(Exception):  # a dead actor is reported by its poll
+            self.actors[rank].interrupt.remote()
 
     def _output(self, rank: int, report: p.RankReport) -> None:
         for text in self.received.take(rank, report):
@@ -337,7 +325,7 @@ class RayJob(JobHandle):
         self.exited.add(rank)
         code = self.codes[rank] = INTERNAL_ERROR if files.code is None else int(files.code)
         if code != 0 and files.session_kept:
-            self.kept.add(rank)
+            self.session.kept.add(rank)
         self.events.put(p.RankExited(self.job, rank, code, time.time(), result))
 
     def _lost(self, rank: int, exc: BaseException) -> None:
@@ -355,8 +343,7 @@ class RayJob(JobHandle):
         error = WorkerDiedError(
             f"rank {rank} was lost: {why}, without a Python exception from the rank. Ray said: {detail}"
         )
-        if self.request.session is not None:
-            self.session_end = self.session_end or f"rank {rank} was lost: {why}"
+        self.session.ends(f"rank {rank} was lost: {why}")
         self._flush_decoder(rank)
         self.exited.add(rank)
         self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time(), p.RankOutcome(error=error)))
@@ -372,26 +359,18 @@ class RayJob(JobHandle):
             and not self.failed
             and not self.stop_asked.is_set()
             and len(self.codes) == self.request.world_size
-            and all(code == 0 or rank in self.kept for rank, code in self.codes.items())
+            and self.session.usable(self.codes)
         )
         if clean and world is not None:
             self.launcher.keep(world)
         else:
             if world is not None and world.session is not None:
-                self.session_end = self.session_end or self._why_session_ends()
+                self.session.ended(self.codes, self.stop_reason if self.stop_asked.is_set() else None, self.failure)
             if self.actors and self.stop_asked.is_set():
                 self._stacks_before_stopping()
             self._end_world()
-        if self.session_end is not None:
-            self.events.put(p.SessionEnded(self.job, self.request.session or "", self.session_end))
-
-    def _why_session_ends(self) -> str:
-        unusable = [rank for rank, code in sorted(self.codes.items()) if code != 0 and rank not in self.kept]
-        if self.stop_asked.is_set():
-            return f"its ranks were stopped ({self.stop_reason or 'stopped'})"
-        if unusable:
-            return f"rank {unusable[0]} raised an error that leaves it unusable"
-        return self.failure or "its call did not finish on every rank"
+        if self.session.end is not None:
+            self.events.put(p.SessionEnded(self.job, self.request.session or "", self.session.end))
 
     def _stacks_before_stopping(self) -> None:
         """Ranks still running write their stacks to their logs, which are read here once more (a second at most)."""
