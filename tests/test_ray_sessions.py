@@ -116,7 +116,7 @@ def test_an_interrupt_during_a_loop_keeps_what_the_loop_had_done(ray_kernel):
 
 def test_a_function_in_a_ray_session_takes_refs_and_pull_brings_values_back(ray_kernel):
     """@distributed(session=..., num_nodes=2): free globals resolve in the session first, Ref passes each rank its
-    own object, and %distributed_pull brings a list by rank back."""
+    own object, %distributed_pull brings a list by rank back, and --ranks 1 runs a cell on rank 1 alone."""
     ray_kernel.execute(
         "from air_magic import Ref, distributed\n"
         "offset = 1000\n"
@@ -132,6 +132,8 @@ def test_a_function_in_a_ray_session_takes_refs_and_pull_brings_values_back(ray_
     assert values(ray_kernel.execute("combine.distributed(Ref('model'), 2)")) == [12, 14]
     ray_kernel.execute("pulled = %distributed_pull --session fn last").check()
     assert ray_kernel.value("pulled") == "[12, 14]"
+    assert values(cell(ray_kernel, f"--session fn --ranks 1 {RAY}", "last += 1\nlast")) == [15]
+    assert values(cell(ray_kernel, f"--session fn {RAY}", "last")) == [12, 15]
 
 
 def test_an_actor_lost_while_the_session_idles_is_said_and_the_next_cell_gets_new_ranks(ray_kernel):
