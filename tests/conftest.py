@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "test_demos_sharded.py",  # DeepSpeed builds its CPU communication op on a machine's first run
     "test_mlflow_speed.py",
     "test_code_travels.py",
+    "test_ray_sessions.py",
     "test_restarts.py",
     "test_data_cache.py",
     "test_tracking.py",
@@ -37,6 +38,8 @@ LONGEST_FIRST = (
     "test_hang.py",
     "test_demos_ddp.py",
     "test_data_dataset.py",
+    "test_sessions.py",
+    "test_frameworks.py",
     "test_boundary.py",
     "test_demos.py",
 )
