@@ -381,6 +381,8 @@ def call_patterns() -> list[str]:
         "≤ 1.5 × warm + 0.3 s on CPU (2 × on GPUs); logging calls 2-5 ≤ bare calls 2-5 + 0.3 s (medians).",
         "",
         *table(["machine", "date", "load", "pattern", "time", "against", "ratio", "bound", "within"], rows),
+        source_line(names),
+        "",
         *notes(names),
     ]
 

@@ -7,24 +7,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from ..come_back import Interrupt
 from ..stopper import Stopper
 from .pool import Pool
-
-#: Seconds a session's ranks have to come back from KeyboardInterrupt before they are stopped (and the session ends).
-COME_BACK = 5.0
-
-
-@dataclass
-class Interrupt:
-    """A session call asked to come back: SIGINT to its running ranks at `at` (monotonic), then `COME_BACK` s."""
-
-    at: float
-    why: str
-    signalled: bool = False
-
-    @property
-    def give_up_at(self) -> float:
-        return self.at + COME_BACK
 
 
 @dataclass

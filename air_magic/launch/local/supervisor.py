@@ -51,10 +51,11 @@ from typing import TYPE_CHECKING
 from ...envvars import HOT_FDS, JOB, SUPERVISOR_PID
 from ...errors import describe_returncode
 from .. import protocol as p
+from ..come_back import COME_BACK, Interrupt
 from ..env import loopback_sockets, torchrun_env
 from ..rundir import RunDir
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
-from .jobs import COME_BACK, Interrupt, Job
+from .jobs import Job
 from .pool import Pool, Pools
 from .preload import Preloaded
 from .spawn import Spawner

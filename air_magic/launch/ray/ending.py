@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..local.jobs import COME_BACK, Interrupt
+from ..come_back import COME_BACK, Interrupt
 
 
 class SessionCall:
