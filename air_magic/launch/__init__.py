@@ -8,7 +8,7 @@ env.py        the torchrun variables of a rank, for every launcher
 boot.py       how air_magic's own processes start (boot line, package location, internal-error exit code)
 stopper.py    stopping process trees (SIGTERM, grace, SIGKILL) for every helper
 local/        the local launcher: one supervisor process per kernel, ranks on this machine
-rendezvous.py worker.py errorfile.py session.py   what runs in the store and rank processes, whichever launcher started them
+rendezvous.py worker.py errorfile.py session.py   what runs in the store and rank processes, either launcher
 ray/          the Ray launcher: ranks as Ray actors on several machines (imports Ray only when used)
 
 This module is the one door to the launchers: nothing outside launch/ imports local/ or ray/.
