@@ -284,3 +284,14 @@ def leftover_processes(
 
 def python() -> str:
     return sys.executable
+
+
+def distributed_cell(kernel: Kernel, line: str, body: str, timeout: float = 120) -> CellResult:
+    """Run `body` as a `%%distributed {line}` cell in `kernel`."""
+    return kernel.execute(f"%%distributed {line}\n{body}", timeout=timeout)
+
+
+def cell_values(result: CellResult) -> Any:
+    """The per-rank list a cell returned (its repr evaluated here); fails with the cell's traceback if it raised."""
+    assert result.error is None, result.traceback
+    return eval(result.result or "None")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import ray_cluster
-from helpers import Kernel, kernel_env
+from helpers import Kernel, distributed_cell, kernel_env
+from helpers import cell_values as values
 
 from air_magic import ray_init
 
@@ -49,12 +50,8 @@ def released(ray_kernel):
 
 
 def cell(kernel, line: str, body: str, timeout: float = 300):
-    return kernel.execute(f"%%distributed {line}\n{body}", timeout=timeout)
-
-
-def values(result) -> object:
-    assert result.error is None, result.traceback
-    return eval(result.result or "None")
+    """A session cell on the cluster (placing actors on a loaded machine takes longer than a local start)."""
+    return distributed_cell(kernel, line, body, timeout)
 
 
 def test_names_survive_from_one_session_cell_to_the_next_over_two_nodes(ray_kernel):

@@ -8,6 +8,8 @@ import threading
 
 import psutil
 import pytest
+from helpers import cell_values as values
+from helpers import distributed_cell as cell
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +29,6 @@ def released(session_kernel):
     """Every test ends with its sessions' ranks gone (the leak check would see them otherwise)."""
     yield
     session_kernel.execute("%distributed_release")
-
-
-def cell(kernel, line: str, body: str, timeout: float = 120):
-    return kernel.execute(f"%%distributed {line}\n{body}", timeout=timeout)
-
-
-def values(result) -> object:
-    assert result.error is None, result.traceback
-    return eval(result.result or "None")
 
 
 def test_names_a_cell_assigns_or_imports_are_there_for_the_next_cell(session_kernel):
