@@ -34,7 +34,7 @@ def cluster(tmp_path_factory):
     patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     c = ray_cluster.start_cluster()
-    ray_init(c.address, log_to_driver=False)
+    ray_init(c.address, log_to_driver=False, spares=False)  # the spares' test turns them on
     yield c
     ray.shutdown()
     c.shutdown()
@@ -318,6 +318,57 @@ def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
     assert "the hot ranks of this world were lost" in rec.output(0) and "left the Ray cluster" in rec.output(0)
     assert [v["calls"] for v in again] == [1, 1] and values[1]["pid"] != again[1]["pid"]
     ray_launcher().release_hot()
+
+
+def spare_state():
+    """This rank's process, and whether it holds anything of an earlier call (a module, a process group)."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    held = {"module": "spare_call_marker" in sys.modules, "group": dist.is_initialized()}
+    sys.modules["spare_call_marker"] = type(sys)("spare_call_marker")
+    dist.init_process_group("gloo")
+    dist.destroy_process_group()
+    return {"pid": os.getpid(), **held}
+
+
+def spare_places():
+    """Where each actor of the one spare set kept now runs (waiting until they are up)."""
+    (spare,) = ray_launcher().spare_sets()
+    return ray.get([a.where.remote() for a in spare.actors], timeout=180)
+
+
+@pytest.mark.slow
+def test_a_cold_call_runs_in_the_spare_actors_started_after_the_last_one(cluster):
+    """With spares on, a cold call leaves a spare set of its shape; the next cold call runs in those processes, which
+    hold nothing of an earlier call, and leaves a new set; a spare set whose node left is not used (the call
+    places anew and succeeds); release ends the spares and Ray reports every CPU free."""
+    ray_init(spares=True)
+    try:
+        first = [v["pid"] for v in run(spare_state).raise_for_status().values]
+        spare = [pl.pid for pl in spare_places()]
+        second = run(spare_state).raise_for_status().values
+        assert [v["pid"] for v in second] == spare and not set(spare) & set(first)
+        assert not any(v["module"] or v["group"] for v in second), second
+        lost = spare_places()
+        assert {pl.pid for pl in lost}.isdisjoint(spare)
+        cluster.remove_node(ray_cluster.node_of(cluster, lost[1].node_id), allow_graceful=False)
+        try:
+            deadline = time.monotonic() + 60
+            while any(n["NodeID"] == lost[1].node_id and n["Alive"] for n in ray.nodes()):
+                assert time.monotonic() < deadline, "the removed node is still reported alive"
+                time.sleep(0.5)
+        finally:
+            ray_cluster.add_node(cluster)
+        third = run(spare_state).raise_for_status().values
+        assert {v["pid"] for v in third}.isdisjoint(pl.pid for pl in lost)
+        ray_launcher().release_hot()
+        assert ray_launcher().spare_sets() == []
+        ray_cluster.wait_all_free()
+    finally:
+        ray_init(spares=False)
 
 
 @pytest.mark.slow

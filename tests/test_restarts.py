@@ -284,7 +284,7 @@ def ray_cluster_of_three(tmp_path_factory):
     patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cluster = ray_cluster.start_cluster(nodes=3)
-    ray_init(cluster.address, log_to_driver=False)
+    ray_init(cluster.address, log_to_driver=False, spares=False)  # the test checks every CPU free after the call
     yield cluster
     ray.shutdown()
     cluster.shutdown()

@@ -17,7 +17,7 @@ def ended(monkeypatch):
     """The actors of every hot world ended, instead of asking Ray to end them."""
     gone: list[list[str]] = []
     monkeypatch.setattr(hot_module, "require_connected", lambda: None)
-    monkeypatch.setattr(hot_module, "end_actors", lambda ray, actors, pg, grace: gone.append(actors))
+    monkeypatch.setattr(hot_module, "end_actors", lambda ray, actors, pg, grace, ran=True: gone.append(actors))
     return gone
 
 
@@ -91,3 +91,19 @@ def test_release_ends_idle_worlds_and_shutdown_ends_every_world(ended):
     assert ended == [["i"]] and launcher.hot_worlds() == [running]
     launcher.shutdown()
     assert ended == [["i"], ["r"]] and launcher.hot_worlds() == []
+
+
+def test_a_spare_set_is_taken_by_its_shape_only_never_as_a_hot_world_and_ends_with_release(ended):
+    """A spare set waits beside the hot worlds: a call of its shape takes it (once), no call takes it as a hot world,
+    hot_worlds() does not list it, and release_hot ends it."""
+    launcher = RayLauncher()
+    spare = HotWorld("spare/2x2", ["s"], None, [], "", 0, 30.0, busy=False, spare=True)
+    launcher.keep(spare)
+    assert launcher.take_hot(request()) is None and launcher.hot_worlds() == []
+    assert launcher.take_spare("spare/1x2") is None
+    assert launcher.take_spare("spare/2x2") is spare and launcher.take_spare("spare/2x2") is None
+    other = HotWorld("spare/1x2", ["o"], None, [], "", 0, 30.0, busy=False, spare=True)
+    launcher.keep(other)
+    assert launcher.spare_sets() == [other] and launcher.holding()
+    launcher.release_hot()
+    assert ended == [["o"]] and not launcher.holding()

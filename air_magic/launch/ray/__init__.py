@@ -7,6 +7,7 @@ received.py  what the ranks send back, kept in the run directory here as a local
 packages.py  the nodes' installed packages against the notebook's: brought with the call, or refused
 placement.py the placement group and its actors, each rank's environment, ending actors
 hot.py       hot worlds (keep_alive) and sessions' worlds: which call takes one, when one ends
+spares.py    spare actor sets: the next cold call's actors started ahead, which call takes them
 ending.py    a session's call: its ranks interrupted before they are stopped, the world kept or why it ends
 rank.py      what runs inside each rank's actor
 _compat.py   the only uses of Ray's private names

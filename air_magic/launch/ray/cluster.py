@@ -32,6 +32,9 @@ _context: Any = None
 #: ray_init's `packages` (see there; launch/ray/packages.py does it).
 PACKAGE_MODES = ("sync", "check", "off")
 _packages = "sync"
+#: How long a spare actor set waits for a call by default, in seconds (ray_init's `spares`; launch/ray/spares.py).
+SPARE_IDLE = 300.0
+_spare_idle = SPARE_IDLE
 _warming: threading.Thread | None = None
 
 INSTALL_HINT = "pip install 'air_magic[ray]'"
@@ -64,7 +67,9 @@ def _loopback_only() -> Iterator[None]:
             os.environ[_LOOPBACK_ENV] = old
 
 
-def ray_init(address: str | None = None, *, packages: str = "sync", **ray_init_kwargs: Any) -> Any:
+def ray_init(
+    address: str | None = None, *, packages: str = "sync", spares: bool | float = True, **ray_init_kwargs: Any
+) -> Any:
     """Connect this notebook to Ray, so that `distributed(..., num_nodes=N)` can run on N machines.
 
     address: None starts a Ray of this kernel's own on this machine, everything listening on
@@ -77,6 +82,13 @@ def ray_init(address: str | None = None, *, packages: str = "sync", **ray_init_k
         and unpacked once per node); what cannot travel so is refused as with "check". "check": the call is
         refused, naming each package, node and version. "off": calls run with the nodes' packages as they are.
         It can be changed by calling ray_init again.
+    spares: after a call whose actors ended, a spare set of actors for the same shape (nodes, ranks per node,
+        GPU or not, packages) is started in the background, each importing torch; the next such call runs in
+        it instead of waiting seconds for new Ray worker processes. A spare has no process group and never ran
+        code of yours. It holds that shape's CPUs (and GPUs) until a call takes it, another call of this
+        notebook needs what it holds, `%distributed_release`, or it has waited 300 s (a number of seconds
+        here sets that time). False turns spares off (and ends those started); calling ray_init again
+        changes it.
     ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
 
     Once connected, every node with CPUs starts a Ray worker for this notebook in the background, so
@@ -86,10 +98,17 @@ def ray_init(address: str | None = None, *, packages: str = "sync", **ray_init_k
     Ray's context; its `dashboard_link` attribute opens the dashboard (through the Jupyter server
     when this kernel runs under one with jupyter-server-proxy and the dashboard is on this machine).
     """
-    global _context, _packages
+    global _context, _packages, _spare_idle
     if packages not in PACKAGE_MODES:
         raise ConfigurationError(f"packages must be one of {', '.join(map(repr, PACKAGE_MODES))}, got {packages!r}.")
+    if not isinstance(spares, (int, float)) or spares < 0:
+        raise ConfigurationError(f"spares must be True, False or a number of seconds >= 0, got {spares!r}.")
     _packages = packages
+    _spare_idle = (SPARE_IDLE if spares else 0.0) if isinstance(spares, bool) else float(spares)
+    if not _spare_idle:
+        from .launcher import ray_launcher
+
+        ray_launcher().release_spares()
     ray = import_ray()
     if ray.is_initialized():
         if _context is None:  # connected by the user's own ray.init
@@ -131,6 +150,11 @@ def prestart_workers() -> None:
 def packages_mode() -> str:
     """What ray_init(packages=...) chose."""
     return _packages
+
+
+def spare_idle() -> float:
+    """How long a spare actor set waits for a call, in seconds; 0: ray_init(spares=False)."""
+    return _spare_idle
 
 
 def warming() -> threading.Thread | None:

@@ -16,6 +16,11 @@ the pump keeps it after a call that failed in user code. Another call never
 takes it, and a call waiting for resources does not end it (its memory is held
 until it ends). Its end outside a call (idle, released) is kept for
 `ended_sessions`, once.
+
+Spare actor sets (spares.py: started ahead of the next cold call of a shape,
+`HotWorld.spare`) live in the same registry and end by the same rules: idle
+their time, a call waiting for resources, `release_hot()`, `shutdown()`. No
+call takes one as a hot world; `take_spare` hands one to a call that places.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class HotWorld:
     busy: bool = True
     #: Ends it once it has been idle `keep_alive` s.
     timer: threading.Timer | None = field(default=None, repr=False)
+    #: Started actors that never ran a call, for the next call of its shape that places (spares.py).
+    spare: bool = False
 
 
 class SessionBusy(Exception):
@@ -93,7 +100,9 @@ class HotWorlds:
                 if world is not None:
                     _check_session(world, request)
             else:
-                world = next((w for w in self._worlds if not w.busy and w.key == key and w.session is None), None)
+                world = next(
+                    (w for w in self._worlds if not w.busy and w.key == key and w.session is None and not w.spare), None
+                )
             if world is not None:
                 world.busy = True
                 if world.timer is not None:
@@ -101,7 +110,8 @@ class HotWorlds:
             return world
 
     def keep(self, world: HotWorld) -> None:
-        """A call in `world` is over and every rank succeeded: it waits `keep_alive` s for the next call."""
+        """A call in `world` is over and every rank succeeded (or a spare set was asked for): it waits
+        `keep_alive` s for the next call."""
         with self._lock:
             if world not in self._worlds:
                 self._worlds.append(world)
@@ -109,6 +119,16 @@ class HotWorlds:
             world.timer = threading.Timer(world.keep_alive, self._expire, args=(world,))
             world.timer.daemon = True
             world.timer.start()
+
+    def take_spare(self, key: str) -> HotWorld | None:
+        """The spare set of shape `key`, no longer kept here (the call that takes it ends it); None if there is none."""
+        with self._lock:
+            spare = next((w for w in self._worlds if w.spare and w.key == key), None)
+            if spare is not None:
+                self._worlds.remove(spare)
+                if spare.timer is not None:
+                    spare.timer.cancel()
+            return spare
 
     def _expire(self, world: HotWorld) -> None:
         """Idle `keep_alive` s (this runs in the world's timer thread): end it, unless a call took it meanwhile."""
@@ -160,15 +180,34 @@ class HotWorlds:
         for world in worlds:
             if world.timer is not None:
                 world.timer.cancel()
-            end_actors(ray, world.actors, world.pg, 3.0)
+            end_actors(ray, world.actors, world.pg, 3.0, ran=not world.spare)
 
     def hot_worlds(self) -> list[HotWorld]:
         """The hot worlds kept now, idle or running a call."""
         with self._lock:
-            return list(self._worlds)
+            return [w for w in self._worlds if not w.spare]
+
+    def spare_sets(self) -> list[HotWorld]:
+        """The spare actor sets kept now (spares.py)."""
+        with self._lock:
+            return [w for w in self._worlds if w.spare]
+
+    def holding(self) -> bool:
+        """Hot worlds or spares are kept now (they may hold what a call waiting for resources needs)."""
+        with self._lock:
+            return bool(self._worlds)
+
+    def release_spares(self) -> None:
+        """End every spare set now (ray_init(spares=False))."""
+        with self._lock:
+            spares = [w for w in self._worlds if w.spare]
+            for spare in spares:
+                self._worlds.remove(spare)
+        with contextlib.suppress(Exception):
+            self._end(spares)
 
     def release_hot(self, sessions: bool = True) -> None:
-        """End every idle hot world now: its actors and their placement group (a running call's ranks end with it).
+        """End every idle hot world and spare set now: actors and placement group (a running call's ranks end with it).
 
         `sessions=False` leaves the sessions' worlds (a call waiting for resources ends only plain hot ranks).
         """

@@ -156,13 +156,17 @@ def _prefixes() -> tuple[str, ...]:
     return tuple(os.path.realpath(p) for p in paths if p and os.path.realpath(p) != os.sep)
 
 
-def end_actors(ray: Any, actors: list[Any], pg: Any, grace: float) -> None:
-    """End the ranks' child processes, kill every actor, remove the placement group, wait until they are gone."""
+def end_actors(ray: Any, actors: list[Any], pg: Any, grace: float, ran: bool = True) -> None:
+    """End the ranks' child processes, kill every actor, remove the placement group, wait until they are gone.
+
+    `ran=False`: actors that never ran a call (spares) have nothing to end first; they are killed at once.
+    """
     if actors:
-        ends = [a.terminate.remote(grace) for a in actors]
-        # dead actors answer with errors; every actor is killed below anyway
-        with contextlib.suppress(Exception):
-            ray.wait(ends, num_returns=len(ends), timeout=grace + 6)
+        if ran:
+            ends = [a.terminate.remote(grace) for a in actors]
+            # dead actors answer with errors; every actor is killed below anyway
+            with contextlib.suppress(Exception):
+                ray.wait(ends, num_returns=len(ends), timeout=grace + 6)
         for actor in actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)

@@ -1,7 +1,8 @@
 """A Ray call's pump: one thread per job that does every blocking Ray call and reports launcher events.
 
-It places the job (placement.py) or takes a hot world of the same world
-(hot.py), starts the ranks, long-polls each actor for output and for its
+It places the job (placement.py), in a spare actor set of its shape when
+there is one (spares.py, which starts the next after the call), or takes a
+hot world of the same world (hot.py), starts the ranks, long-polls each actor for output and for its
 outcome, and tears everything down: the ranks' own child processes, the
 actors, the placement group. What a node sends is appended to the rank's log
 in the run directory here, with its MLflow and chart lines and its result
@@ -31,7 +32,7 @@ from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..interface import JobHandle, drain
 from ..rundir import RunDir
-from . import packages
+from . import packages, spares
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming
 from .ending import SessionCall
@@ -80,6 +81,9 @@ class RayJob(JobHandle):
         self.actors: list[Any] = []
         self.infos: list[p.ActorPlace] = []
         self.pg: Any = None
+        #: The call placed its actors (fresh or a spare set), with this runtime environment for its packages.
+        self.placed = False
+        self.runtime_env: dict[str, Any] | None = None
         #: The hot world this call runs in (reused, or made by this call when it asks for keep_alive).
         self.world: HotWorld | None = None
         self.started: set[int] = set()
@@ -146,6 +150,9 @@ class RayJob(JobHandle):
                 self._keep_or_teardown()
             except Exception as exc:  # noqa: BLE001
                 self._fail(f"tearing the job down failed: {type(exc).__name__}: {exc}")
+            if self.placed and self.started and self.world is None and self.stop_reason != "shutdown":
+                with contextlib.suppress(Exception):  # no spare: the next call places as this one did
+                    spares.start(self.launcher, self.launcher.actor_class(), self.request, self.runtime_env)
             for rank in sorted(self.started - self.exited):
                 self._flush_decoder(rank)
                 self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time()))
@@ -218,14 +225,20 @@ class RayJob(JobHandle):
         """Ask for the placement group and its actors; wait until the group is placed."""
         placement = Placement(self.ray, self.request)
         placement.check_fits()
-        runtime_env = packages.prepare(self.ray, placement.bundle, self.launcher.probe_task())
+        runtime_env = self.runtime_env = packages.prepare(self.ray, placement.bundle, self.launcher.probe_task())
         if self._halted():
             raise _Stopped()
-        self.pg, self.actors = placement.reserve(self.launcher.actor_class(), f"air_magic-{self.job[:12]}", runtime_env)
+        spare = spares.take(self.launcher, self.request, runtime_env)
+        if spare is not None:
+            self.pg, self.actors = spare.pg, spare.actors
+        else:
+            name = f"air_magic-{self.job[:12]}"
+            self.pg, self.actors = placement.reserve(self.launcher.actor_class(), name, runtime_env)
+        self.placed = True
         deadline = time.monotonic() + PLACEMENT_WAIT
         ready = self.pg.ready()
         while not self.ray.wait([ready], timeout=0.2)[0]:
-            if self.launcher.hot_worlds():  # idle hot ranks may hold what this call needs: it comes first
+            if self.launcher.holding():  # idle hot ranks or spares may hold what this call needs: it comes first
                 self.launcher.release_hot(sessions=False)  # a session's are held until it ends
             if self._halted():
                 raise _Stopped()
