@@ -8,15 +8,22 @@ the Ray launcher cold (`num_nodes=2`: a placement group and one actor per
 rank, made and torn down by each call) and the Ray launcher hot
 (`keep_alive`: the first call makes the actors, the next ones run in them,
 which is checked by their pids), timed from the call to the results back,
-MLflow off. Then, as the yardstick, Ray Train's `TorchTrainer.fit()` of the
-same job on the same cluster (2 workers of 1 CPU, gloo).
+MLflow off. A cold call after the first runs in the spare actors the call
+before it left (launch/ray/spares.py), checked by their pids; `--pause`
+seconds between rounds stand for the time a user takes between cells (a
+spare set takes seconds to start and import torch; `--pause 0` measures
+back-to-back calls). Then hot calls with MLflow on, as
+bench/call_patterns.py does them: five that log one metric per rank, then
+five bare ones, in one hot world (calls 2-5 of each compared). Then, as the
+yardstick, Ray Train's `TorchTrainer.fit()` of the same job on the same
+cluster (2 workers of 1 CPU, gloo).
 
 `ray_init` has every node start a Ray worker for the notebook in the
 background; the calls begin once that is done (as in a notebook where
 `ray_init` is a cell of its own), and its time is reported as
 `ray_init_warm_up_s`; `--no-wait-warm-up` calls at once instead.
 
-    python bench/ray_launch.py [--per-node 1] [--repeat 3] [--trainer-repeat 2] [--out bench/results/ray_launch.json]
+    python bench/ray_launch.py [--repeat 5] [--pause 10] [--trainer-repeat 2] [--out bench/results/ray_launch.json]
 """
 
 from __future__ import annotations
@@ -51,6 +58,16 @@ def job() -> tuple[float, int]:
     return value, os.getpid()
 
 
+def logging_job() -> tuple[float, int]:
+    import os
+
+    import mlflow
+
+    value, pid = job()
+    mlflow.log_metric("x", value + int(os.environ["RANK"]))  # one value per rank: MLflow keeps equal rows once
+    return value, pid
+
+
 def trainer_loop() -> None:
     """The same job in a Ray Train worker (Ray Train made the process group)."""
     import torch
@@ -77,13 +94,15 @@ def fit_trainer(workers: int, storage: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-node", type=int, default=1, help="ranks on each of the 2 nodes")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--pause", type=float, default=10.0, help="seconds between rounds (a user between cells)")
     parser.add_argument("--no-wait-warm-up", action="store_true", help="the first call right after ray_init")
     parser.add_argument("--trainer-repeat", type=int, default=2, help="TorchTrainer fits after the air_magic calls")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ray_launch.json"))
     args = parser.parse_args()
     os.environ.setdefault("AIR_MAGIC_RUNS_DIR", tempfile.mkdtemp(prefix="ray-bench-"))
     os.environ["AIR_MAGIC_DISPLAY"] = "text"
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tempfile.mkdtemp(prefix='ray-bench-mlflow-')}/mlflow.db"
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -111,21 +130,54 @@ def main() -> None:
         "hot": f"Ray launcher, 2 nodes x {args.per_node} rank(s), keep_alive (first call cold, then hot)",
         "trainer": f"Ray Train TorchTrainer.fit, {ranks} workers",
     }
+    hot_log = distributed(args.per_node, accelerator_type="CPU", num_nodes=2, keep_alive=600)(logging_job)
+    hot_bare = distributed(args.per_node, accelerator_type="CPU", num_nodes=2, keep_alive=600)(job)
+    names["hot_log"] = f"Ray launcher, 2 nodes x {args.per_node} rank(s), hot, MLflow on, logs one metric"
+    names["hot_bare"] = f"Ray launcher, 2 nodes x {args.per_node} rank(s), hot, MLflow on, bare"
     timed: dict[str, list[float]] = {}
     hot_pids: list[list[int]] = []
+    in_spares: list[bool] = []
+    spare_wait: list[float] = []
+    import ray
+
+    from air_magic.launch.ray import ray_launcher
+
+    def spare_pids() -> list[int]:
+        """The pids of the spare set kept now (waiting until its processes are up), [] if there is none."""
+        t0 = time.perf_counter()
+        found = [ray.get([a.where.remote() for a in w.actors], timeout=120) for w in ray_launcher().spare_sets()]
+        spare_wait.append(round(time.perf_counter() - t0, 3))
+        return [pl.pid for places in found for pl in places]
+
+    def call(key: str, fn) -> list:
+        t0 = time.perf_counter()
+        values = fn.distributed()
+        timed.setdefault(names[key], []).append(time.perf_counter() - t0)
+        assert [v for v, _ in values] == [float(ranks)] * ranks, values
+        return values
+
     try:
-        for _ in range(args.repeat):
+        for round_ in range(args.repeat):
+            if round_:
+                time.sleep(args.pause)
             for key, fn in (("local", local), ("cold", on_ray), ("hot", hot)):
-                t0 = time.perf_counter()
-                values = fn.distributed()
-                timed.setdefault(names[key], []).append(time.perf_counter() - t0)
-                assert [v for v, _ in values] == [float(ranks)] * ranks, values
+                spares = spare_pids() if key == "cold" and round_ else []
+                values = call(key, fn)
                 if key == "hot":
                     hot_pids.append([pid for _, pid in values])
+                if key == "cold" and round_:
+                    in_spares.append(sorted(pid for _, pid in values) == sorted(spares))
         assert all(pids == hot_pids[0] for pids in hot_pids), f"the hot calls ran in other processes: {hot_pids}"
+        ray_launcher().release_hot()
+        for key, fn in (("hot_log", hot_log), ("hot_bare", hot_bare)):
+            for _ in range(5):
+                call(key, fn)
+        import mlflow
 
-        from air_magic.launch.ray import ray_launcher
-
+        client = mlflow.MlflowClient()
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
+        logged = [r for r in runs if r.info.run_name == "logging_job"]
+        complete = sum(1 for r in logged if len(client.get_metric_history(r.info.run_id, "x")) == ranks)
         ray_launcher().release_hot()
         ray_cluster.wait_all_free()
         storage = tempfile.mkdtemp(prefix="ray-train-")
@@ -133,8 +185,6 @@ def main() -> None:
             timed.setdefault(names["trainer"], []).append(fit_trainer(ranks, storage))
             ray_cluster.wait_all_free(60)
     finally:
-        import ray
-
         ray.shutdown()
         cluster.shutdown()
         from air_magic.launch.local import local_launcher
@@ -151,10 +201,19 @@ def main() -> None:
         "median_s": {k: round(statistics.median(v), 3) for k, v in timed.items()},
         "first_s": {k: round(v[0], 3) for k, v in timed.items()},
         "hot_median_s_after_first": round(statistics.median(timed[names["hot"]][1:]), 3) if args.repeat > 1 else None,
+        "median_after_first_s": {k: round(statistics.median(v[1:]), 3) for k, v in timed.items() if len(v) > 1},
         "hot_calls_same_pids": hot_pids,
+        "pause_between_rounds_s": args.pause,
+        "later_cold_calls_ran_in_spares": in_spares,
+        "waited_for_spare_processes_before_cold_calls_s": spare_wait,
+        "mlflow_logging_runs_with_every_rank_metric": f"{complete}/{len(logged)}",
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("median_s", "first_s", "hot_median_s_after_first")}, indent=2))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("median_s", "median_after_first_s", "later_cold_calls_ran_in_spares")}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -476,6 +476,15 @@ def ray() -> list[str]:
             rows.append([f"{what}: later calls", ", ".join(s(t) for t in times[1:])])
             if d.get("median_s", {}).get(what) is not None:
                 rows.append([f"{what}: median", s(d["median_s"][what])])
+            if d.get("median_after_first_s", {}).get(what) is not None:
+                rows.append([f"{what}: later calls, median", s(d["median_after_first_s"][what])])
+        for key, label in (
+            ("pause_between_rounds_s", "pause between rounds (a user between cells)"),
+            ("later_cold_calls_ran_in_spares", "later cold calls ran in the spare actors left before them"),
+            ("mlflow_logging_runs_with_every_rank_metric", "MLflow runs of the logging calls with every rank's metric"),
+        ):
+            if key in d:
+                rows.append([label, s(d[key]) if key.endswith("_s") else str(d[key])])
         lines += [
             f"Machine: {machine_of(d, name)}. Date: {date_of(d)}. Load average: {load_of(d)}. " + source_line([name]),
             "",

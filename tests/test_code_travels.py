@@ -4,8 +4,10 @@ an installed package that a node lacks or has in another version is brought with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -173,7 +175,8 @@ def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(
 @pytest.mark.slow
 def test_what_ray_ranks_log_to_mlflow_and_use_reaches_the_panel_and_the_record(cluster, workdir):
     """Each rank of a call on two Ray nodes logs a metric: its values are in the call's chart files here, so the live
-    charts and the static record show them for both ranks; what each rank uses, sampled on its node, arrives too."""
+    charts and the static record show them for both ranks; what each rank uses, sampled on its node, arrives too, and
+    the call's MLflow run holds it as system metrics, as a local call's does."""
     env = {
         "AIR_MAGIC_RUNS_DIR": str(workdir / "runs-charts"),
         "AIR_MAGIC_DISPLAY": "text",
@@ -204,6 +207,10 @@ def test_what_ray_ranks_log_to_mlflow_and_use_reaches_the_panel_and_the_record(c
         ).check()
         assert "loss (3 values) — last rank 0: 2, rank 1: 12" in shown.stdout, shown.stdout
         assert "USED [True, True]" in shown.stdout, shown.stdout
+        with contextlib.closing(sqlite3.connect(workdir / "charts-mlflow.db")) as db:
+            logged = {key for (key,) in db.execute("SELECT DISTINCT key FROM metrics WHERE key LIKE 'system/%'")}
+        wanted = {f"system/rank_{r}/{m}" for r in (0, 1) for m in ("cpu_percent", "memory_mib", "memory_peak_mib")}
+        assert wanted <= logged, logged
     finally:
         k.shutdown()
     ray_cluster_free(cluster)

@@ -82,7 +82,7 @@ def ray_init(
         and unpacked once per node); what cannot travel so is refused as with "check". "check": the call is
         refused, naming each package, node and version. "off": calls run with the nodes' packages as they are.
         It can be changed by calling ray_init again.
-    spares: after a call whose actors ended, a spare set of actors for the same shape (nodes, ranks per node,
+    spares: after a call that started new actors, a spare set of actors for the same shape (nodes, ranks per node,
         GPU or not, packages) is started in the background, each importing torch; the next such call runs in
         it instead of waiting seconds for new Ray worker processes. A spare has no process group and never ran
         code of yours. It holds that shape's CPUs (and GPUs) until a call takes it, another call of this
