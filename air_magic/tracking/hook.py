@@ -41,13 +41,17 @@ from ..launch.rundir import RunDir
 from . import _compat
 from .tee import TeeWriter
 
+#: The chart file's writer of the call running now, and its run id (a hot rank's next call has its own).
+_tee: dict[str, Any] = {}
+
 
 def _patch(mlflow: ModuleType) -> None:
+    """Patch mlflow for the call about to run (a hot rank runs this at each call: what it sets is per call)."""
     if os.environ.get(MLFLOW_RELAY):
         from .relay import register
 
         register()  # this rank cannot reach the store: what it logs goes back through the launcher
-    original = mlflow.set_experiment
+    original = getattr(mlflow.set_experiment, "_air_magic_original", mlflow.set_experiment)
     run_id = os.environ.get(MLFLOW_RUN_ID, "")
     exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID", "")
     exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "")
@@ -66,6 +70,7 @@ def _patch(mlflow: ModuleType) -> None:
         return original(experiment_id=exp_id)
 
     set_experiment.__doc__ = original.__doc__
+    set_experiment._air_magic_original = original  # type: ignore[attr-defined]  # the next call wraps it anew
     mlflow.set_experiment = set_experiment  # type: ignore[attr-defined]
     fluent = sys.modules.get("mlflow.tracking.fluent")
     if fluent is not None:
@@ -74,14 +79,24 @@ def _patch(mlflow: ModuleType) -> None:
 
 
 def _tee_metrics(mlflow: ModuleType, run_id: str) -> None:
-    """Make log_metric/log_metrics also append their values to this rank's chart file in the run directory."""
+    """Make log_metric/log_metrics also append their values to this call's chart file in its run directory."""
     run_dir, rank = os.environ.get(INTERNAL_RUN_DIR), os.environ.get("RANK")
-    if not run_dir or rank is None or getattr(mlflow.log_metric, "_air_magic_tee", False):
+    if not run_dir or rank is None:
         return
-    write = TeeWriter(RunDir(Path(run_dir)).chart_metrics(int(rank))).write
+    path = str(RunDir(Path(run_dir)).chart_metrics(int(rank)))
+    if _tee.get("path") != path:
+        if "writer" in _tee:
+            _tee["writer"].close()
+        _tee.update(path=path, writer=TeeWriter(path))
+    _tee["run_id"] = run_id
+    if getattr(mlflow.log_metric, "_air_magic_tee", False):
+        return  # patched by an earlier call of this hot rank: it writes where _tee says now
+
+    def write(items: list[tuple[Any, Any, Any]]) -> None:
+        _tee["writer"].write(items)
 
     def ours(target: Any) -> bool:
-        return target is None or str(target) == run_id
+        return target is None or str(target) == _tee["run_id"]
 
     original_metric, original_metrics = mlflow.log_metric, mlflow.log_metrics
 

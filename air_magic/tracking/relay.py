@@ -32,7 +32,7 @@ from typing import Any
 from mlflow.entities import LifecycleStage, Run, RunData, RunInfo, RunStatus
 from mlflow.store.tracking.abstract_store import AbstractStore
 
-from ..envvars import INTERNAL_RUN_DIR, MLFLOW_RUN_ID
+from ..envvars import INTERNAL_RUN_DIR
 from ..launch.rundir import RunDir
 from . import _compat
 
@@ -89,14 +89,24 @@ def read_batches(path: Path, offset: int) -> tuple[int, list[bytes]]:
 
 
 class RelayStore(AbstractStore):
-    """Appends what is logged to one run to a file of JSON lines; knows only that run."""
+    """Appends what is logged to the relay file of the call running now, as JSON lines.
 
-    def __init__(self, path: Path, run_id: str, experiment_id: str) -> None:
+    MLflow keeps one store per tracking URI for the life of the process, so a hot rank's later calls find
+    this one: the file (the call's run directory and rank) and the experiment are read from the environment
+    each call sets, never kept from the first call.
+    """
+
+    def __init__(self) -> None:
         super().__init__()
-        self.path = path
-        self.run_id = run_id
-        self.experiment_id = experiment_id
         self.lock = threading.Lock()
+
+    @property
+    def path(self) -> Path:
+        return RunDir(Path(os.environ[INTERNAL_RUN_DIR])).metrics(int(os.environ.get("RANK", "0")))
+
+    @property
+    def experiment_id(self) -> str:
+        return os.environ.get("MLFLOW_EXPERIMENT_ID", "")
 
     def _write(self, line: bytes) -> None:
         with self.lock:
@@ -135,11 +145,6 @@ class RelayStore(AbstractStore):
 
 
 def register() -> None:
-    """Make `air-magic-relay:` a tracking URI of this process, writing to this rank's relay file."""
-    run_dir = RunDir(Path(os.environ[INTERNAL_RUN_DIR]))
-    store = RelayStore(  # type: ignore[abstract]  # only what a rank logs to its run is needed
-        run_dir.metrics(int(os.environ.get("RANK", "0"))),
-        os.environ.get(MLFLOW_RUN_ID, ""),
-        os.environ.get("MLFLOW_EXPERIMENT_ID", ""),
-    )
+    """Make `air-magic-relay:` a tracking URI of this process, writing to the relay file of the call running."""
+    store = RelayStore()  # type: ignore[abstract]  # only what a rank logs to its run is needed
     _compat.register_tracking_store(SCHEME, lambda store_uri=None, artifact_uri=None: store)

@@ -58,6 +58,13 @@ class TeeWriter:
         except (OSError, TypeError, ValueError, OverflowError):
             pass  # the charts are a convenience; the metric itself was logged
 
+    def close(self) -> None:
+        """Close the file (a later write opens it again)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
 
 def decode(line: bytes | str) -> Point | None:
     """The value one complete line holds, or None for a line that is not one (or not a finite number)."""

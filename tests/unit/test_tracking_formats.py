@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -91,6 +92,40 @@ def test_relay_lines_round_trip_through_the_relay_store(tmp_path, monkeypatch):
     with pytest.raises((ValueError, KeyError, TypeError)):
         relay.decode_batch(b'{"metrics": [["x"]]}')
     assert relay.read_batches(tmp_path / "none", 5) == (5, [])
+
+
+def test_a_hot_ranks_next_call_logs_to_its_own_relay_and_chart_files(tmp_path, monkeypatch):
+    """A hot rank patches mlflow at its first call; what its next call (another run directory, another run) logs
+    goes to that call's relay and chart files, not to the first call's."""
+    import mlflow
+
+    from air_magic.tracking import hook, relay
+
+    fluent = sys.modules["mlflow.tracking.fluent"]
+    for module, name in (
+        (mlflow, "log_metric"),
+        (mlflow, "log_metrics"),
+        (mlflow, "set_experiment"),
+        (fluent, "set_experiment"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))  # put back after the test
+    monkeypatch.setattr(hook, "_tee", {})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", relay.URI)
+    monkeypatch.setenv("AIR_MAGIC_MLFLOW_RELAY", "1")
+    monkeypatch.setenv("RANK", "0")
+    for call, value in (("one", 1.0), ("two", 2.0)):
+        (tmp_path / call).mkdir()
+        monkeypatch.setenv("AIR_MAGIC_INTERNAL_RUN_DIR", str(tmp_path / call))
+        monkeypatch.setenv("AIR_MAGIC_MLFLOW_RUN_ID", f"run-{call}")
+        hook.install()  # as worker.run does at each call
+        mlflow.log_metric("x", value, run_id=f"run-{call}")
+        hook.reset()
+    hook._tee["writer"].close()
+    for call, value in (("one", 1.0), ("two", 2.0)):
+        rd = RunDir(tmp_path / call)
+        relayed = [relay.decode_batch(line).metrics for line in relay.read_batches(rd.metrics(0), 0)[1]]
+        charted = [tee.decode(line) for line in rd.chart_metrics(0).read_bytes().splitlines()]
+        assert [m[0][1] for m in relayed] == [value] and [p.value for p in charted if p] == [value], call
 
 
 def test_every_private_mlflow_name_is_there_in_the_installed_mlflow(monkeypatch):
