@@ -18,7 +18,9 @@ five bare ones, in one hot world (calls 2-5 of each compared). Then, as the
 yardstick, Ray Train's `TorchTrainer.fit()` of the same job on the same
 cluster (2 workers of 1 CPU, gloo).
 
-`ray_init` has every node start a Ray worker for the notebook in the
+Each round runs the local call, the hot call, then the cold call (so a
+cold call's spare set is there for the next round's cold call, not taken by
+the hot world's first call). `ray_init` has every node start a Ray worker for the notebook in the
 background; the calls begin once that is done (as in a notebook where
 `ray_init` is a cell of its own), and its time is reported as
 `ray_init_warm_up_s`; `--no-wait-warm-up` calls at once instead.
@@ -160,7 +162,7 @@ def main() -> None:
         for round_ in range(args.repeat):
             if round_:
                 time.sleep(args.pause)
-            for key, fn in (("local", local), ("cold", on_ray), ("hot", hot)):
+            for key, fn in (("local", local), ("hot", hot), ("cold", on_ray)):
                 spares = spare_pids() if key == "cold" and round_ else []
                 values = call(key, fn)
                 if key == "hot":

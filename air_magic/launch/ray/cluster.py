@@ -82,9 +82,10 @@ def ray_init(
         and unpacked once per node); what cannot travel so is refused as with "check". "check": the call is
         refused, naming each package, node and version. "off": calls run with the nodes' packages as they are.
         It can be changed by calling ray_init again.
-    spares: after a call that started new actors, a spare set of actors for the same shape (nodes, ranks per node,
-        GPU or not, packages) is started in the background, each importing torch; the next such call runs in
-        it instead of waiting seconds for new Ray worker processes. A spare has no process group and never ran
+    spares: after a call that started new actors and ended them (not kept as hot ranks), a spare set of
+        actors for the same shape (nodes, ranks per node, GPU or not, packages) is started in the background,
+        each importing torch; the next call of that shape that needs new actors runs in it instead of waiting
+        seconds for new Ray worker processes. A spare has no process group and never ran
         code of yours. It holds that shape's CPUs (and GPUs) until a call takes it, another call of this
         notebook needs what it holds, `%distributed_release`, or it has waited 300 s (a number of seconds
         here sets that time). False turns spares off (and ends those started); calling ray_init again

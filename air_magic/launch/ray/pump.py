@@ -150,7 +150,7 @@ class RayJob(JobHandle):
                 self._keep_or_teardown()
             except Exception as exc:  # noqa: BLE001
                 self._fail(f"tearing the job down failed: {type(exc).__name__}: {exc}")
-            if self.placed and self.started and self.stop_reason != "shutdown":
+            if self.placed and self.started and self.world is None and self.stop_reason != "shutdown":
                 with contextlib.suppress(Exception):  # no spare: the next call places as this one did
                     spares.start(self.launcher, self.launcher.actor_class(), self.request, self.runtime_env)
             for rank in sorted(self.started - self.exited):

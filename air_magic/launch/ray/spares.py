@@ -2,8 +2,9 @@
 
 A call that places new ranks waits for Ray to start one worker process per
 rank and for each to import torch: seconds, where the call itself may take
-a fraction of one. So after a call that placed its actors (a cold call, or
-the first of a hot world), a spare set for its shape is asked for at once: a
+a fraction of one. So after a call that placed its actors and ended them
+(a cold call; not one kept as a hot world, whose next call needs no new
+actors), a spare set for its shape is asked for at once: a
 placement group and one actor per rank, as `Placement.reserve` makes them,
 each importing the preload modules while it waits. The shape is what a call
 must share with it: nodes, ranks per node, GPU or not, the runtime
@@ -59,7 +60,8 @@ def take(owner: HotWorlds, request: p.JobRequest, runtime_env: dict[str, Any] | 
 
 
 def start(owner: HotWorlds, actor_cls: Any, request: p.JobRequest, runtime_env: dict[str, Any] | None) -> None:
-    """After a call that placed its actors: ask for a spare set of its shape, unless spares are off or one is kept."""
+    """After a call that placed and ended its actors: ask for a spare set of its shape, unless spares are off or one is
+    kept."""
     idle = spare_idle()
     if not idle or request.session is not None:
         return
