@@ -462,7 +462,10 @@ def ray() -> list[str]:
         "`bench/ray_launch.py`: a trivial all-reduce through the local launcher and through the Ray launcher",
         "(`num_nodes=2`) on the tests' simulated cluster (a head and two 2-CPU nodes on 127.0.0.1), alternating,",
         "with Ray Train's `TorchTrainer` of the same job as the yardstick. `-before` files hold a run of an",
-        "earlier version of the code, kept for comparison.",
+        "earlier version of the code, kept for comparison (`-before-spares`: every cold call started new Ray",
+        "workers). Where the file says so, cold calls after the first ran in the spare actors the call before left,",
+        "with a pause between rounds, and hot calls with MLflow on compare a call that logs one metric with a bare",
+        "one.",
         "",
     ]
     for name in matching("ray_launch*.json"):
