@@ -2,11 +2,11 @@
 
 It places the job (placement.py), in a spare actor set of its shape when
 there is one (spares.py, which starts the next after the call), or takes a
-hot world of the same world (hot.py), starts the ranks, long-polls each actor for output and for its
-outcome, and tears everything down: the ranks' own child processes, the
-actors, the placement group. What a node sends is appended to the rank's log
-in the run directory here, with its MLflow and chart lines and its result
-(received.py). A rank whose actor or node dies is reported as a `WorkerDiedError`.
+hot world of the same world (hot.py), starts the ranks, long-polls each
+actor for output and for its outcome, and tears everything down: the ranks'
+own child processes, the actors, the placement group. What a node sends is
+appended to the rank's log in the run directory here, with its MLflow and
+chart lines and its result (received.py). A rank whose actor or node dies is reported as a `WorkerDiedError`.
 The runner sees only the events.
 
 A session's call (`JobRequest.session`) runs in the session's world and keeps
