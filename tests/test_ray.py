@@ -344,7 +344,8 @@ def spare_places():
 def test_a_cold_call_runs_in_the_spare_actors_started_after_the_last_one(cluster):
     """With spares on, a cold call leaves a spare set of its shape; the next cold call runs in those processes, which
     hold nothing of an earlier call, and leaves a new set; a spare set whose node left is not used (the call
-    places anew and succeeds); release ends the spares and Ray reports every CPU free."""
+    places anew and succeeds); a call of another shape that needs what a spare set holds ends it; release ends
+    the spares and Ray reports every CPU free."""
     ray_init(spares=True)
     try:
         first = [v["pid"] for v in run(spare_state).raise_for_status().values]
@@ -364,6 +365,9 @@ def test_a_cold_call_runs_in_the_spare_actors_started_after_the_last_one(cluster
             ray_cluster.add_node(cluster)
         third = run(spare_state).raise_for_status().values
         assert {v["pid"] for v in third}.isdisjoint(pl.pid for pl in lost)
+        held = [pl.pid for pl in spare_places()]
+        assert [v["sum"] for v in run(all_reduce, per_node=2).raise_for_status().values] == [10.0] * 4
+        assert wait_gone(held) == []
         ray_launcher().release_hot()
         assert ray_launcher().spare_sets() == []
         ray_cluster.wait_all_free()
