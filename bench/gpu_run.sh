@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, on a node with NVIDIA GPUs and no network:
 # installs the wheels carried in .whl/ (see docs/contributing.md), then runs the GPU tests and the benchmarks.
-#   bash bench/gpu_run.sh OUTDIR [tests|suite|mlflow|ray-gpu|phases|scaling|bench|demos]...   (suite: MODULES=..., SUITE_TIMEOUT=...)
+#   bash bench/gpu_run.sh OUTDIR [tests|suite|mlflow|patterns|ray-gpu|phases|scaling|bench|demos]...   (suite: MODULES=..., SUITE_TIMEOUT=...)
 set -u
 out=${1:?output directory}; shift
 # Wheels come in .whl/ and, where one transfer cannot hold them all, in more folders .whl*/ over several
@@ -31,6 +31,12 @@ for first in /tmp/wheels/*.whl.part-aa; do
   fi
   [ -e "$target/.installed" ] && paths=$paths:$target
 done
+# Ray comes packed in .ray/ (a tar.xz of its wheel's files, and the small wheels it needs), when carried.
+if ls .ray/ray-*.tar.xz >/dev/null 2>&1 && [ ! -e /tmp/site/ray/.installed ]; then
+  mkdir -p /tmp/site/ray && tar -xJf .ray/ray-*.tar.xz -C /tmp/site/ray &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site/ray .ray/*.whl && touch /tmp/site/ray/.installed
+fi
+[ -e /tmp/site/ray/.installed ] && paths=$paths:/tmp/site/ray
 export PYTHONPATH=${paths#:}:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/whl/bin:$PATH
 # Data files of wheels installed with --target (nbconvert's templates) are found through JUPYTER_PATH.
 JUPYTER_PATH=$(ls -d /tmp/site/*/share/jupyter 2>/dev/null | paste -sd:)
@@ -45,6 +51,7 @@ for what in "$@"; do
     suite)  # the test suite as CI runs it (lint and types aside), modules in $MODULES (default: all)
       timeout "${SUITE_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider --durations=15 ${MODULES:-tests} 2>&1 \
         | grep -v 'WARNING | Kernel is running' | tee -a "$out/suite.log" | tail -40 ;;
+    patterns) timeout 420 python3 bench/call_patterns.py --out "$out/call_patterns.json" 2>&1 | tail -30 | tee "$out/call_patterns.log" ;;
     ray-gpu) timeout 300 python3 bench/ray_gpu.py --out "$out/ray_gpu.json" 2>&1 | tail -40 | tee "$out/ray_gpu.log" ;;
     mlflow)
       { timeout 300 python3 bench/mlflow_launch.py --repeat 5 --ranks $(printf "%s\n" 1 "$n" | sort -un) --out "$out/mlflow_launch.json" 2>&1 | tail -12
