@@ -107,3 +107,19 @@ def test_a_spare_set_is_taken_by_its_shape_only_never_as_a_hot_world_and_ends_wi
     assert launcher.spare_sets() == [other] and launcher.holding()
     launcher.release_hot()
     assert ended == [["o"]] and not launcher.holding()
+
+
+def test_a_call_waiting_for_placement_ends_idle_hot_ranks_only_when_what_is_free_cannot_hold_it(monkeypatch):
+    """One CPU free on each of two nodes holds a call of one rank per node (its group is about to be placed, idle hot
+    ranks and spares stay); a call of two per node needs what they hold; unknown free resources end them as before."""
+    import dataclasses
+
+    from air_magic.launch.ray import placement
+
+    free: dict | None = {"head": {}, "a": {"CPU": 1.0}, "b": {"CPU": 1.0, "GPU": 1.0}}
+    monkeypatch.setattr(placement, "free_per_node", lambda: free)
+    one_per_node = dataclasses.replace(request(), world_size=2)
+    assert placement.Placement(None, one_per_node).free_now()
+    assert not placement.Placement(None, request()).free_now()
+    free = None
+    assert not placement.Placement(None, one_per_node).free_now()

@@ -62,6 +62,15 @@ class Placement:
                 f"{len(totals)} node(s) have that much. {self.free_text()}"
             )
 
+    def free_now(self) -> bool:
+        """Enough machines have a bundle's resources free now: a group waiting for them is about to be placed.
+
+        False where Ray no longer says what is free.
+        """
+        free = free_per_node()
+        fit = [r for r in (free or {}).values() if all(r.get(k, 0) >= v for k, v in self.bundle.items())]
+        return len(fit) >= self.nodes
+
     def free_text(self) -> str:
         """What each node has free now, for an error message."""
         free = free_per_node()

@@ -238,8 +238,10 @@ class RayJob(JobHandle):
         deadline = time.monotonic() + PLACEMENT_WAIT
         ready = self.pg.ready()
         while not self.ray.wait([ready], timeout=0.2)[0]:
-            if self.launcher.holding():  # idle hot ranks or spares may hold what this call needs: it comes first
-                self.launcher.release_hot(sessions=False)  # a session's are held until it ends
+            # idle hot ranks or spares may hold what this call needs: it comes first (a session's are held until
+            # it ends); what is free already is left to the group, which Ray places in a moment
+            if self.launcher.holding() and not placement.free_now():
+                self.launcher.release_hot(sessions=False)
             if self._halted():
                 raise _Stopped()
             if time.monotonic() > deadline:
