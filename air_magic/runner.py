@@ -305,8 +305,8 @@ class _Run(AttemptOutcome):
         self.ctx.attempt = self.attempt
         self.ctx.earlier_failures.append(why)
         if self.spec.session is not None:  # a restart starts a new world: the session's state is gone
-            self.launcher.end_session(self.spec.session)
             self.result.session_end = f"a restart (max_restarts) started its ranks again after: {why}"
+            self.launcher.end_session(self.spec.session, self.result.session_end)
         self.reset_attempt()
         marker = attempt_marker(self.attempt, self.ctx.attempts_allowed, why)
         self.run_dir.begin_attempt(self.attempt, self.spec.world_size, marker)

@@ -25,6 +25,7 @@ from typing import Any
 from . import launch, runner
 from .errors import ConfigurationError, annotate
 from .job import JobResult, JobSpec
+from .launch.interface import ENDED_BY_USER
 from .launch.session import Pull, Push, Reset, SessionOp
 
 #: The session of `--session` given without a name.
@@ -144,15 +145,20 @@ def after(spec: JobSpec, result: JobResult) -> None:
     name = spec.session or ""
     record = _live.get(name)
     pids = {r.rank: r.pid for r in result.ranks if r.pid is not None}
-    if record is not None and pids and set(pids.values()) != set(record.pids.values()):
+    if result.session_end is None and record is not None and pids and set(pids.values()) != set(record.pids.values()):
         _end(name, "its ranks were gone when the next call came (the helper or the kernel's processes ended)")
         record = None
     if result.session_end is not None:
-        if record is None:
+        noticed = _ended.get(name)
+        if record is None and (noticed is None or noticed.why != result.session_end):
             record = Record(name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or 0.0)
             _live[name] = record
-        _end(name, result.session_end)
-    elif pids:
+        if record is not None:  # an end noticed already keeps the names its ranks held
+            _end(name, result.session_end)
+        record = None
+    # A call that ended its session's world and still finished (a restart, max_restarts) ran in new ranks, which
+    # the launcher keeps as the session: they are its world from now on.
+    if pids and (result.session_end is None or result.error is None):
         if record is None:
             record = _live[name] = Record(
                 name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or DEFAULT_IDLE, pids
@@ -260,8 +266,8 @@ def reset(name: str) -> None:
 def end(name: str) -> str:
     """End session `name`'s ranks now; the line that says so."""
     record = _record(name)
-    launch.launcher_for(record.num_nodes).end_session(name)
-    ended = _end(name, "%distributed_session --end ended it")
+    launch.launcher_for(record.num_nodes).end_session(name, ENDED_BY_USER)
+    ended = _end(name, ENDED_BY_USER)
     assert ended is not None
     return ended.line()
 

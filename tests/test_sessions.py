@@ -246,3 +246,24 @@ def test_a_process_a_session_rank_started_stays_with_the_session_and_ends_with_i
     procs = [psutil.Process(pid) for pair in pids for pid in pair if psutil.pid_exists(pid)]
     _, alive = psutil.wait_procs(procs, timeout=15)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_session_call_that_restarts_goes_on_in_the_new_ranks(session_kernel):
+    """With max_restarts, a failed attempt ends the session's old world (said once); the attempt that succeeds is
+    the session from then on: the next cell reads what it assigned, and the table lists its ranks."""
+    cell(session_kernel, f"--session again {CPU}", "import os\nbefore = 1").check()
+    body = (
+        "import os\nif os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('first attempt fails')\nafter = os.getpid()\nafter"
+    )
+    restarted = cell(session_kernel, f"--session again --max-restarts 1 {CPU}", body)
+    assert restarted.error is None, restarted.traceback
+    said = restarted.stderr
+    assert "session 'again'" in said and "ended at" in said and "a restart (max_restarts)" in said, said
+    pids = values(restarted)
+    assert values(cell(session_kernel, f"--session again {CPU}", "(after, 'before' in globals())")) == [
+        (pids[0], False),
+        (pids[1], False),
+    ]
+    listing = session_kernel.execute("%distributed_session").check().stdout
+    assert "session 'again'" in listing and str(pids[1]) in listing, listing

@@ -16,6 +16,9 @@ from ..phase import Phase
 from .protocol import Event, JobRequest
 from .rundir import RunDir
 
+#: Why a session ended when its user ended it (`%distributed_session --end`).
+ENDED_BY_USER = "%distributed_session --end ended it"
+
 
 def drain(events: queue.Queue[Event], timeout: float) -> list[Event]:
     """Everything in `events`, waiting up to `timeout` s for the first: how a JobHandle answers next_events."""
@@ -83,8 +86,8 @@ class Launcher(ABC):
     def release_hot(self) -> None:
         """End every idle rank kept for the next call (a running call's ranks end with it); their memory is freed."""
 
-    def end_session(self, name: str) -> None:
-        """End session `name`'s ranks now (a running call of it is stopped); nothing if it has none."""
+    def end_session(self, name: str, why: str = ENDED_BY_USER) -> None:
+        """End session `name`'s ranks now (a running call of it is stopped), saying `why`; nothing if it has none."""
 
     def ended_sessions(self) -> list[tuple[str, str]]:
         """(session, why) for each session whose ranks ended outside any call (idle, released) since last asked."""

@@ -149,9 +149,10 @@ class StopJob(Message):
 
 @dataclass(frozen=True)
 class EndSession(Message):
-    """End a session's ranks now (idle or not: a running call's ranks are stopped with it)."""
+    """End a session's ranks now (idle or not: a running call's ranks are stopped with it), saying `why`."""
 
     session: str
+    why: str
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ SAMPLES: list[p.Message] = [
     ),
     p.StopJob(job="j1", reason="cancelled", grace=3.0),
     p.StopJob(job="j1", reason="a rank failed", grace=3.0, interrupt_after=3.0),
-    p.EndSession(session="default"),
+    p.EndSession(session="default", why="%distributed_session --end ended it"),
     p.DumpStacks(job="j1"),
     p.Retire(),
     p.ReleaseHot(),

@@ -25,7 +25,7 @@ from ...errors import AirMagicError, describe_returncode
 from ...phase import Phase
 from .. import protocol as p
 from ..boot import PACKAGE_PARENT, boot_command, warm_default
-from ..interface import JobHandle, Launcher, drain
+from ..interface import ENDED_BY_USER, JobHandle, Launcher, drain
 from ..rank_files import LogTail, outcome
 from ..rundir import RunDir, helper_log, write_private
 from ..stopper import STOP_GRACE, close_by_eof
@@ -315,12 +315,12 @@ class LocalLauncher(Launcher):
         if client is not None and client.alive:
             client.send(p.ReleaseHot())
 
-    def end_session(self, name: str) -> None:
-        """End session `name`'s ranks now, if the supervisor holds them."""
+    def end_session(self, name: str, why: str = ENDED_BY_USER) -> None:
+        """End session `name`'s ranks now, if the supervisor holds them, saying `why`."""
         self.wait_ended()
         client = self._client
         if client is not None and client.alive:
-            client.send(p.EndSession(name))
+            client.send(p.EndSession(name, why))
 
     def ended_sessions(self) -> list[tuple[str, str]]:
         """(session, why) for each session whose ranks ended outside any call since last asked (or died with it)."""

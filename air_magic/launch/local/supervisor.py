@@ -111,7 +111,7 @@ class Supervisor:
         elif isinstance(msg, p.ReleaseHot):
             self.pools.release_idle("%distributed_release ended every hot rank")
         elif isinstance(msg, p.EndSession):
-            self.end_session(msg.session, "%distributed_session --end ended it")
+            self.end_session(msg.session, msg.why)
         elif isinstance(msg, p.PrepareHooks):
             if self.warm:
                 self.preloaded.ask(msg.hooks, msg.env)

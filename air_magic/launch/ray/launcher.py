@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from .. import protocol as p
-from ..interface import Launcher
+from ..interface import ENDED_BY_USER, Launcher
 from ..rundir import RunDir
 from .cluster import require_connected
 from .pump import Owner, RayJob
@@ -68,9 +68,9 @@ class RayLauncher(Owner, Launcher):
         with self._lock:
             self._jobs.discard(job)
 
-    def end_session(self, name: str) -> None:
-        """End session `name`'s world now: idle, at once; running a call, that call is stopped and ends it."""
-        why = "%distributed_session --end ended it"
+    def end_session(self, name: str, why: str = ENDED_BY_USER) -> None:
+        """End session `name`'s world now, saying `why`: idle, at once; running a call, that call is stopped and
+        ends it."""
         if self.end_idle_session(name, why):
             return
         with self._lock:
