@@ -510,6 +510,17 @@ def ray() -> list[str]:
                         "Ray launcher, first / second call",
                         f"{s(g.get('ray first call s'))} / {s(g.get('ray second call s'))}",
                     ],
+                    [
+                        "Ray launcher, keep_alive: first (cold) / second (hot) / third (hot) call",
+                        " / ".join(
+                            s(g.get(f"ray keep_alive {which} call s"))
+                            for which in ("first (makes the hot ranks)", "second (hot)", "third (hot)")
+                        ),
+                    ],
+                    [
+                        "hot calls in the first one's processes",
+                        "yes" if g.get("hot calls in the same processes") else "no",
+                    ],
                     ["same losses through both", "yes" if g.get("same losses") else "no"],
                     [
                         "GPUs free in Ray afterwards / total",
