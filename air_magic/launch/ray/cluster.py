@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlparse
@@ -35,6 +35,8 @@ _packages = "sync"
 #: How long a spare actor set waits for a call by default, in seconds (ray_init's `spares`; launch/ray/spares.py).
 SPARE_IDLE = 300.0
 _spare_idle = SPARE_IDLE
+#: What ends the spare sets kept now when ray_init turns spares off (the launcher gives it: see spares_off).
+_end_spares: list[Callable[[], None]] = []
 _warming: threading.Thread | None = None
 
 INSTALL_HINT = "pip install 'air_magic[ray]'"
@@ -107,9 +109,8 @@ def ray_init(
     _packages = packages
     _spare_idle = (SPARE_IDLE if spares else 0.0) if isinstance(spares, bool) else float(spares)
     if not _spare_idle:
-        from .launcher import ray_launcher
-
-        ray_launcher().release_spares()
+        for end in _end_spares:
+            end()
     ray = import_ray()
     if ray.is_initialized():
         if _context is None:  # connected by the user's own ray.init
@@ -156,6 +157,11 @@ def packages_mode() -> str:
 def spare_idle() -> float:
     """How long a spare actor set waits for a call, in seconds; 0: ray_init(spares=False)."""
     return _spare_idle
+
+
+def spares_off(end: Callable[[], None]) -> None:
+    """`end` ends the spare sets kept now; ray_init calls it when it turns spares off."""
+    _end_spares.append(end)
 
 
 def warming() -> threading.Thread | None:

@@ -13,7 +13,7 @@ from typing import Any
 from .. import protocol as p
 from ..interface import ENDED_BY_USER, Launcher
 from ..rundir import RunDir
-from .cluster import require_connected
+from .cluster import require_connected, spares_off
 from .pump import Owner, RayJob
 from .rank import RankActor
 
@@ -30,6 +30,7 @@ class RayLauncher(Owner, Launcher):
         self._actor_class: Any = None
         self._probe: Any = None
         self._atexit = False
+        spares_off(self.release_spares)
 
     def actor_class(self) -> Any:
         """RankActor as a Ray actor class (made once: Ray ships it to the nodes at its first use)."""
