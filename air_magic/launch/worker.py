@@ -139,6 +139,7 @@ def run(path: Path, rank: int) -> int:
 
     global session_kept
     session_kept = spec.session is not None
+    hold_destroyed_groups()
     try:
         _install_hooks(spec.hooks)
         target, args, kwargs, sources = load_call(run_dir.payload.read_bytes())  # notebook modules first
@@ -238,6 +239,40 @@ def run_forked(run_dir: Path, rank: int) -> None:
         cmd, done = (int(fd) for fd in hot.split(","))
         finish(_serve_hot(run(run_dir, rank), rank, cmd, done))
     finish(run(run_dir, rank))
+
+
+# -- process groups --------------------------------------------------------------
+#: Process groups the user's code destroyed, referenced until the rank ends (see hold_destroyed_groups).
+_destroyed_groups: list[object] = []
+
+
+def hold_destroyed_groups() -> None:
+    """Keep each process group that `destroy_process_group()` ends referenced until the rank process ends.
+
+    torch's gloo backend joins its worker threads in its destructor while the caller holds the GIL, and a
+    worker thread that is still releasing a finished collective's tensors waits for the GIL: a deadlock.
+    After `destroy_process_group()` the last reference to the group is usually a DDP model's, dropped when
+    the user's function returns, so the rank hung right after its function had finished (seen under load
+    with a DCP checkpoint's broadcast: `~Reducer` -> `~ProcessGroupGloo` -> `thread::join` on one side,
+    `~AsyncWork` -> `gil_scoped_acquire` on the other). Held here, a destroyed group is never torn down
+    while the rank runs; the rank ends with os._exit (`finish`) or with its Ray actor. Patched once per
+    process, and only where torch.distributed is already imported (the preload imports it).
+    """
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or getattr(c10d.destroy_process_group, "holds_groups", False):
+        return
+    destroy = c10d.destroy_process_group
+
+    def destroy_process_group(group: object = None) -> None:
+        world = group is None or group is c10d.GroupMember.WORLD
+        ending = list(getattr(getattr(c10d, "_world", None), "pg_map", {})) if world else [group]
+        _destroyed_groups.extend(g for g in ending if g is not None and all(g is not h for h in _destroyed_groups))
+        return destroy(group)  # type: ignore[arg-type]
+
+    destroy_process_group.holds_groups = True  # type: ignore[attr-defined]
+    dist = sys.modules["torch.distributed"]
+    for module in (dist, c10d):
+        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010 - patched on purpose
 
 
 # -- hot ranks ------------------------------------------------------------------
