@@ -2,7 +2,8 @@
 
 cluster.py   ray_init, the "is this notebook connected" check, what the cluster holds
 launcher.py  the notebook's side: a pump per call, the hot worlds, shutdown
-pump.py      one call: place or reuse, start the ranks, watch them, report events, tear down
+pump.py      one call's thread: start it, watch the ranks, report events, tear down
+starting.py  how a call's ranks start: in a hot world, a spare set or a new placement
 received.py  what the ranks send back, kept in the run directory here as a local rank's files are
 packages.py  the nodes' installed packages against the notebook's: brought with the call, or refused
 placement.py the placement group and its actors, each rank's environment, ending actors

@@ -14,8 +14,9 @@ from .. import protocol as p
 from ..interface import ENDED_BY_USER, Launcher
 from ..rundir import RunDir
 from .cluster import require_connected, spares_off
-from .pump import Owner, RayJob
+from .pump import RayJob
 from .rank import RankActor
+from .starting import Owner
 
 
 class RayLauncher(Owner, Launcher):

@@ -1,10 +1,10 @@
 """A Ray call's pump: one thread per job that does every blocking Ray call and reports launcher events.
 
-It places the job (placement.py), in a spare actor set of its shape when
-there is one (spares.py, which starts the next after the call), or takes a
-hot world of the same world (hot.py), starts the ranks, long-polls each
-actor for output and for its outcome, and tears everything down: the ranks'
-own child processes, the actors, the placement group. What a node sends is
+It starts the ranks (starting.py: a hot world of the same world, a spare
+actor set of its shape, or a new placement), long-polls each actor for
+output and for its outcome, and tears everything down: the ranks' own
+child processes, the actors, the placement group; after a call whose
+actors ended it starts the next spare set (spares.py). What a node sends is
 appended to the rank's log in the run directory here, with its MLflow and
 chart lines and its result (received.py). A rank whose actor or node dies is reported as a `WorkerDiedError`.
 The runner sees only the events.
@@ -20,7 +20,6 @@ stops them as any stop does (ending.py decides). When the world ends,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import signal
 import threading
@@ -32,40 +31,19 @@ from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..interface import JobHandle, drain
 from ..rundir import RunDir
-from . import packages, spares
+from . import spares
 from .cluster import alive_nodes
-from .cluster import warming as cluster_warming
 from .ending import SessionCall
-from .hot import HotWorld, HotWorlds, SessionBusy, world_key
-from .placement import LaunchError, Placement, code_dirs, end_actors, rank_envs
+from .hot import HotWorld, SessionBusy
+from .placement import LaunchError, end_actors
 from .received import Received
+from .starting import Owner, Starting, Stopped
 
-#: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
-PLACEMENT_WAIT = 45.0
-#: How long the actors of a placed job may take to start, in seconds (a busy node takes long to start Ray workers).
-START_WAIT = 300.0
 #: Seconds an actor's poll waits for new output before it answers with none.
 POLL_WAIT = 0.5
 
 
-class Owner(HotWorlds):
-    """What a job asks of the launcher that started it (launcher.RayLauncher)."""
-
-    def actor_class(self) -> Any:
-        raise NotImplementedError
-
-    def probe_task(self) -> Any:
-        raise NotImplementedError
-
-    def forget(self, job: RayJob) -> None:
-        raise NotImplementedError
-
-
-class _Stopped(Exception):
-    """A stop came while the job was being placed or started."""
-
-
-class RayJob(JobHandle):
+class RayJob(Starting, JobHandle):
     """One job on the cluster: its pump thread and the events it reports."""
 
     def __init__(self, launcher: Owner, request: p.JobRequest, run_dir: RunDir, ray: Any) -> None:
@@ -139,7 +117,7 @@ class RayJob(JobHandle):
                 self._place()
                 self._start_ranks()
             self._watch()
-        except _Stopped:
+        except Stopped:
             pass
         except (LaunchError, SessionBusy) as exc:
             self._fail(str(exc))
@@ -158,60 +136,10 @@ class RayJob(JobHandle):
                 self.events.put(p.RankExited(self.job, rank, -signal.SIGKILL, time.time()))
             self.events.put(p.JobGone(self.job))
 
-    def _await_prestart(self) -> None:
-        """`prestart_workers` still starting the nodes' workers: wait for it, rather than have the nodes start more."""
-        warming = cluster_warming()
-        deadline = time.monotonic() + START_WAIT
-        while warming is not None and warming.is_alive() and time.monotonic() < deadline:
-            if self._halted():
-                raise _Stopped()
-            warming.join(0.05)
-
-    def _halted(self) -> bool:
-        """A stop came, or an interrupt before any rank runs the call (nothing to interrupt: it is a stop)."""
-        asked = self.session.interrupt
-        if asked is not None and not self.calling and not self.stop_asked.is_set():
-            self.stop_reason = asked.why
-            self.stop_asked.set()
-        return self.stop_asked.is_set()
-
     def _fail(self, message: str) -> None:
         self.failed = True
         self.failure = self.failure or message
         self.events.put(p.LaunchFailed(self.job, message))
-
-    def _wait(self, refs: list[Any], limit: float, what: str) -> list[Any]:
-        """ray.get of `refs`, giving up at a stop or after `limit` s."""
-        deadline = time.monotonic() + limit
-        while True:
-            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0.2)
-            if len(ready) == len(refs):
-                return list(self.ray.get(refs))
-            if self._halted():
-                raise _Stopped()
-            if time.monotonic() > deadline:
-                raise LaunchError(f"{what} did not happen within {limit:g} s")
-
-    def _run_hot(self, world: HotWorld) -> bool:
-        """Start the call in the hot world's actors; False (the world ended) if a node or actor of it was lost."""
-        self.world, self.actors, self.pg, self.infos = world, world.actors, world.pg, world.places
-        alive = {n["NodeID"] for n in alive_nodes(self.ray)}
-        lost = [pl for pl in world.places if pl.node_id not in alive]
-        why = f"node {lost[0].ip} ({lost[0].node_id[:8]}) left the Ray cluster" if lost else ""
-        if not lost:
-            try:
-                self._start_calls(world.master, world.port)
-                return True
-            except self.ray.exceptions.RayActorError as exc:
-                why = f"a Ray actor of theirs died ({' '.join(str(exc).split())[:200]})"
-        if world.session is not None:
-            self.launcher.session_lost(world.session, f"its ranks were lost: {why}")
-            said = f"the ranks of session {world.session!r} were lost: {why}; starting new ranks (their names are gone)"
-        else:
-            said = f"the hot ranks of this world were lost: {why}; starting fresh ranks"
-        self.events.put(p.RankOutput(self.job, 0, f"air_magic: {said}.\n"))
-        self._end_world()
-        return False
 
     def _end_world(self) -> None:
         """End the actors and placement group this job holds, and the hot world they belong to."""
@@ -220,74 +148,6 @@ class RayJob(JobHandle):
         if world is not None:
             self.launcher.drop(world)
         end_actors(self.ray, actors, pg, self.grace)
-
-    def _place(self) -> None:
-        """Ask for the placement group and its actors; wait until the group is placed."""
-        placement = Placement(self.ray, self.request)
-        placement.check_fits()
-        runtime_env = self.runtime_env = packages.prepare(self.ray, placement.bundle, self.launcher.probe_task())
-        if self._halted():
-            raise _Stopped()
-        spare = spares.take(self.launcher, self.request, runtime_env)
-        if spare is not None:
-            self.pg, self.actors = spare.pg, spare.actors
-        else:
-            name = f"air_magic-{self.job[:12]}"
-            self.pg, self.actors = placement.reserve(self.launcher.actor_class(), name, runtime_env)
-        self.placed = True
-        deadline = time.monotonic() + PLACEMENT_WAIT
-        ready = self.pg.ready()
-        while not self.ray.wait([ready], timeout=0.2)[0]:
-            # idle hot ranks or spares may hold what this call needs: it comes first (a session's are held until
-            # it ends); what is free already is left to the group, which Ray places in a moment
-            if self.launcher.holding() and not placement.free_now():
-                self.launcher.release_hot(sessions=False)
-            if self._halted():
-                raise _Stopped()
-            if time.monotonic() > deadline:
-                sessions = sorted(str(w.session) for w in self.launcher.idle_sessions())
-                held = (
-                    f" Idle session(s) {', '.join(map(repr, sessions))} hold ranks: %distributed_session --end NAME "
-                    "frees them."
-                    if sessions
-                    else ""
-                )
-                raise LaunchError(
-                    f"the Ray cluster could not reserve {placement.asked} within {PLACEMENT_WAIT:g} s: other work "
-                    f"holds them. {placement.free_text()}{held}"
-                )
-
-    def _start_ranks(self) -> None:
-        """The placed actors: where each runs (rank 0 picks MASTER_PORT), then the call in each."""
-        wheres = [a.where.remote(rank == 0) for rank, a in enumerate(self.actors)]
-        self.infos = self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
-        master, port = self.infos[0].ip, self.infos[0].free_port
-        if self.request.keep_alive:
-            self.world = HotWorld(
-                world_key(self.request),
-                self.actors,
-                self.pg,
-                self.infos,
-                master,
-                port,
-                float(self.request.keep_alive),
-                session=self.request.session,
-            )
-        self._start_calls(master, port)
-
-    def _start_calls(self, master: str, port: int) -> None:
-        req = self.request
-        self.calling = True
-        payload = self.ray.put(req.payload)  # through the object store, fetched by each node once
-        job = dataclasses.replace(p.JobFile.of(req), sys_path=code_dirs(req.sys_path))
-        envs = rank_envs(req, self.infos, master, port, run_id=self.run_dir.path.name)
-        refs = [
-            actor.start.remote(p.RankCall(rank, job, envs[rank], hot=bool(req.keep_alive)), payload)
-            for rank, actor in enumerate(self.actors)
-        ]
-        for rank, pid in enumerate(self._wait(refs, START_WAIT, "starting the ranks")):
-            self.started.add(rank)
-            self.events.put(p.RankStarted(self.job, rank, int(pid), self.infos[rank].ip))
 
     def _watch(self) -> None:
         ray = self.ray

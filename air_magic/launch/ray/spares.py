@@ -20,8 +20,8 @@ waiting for what they hold, `release_hot()`, shutdown. A spare set with an
 actor or a node lost, or whose placement group was moved, is ended when a
 call would take it, and that call places anew. Sessions neither take nor
 leave spares (a session's world is kept for its own calls).
-`ray_init(spares=False)` turns spares off. This module decides; the pump
-(pump.py) asks it at placement and after a call.
+`ray_init(spares=False)` turns spares off. This module decides; starting.py asks it
+at placement, and the pump (pump.py) after a call.
 """
 
 from __future__ import annotations
