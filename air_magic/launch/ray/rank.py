@@ -53,6 +53,8 @@ _CHUNK = 1 << 20
 _SAMPLE_EVERY = 1.0
 #: While a call runs, how often `poll` looks for new output (the call's end is seen at once).
 _OUTPUT_EVERY = 0.05
+#: Seconds after a hot call before it collects garbage, if no call came (a call arriving in gc.collect waits for it).
+_TIDY_AFTER = 1.0
 
 
 class RankActor:
@@ -159,7 +161,7 @@ class RankActor:
             self.done.set()
         if hot and (code == 0 or kept):
             # no next call right away: tidy up while waiting, so that a quick re-run does not wait for it
-            threading.Timer(worker.TIDY_AFTER, self._tidy, args=(call,)).start()
+            threading.Timer(_TIDY_AFTER, self._tidy, args=(call,)).start()
 
     def _tidy(self, call: int) -> None:
         if self.calls == call:
