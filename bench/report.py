@@ -99,7 +99,7 @@ NOTES = {
     "down at exit, which saved 0.5–0.9 s per call on 2×H200; not measured again on 4 GPUs.",
     "mlflow_launch-cpu-before.json": "the code before MLflow was imported by the helper between calls; kept to "
     "compare with `mlflow_launch-cpu.json`, measured the same day on the same machine.",
-    "call_patterns-cpu.json": "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook "
+    "call_patterns-cpu-loaded.json": "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook "
     "was still importing MLflow and creating the fresh store's tables (2.6-3.3 s of its CPU fell in the first call "
     "in probes of the same pattern at load 8-9), so the paused first call waited for that. Once that work is over "
     "(a 30 s pause, load 13-19), the first call's own CPU in the notebook is 0.11-0.17 s against 0.08 s for a warm "
