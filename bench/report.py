@@ -99,7 +99,9 @@ NOTES = {
     "down at exit, which saved 0.5–0.9 s per call on 2×H200; not measured again on 4 GPUs.",
     "mlflow_launch-cpu-before.json": "the code before MLflow was imported by the helper between calls; kept to "
     "compare with `mlflow_launch-cpu.json`, measured the same day on the same machine.",
-    "call_patterns-1xH200-fresh-machine.json": "a second run on one H200, on a machine just started (its first imports slow: torchrun 15.9 s); 5 s after loading, the helper was still importing torch and then MLflow, and the paused first call waited for them.",
+    "call_patterns-1xH200-fresh-machine.json": "a second run on one H200, on a machine just started (its first "
+    "imports slow: torchrun 15.9 s); 5 s after loading, the helper was still importing torch and then MLflow, and "
+    "the paused first call waited for them.",
     "call_patterns-cpu-loaded.json": "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook "
     "was still importing MLflow and creating the fresh store's tables (2.6-3.3 s of its CPU fell in the first call "
     "in probes of the same pattern at load 8-9), so the paused first call waited for that. Once that work is over "
