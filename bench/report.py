@@ -102,12 +102,14 @@ NOTES = {
     "call_patterns-1xH200-fresh-machine.json": "a second run on one H200, on a machine just started (its first "
     "imports slow: torchrun 15.9 s); 5 s after loading, the helper was still importing torch and then MLflow, and "
     "the paused first call waited for them.",
-    "call_patterns-cpu-loaded.json": "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, "
-    "the notebook was still importing MLflow and creating the fresh store's tables (2.6-3.3 s of its CPU fell in "
-    "the first call in probes of the same pattern at load 8-9), so the paused first call waited for that. Once that work is over "
-    "(a 30 s pause, load 13-19), the first call's own CPU in the notebook is 0.11-0.17 s against 0.08 s for a warm "
-    "call; before the background work ended with a full garbage collection it was 0.37-0.54 s, of which that "
-    "collection was 0.20-0.23 s.",
+    "call_patterns-cpu-loaded.json": (
+        "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook was still "
+        "importing MLflow and creating the fresh store's tables (2.6-3.3 s of its CPU fell in the first call "
+        "in probes of the same pattern at load 8-9), so the paused first call waited for that. Once that work"
+        " is over (a 30 s pause, load 13-19), the first call's own CPU in the notebook is 0.11-0.17 s against"
+        " 0.08 s for a warm call; before the background work ended with a full garbage collection it was "
+        "0.37-0.54 s, of which that collection was 0.20-0.23 s."
+    ),
 }
 
 
