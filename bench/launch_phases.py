@@ -6,11 +6,14 @@ process group ready, all-reduce done, group destroyed (the function returns), ev
 gone (as the launcher saw it), and the results back in the caller. The last two lines of each block
 are what air_magic adds after the function returned: the process exit, then its own hand-back.
 
-    python bench/launch_phases.py --first-call [--ranks 2]
+    python bench/launch_phases.py --first-call [--ranks 2] [--pause 5]
 Runs the first call of a fresh process (which starts the helper), with MLflow off, on, and on with
 the ranks logging one metric, each in its own process and fresh directory (MLflow's default local
 store), and prints the phases the runner reports (RunContext.phases: "creating the MLflow run",
-"starting the helper", "ranks starting", "running") next to the ranks' own marks.
+"starting the helper", "ranks starting", "running") next to the ranks' own marks. With --pause, each
+process first loads the extension as a notebook user does (`%load_ext air_magic`: the helper and MLflow's
+preparation start in the background) and waits that long before the call; then what the helper's log says
+of its preload and preparations.
 """
 
 from __future__ import annotations
@@ -72,7 +75,16 @@ sys.path.insert(0, sys.argv[1] + "/bench")
 from launch_phases import job_logging
 from air_magic import distributed, runner
 from air_magic.listeners import Listener
-ranks, mlflow_on, log = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+ranks, mlflow_on, log, pause = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1", float(sys.argv[5])
+if pause:  # as a notebook user: load the extension (helper, MLflow's preparation), then think for `pause` s
+    from IPython.core.interactiveshell import InteractiveShell
+
+    InteractiveShell.instance().run_line_magic("load_ext", "air_magic")
+    time.sleep(pause)
+from air_magic.tracking import prepare as _prepare
+
+prepare_at = "the notebook's MLflow preparation " + ("still ran" if _prepare.importing() or (
+    _prepare._thread is not None and _prepare._thread.is_alive()) else "was over") + " at the call"
 
 class Recorder(Listener):
     def on_start(self, ctx):
@@ -87,11 +99,15 @@ back = time.time() - t0
 shift = time.time() - rec.ctx.elapsed - t0  # the runner's clock starts after serializing the call
 marks = {k: max(r[k] for r in result.values) - t0 for k in result.values[0]}
 phases = [(name, at + shift) for name, at in rec.ctx.phases]
-print(json.dumps({"phases": phases, "ranks": marks, "results back": back}))
+from air_magic.launch.rundir import helper_log
+from air_magic.tracking import prepare
+log = helper_log("supervisor", __import__("os").getpid())
+helper = [line.strip() for line in log.read_text().splitlines() if "preloaded" in line or "preparation" in line]
+print(json.dumps({"phases": phases, "ranks": marks, "results back": back, "helper": helper, "prepare": prepare_at}))
 """
 
 
-def first_call(ranks: int) -> None:
+def first_call(ranks: int, pause: float) -> None:
     import json
     import os
     import subprocess
@@ -108,7 +124,7 @@ def first_call(ranks: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
         env.update(AIR_MAGIC_RUNS_DIR=str(work / "runs"), AIR_MAGIC_DISPLAY="text")
         done = subprocess.run(
-            [sys.executable, "-c", FIRST_CALL, str(root), str(ranks), on, log],
+            [sys.executable, "-c", FIRST_CALL, str(root), str(ranks), on, log, str(pause)],
             check=False,
             cwd=work,
             env=env,
@@ -119,12 +135,15 @@ def first_call(ranks: int) -> None:
         if done.returncode != 0:
             sys.exit(done.stderr[-3000:])
         data = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"first call, {label}: seconds from the call")
+        after = f", {pause:g} s after loading the extension" if pause else ""
+        print(f"first call{after}, {label}: seconds from the call")
         for name, at in data["phases"]:
             print(f"  {'phase: ' + name:>36}: {at:.3f}")
         for name, at in data["ranks"].items():
             print(f"  {'ranks: ' + name:>36}: {at:.3f}")
         print(f"  {'results back':>36}: {data['results back']:.3f}")
+        for line in [data["prepare"], *data["helper"]]:
+            print(f"  {line}")
 
 
 def main() -> None:
@@ -133,9 +152,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--accelerator-type", default=None, help="CPU for gloo workers on a GPU machine; default: detected")
     ap.add_argument("--first-call", action="store_true", help="the first call of a fresh process, MLflow off and on")
+    ap.add_argument("--pause", type=float, default=0.0, help="with --first-call: load the extension, wait this long")
     args = ap.parse_args()
     if args.first_call:
-        first_call(args.ranks)
+        first_call(args.ranks, args.pause)
         return
     for destroy in (True, False):
         f = distributed(args.ranks, accelerator_type=args.accelerator_type, mlflow=False, warm=True)(job)

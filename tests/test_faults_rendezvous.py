@@ -39,6 +39,9 @@ def _try_to_take_the_port() -> dict:
         finally:
             s.close()
     dist.init_process_group("gloo")
+    # Both ranks are in the group before either returns: a rank that leaves the moment its own side of gloo's mesh is
+    # up can close a pair the other rank is still connecting ("Connection closed by peer").
+    dist.barrier()
     print(f"rank {dist.get_rank()} joined on {port}", flush=True)
     return {"port": port, "taken": taken, "world": dist.get_world_size()}
 

@@ -113,7 +113,7 @@ uri, asks = sys.argv[2], int(sys.argv[3])
 preloaded = Preloaded(warm=False)
 preloaded.ask(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": uri})
 count = iter(range(1, 1 << 20))
-assert preloaded.run_preparations(lambda: next(count) >= asks) is False
+assert preloaded.run_preparations(lambda hook: next(count) >= asks) is False
 assert preloaded.run_preparations() is True
 pid = os.fork()
 if pid == 0:

@@ -100,3 +100,32 @@ def test_a_preparation_interrupted_by_calls_is_finished_once_for_the_first_call_
         assert all(pid != helper for _, pid in ranks)
     finished = [line for line in marks.read_text().splitlines() if line.endswith(" m9")]
     assert finished == [f"{helper} m9"], "the preparation did not finish exactly once, in the helper"
+
+
+def _loaded_once_in(marks, pid: int) -> None:
+    lines = marks.read_text().splitlines()
+    assert sorted(lines) == sorted(f"{pid} m{i}" for i in range(10)), f"modules loaded again or elsewhere: {lines}"
+
+
+def test_asking_again_for_a_preparation_under_way_does_not_interrupt_it(slow_preparation):
+    """The notebook asks twice (at load, then once its MLflow store is set up): the second request is taken while the
+    first runs, and no module of the preparation is loaded twice."""
+    launcher, marks = slow_preparation
+    launcher.prepare_hooks(["delayhook"], {})
+    _wait_for(marks.exists, 60)
+    launcher.prepare_hooks(["delayhook"], {"SOME_STORE": "1"})
+    _wait_for(lambda: " m9" in marks.read_text(), 60)
+    run_here(bare)  # served after the preparation and its second request
+    _loaded_once_in(marks, launcher.supervisor_pid)
+
+
+def test_a_call_that_needs_the_preparation_under_way_lets_it_finish_instead_of_restarting_it(slow_preparation):
+    """A call whose ranks import what the helper is importing right now: the preparation goes on where it is (no
+    module loaded twice) and the call's ranks find it imported in the helper."""
+    launcher, marks = slow_preparation
+    launcher.prepare_hooks(["delayhook"], {})
+    _wait_for(marks.exists, 60)
+    helper = launcher.supervisor_pid
+    ranks = run_here(uses_it, PACKAGE).values
+    assert [loaded_in for loaded_in, _ in ranks] == [helper, helper], (ranks, helper)
+    _loaded_once_in(marks, helper)

@@ -250,8 +250,10 @@ def preload(env: dict[str, str]) -> list[str]:
     alembic and MLflow's table models: most of a rank's first log call), and for a sqlite store
     builds the store object itself, whose construction reads every schema migration to check the
     database (about 0.2 s a process). MLflow caches stores per URI, so ranks forked afterwards find
-    it built. Called between calls in a process that forks: it starts no thread, and the store's
-    connections are closed again (each rank opens its own). Returns the packages it preloaded.
+    it built. Without a URI in `env` (asked at load, before the notebook has made its store's tables), the
+    code of MLflow's default (sqlite) store is imported but no store is built. Called between calls in a
+    process that forks: it starts no thread, and the store's connections are closed again (each rank opens
+    its own). Returns the packages it preloaded.
 
     The packages with extension modules that `import mlflow` loads come first, each on its own: the helper
     interrupts a preparation for a call only where that drops no extension module, so this keeps mlflow's own
@@ -267,7 +269,14 @@ def preload(env: dict[str, str]) -> list[str]:
 
     uri = env.get("MLFLOW_TRACKING_URI") or ""
     scheme = uri.partition(":")[0]
-    if scheme in ("http", "https"):
+    if not uri and mlflow.get_tracking_uri().startswith("sqlite:"):
+        # Asked before the notebook has set up its store (whose tables a store built here would race): the code of
+        # MLflow's default store only, most of the store's cost; the store itself is built when it is asked again.
+        import mlflow.store.tracking.sqlalchemy_store
+        import sqlalchemy.orm
+
+        sqlalchemy.orm.configure_mappers()
+    elif scheme in ("http", "https"):
         # What a rank's first request imports; no HTTP session is made here (it would be shared by every fork).
         import netrc  # noqa: F401 - requests reads ~/.netrc on each request
 

@@ -151,7 +151,7 @@ def slow_hook(tmp_path, monkeypatch):
 def _waiting_after(asks: int):
     """A `waiting` that says a request waits from its `asks`-th question on."""
     count = iter(range(1, 1000))
-    return lambda: next(count) >= asks
+    return lambda hook: next(count) >= asks
 
 
 @pytest.mark.parametrize("asks", [1, 2, 3], ids=["at a submodule", "after one", "inside a catch-all"])
@@ -180,7 +180,7 @@ def test_a_warm_up_with_no_request_waiting_runs_through(slow_hook):
     """`waiting` saying no at every import: the warm-up completes in one go."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["slowhook"], {})
-    assert preloaded.run_preparations(lambda: False) is True
+    assert preloaded.run_preparations(lambda hook: False) is True
     assert "latepkg.c" in sys.modules and not preloaded.pending
 
 
@@ -189,7 +189,7 @@ def test_an_import_made_by_a_function_is_never_interrupted(slow_hook):
     by a module's code gives way (a function stopped mid-way could leave its library half set up)."""
     preloaded = Preloaded(warm=False)
     preloaded.ask(["slowhook"], {})
-    assert preloaded.run_preparations(lambda: True) is False
+    assert preloaded.run_preparations(lambda hook: True) is False
     assert "earlypkg" in sys.modules and "latepkg" not in sys.modules
 
 

@@ -9,7 +9,8 @@ launcher starts a fresh one. Preparations are what the hook modules of a call (s
 JobRequest.hooks) do in `preload(env)` in the background, e.g. importing mlflow; what
 they import is hidden from a forked worker until its code imports it (`_Unhide`,
 `_Restore`). A preparation gives way to a request that arrives while it runs
-(`_GiveWay`, `_roll_back`), unless the call's ranks need it: a call whose code names
+(`_GiveWay`, `_roll_back`), unless the request only asks for preparations or is a call
+whose ranks need it (the supervisor's inbox.py decides): a call whose code names
 what a pending preparation brings (the hook's PRELOADS, e.g. "mlflow") has it finished
 first (`needed_by`), so its ranks, and every later call's, find it done instead of
 each importing it themselves.
@@ -17,6 +18,7 @@ each importing it themselves.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -25,6 +27,7 @@ import mmap
 import os
 import sys
 import sysconfig
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from ..boot import preload_modules
 #: Variables read when torch is imported: a warm supervisor with other values is stale.
 IMPORT_TIME_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHASHSEED", "TORCH_HOME", "PYTORCH_NVML_BASED_CUDA_CHECK")
 ExitFunc = tuple[Any, tuple[Any, ...], dict[str, Any]]
+_BORN = time.monotonic()  # about when the helper started: it imports this module first thing
 
 
 class Preloaded:
@@ -53,6 +57,7 @@ class Preloaded:
         self.files: dict[str, tuple[int, int]] = {}  # watched path -> (inode, mtime), see _watch
         self.env = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
         self.pending: dict[str, dict[str, str]] = {}  # hook module -> environment of the call that asked
+        self.running: str | None = None  # the hook module whose preparation runs now
         self.hidden_tops: set[str] = set()  # top-level names that preparations brought in
         self.exit_funcs: list[ExitFunc] = []
         if not warm:
@@ -118,7 +123,8 @@ class Preloaded:
             self.pending[name] = env
 
     def needed_by(self, payload: Path) -> list[str]:
-        """The pending hook modules whose PRELOADS the call's payload names: its ranks would import them.
+        """The pending (or running) hook modules whose PRELOADS the call's payload names: its ranks would import
+        them.
 
         The payload holds the names the call's code uses (a cell's source; a function's, and those of the
         notebook's own modules, which travel by value): finding "mlflow" there means a rank imports it. Code
@@ -126,7 +132,7 @@ class Preloaded:
         themselves, as without a preparation.
         """
         names: dict[bytes, list[str]] = {}
-        for hook in self.pending:
+        for hook in {*self.pending, *filter(None, [self.running])}:
             try:
                 module = importlib.import_module(hook)  # air_magic's own hook module: small, imports no package
             except Exception:  # noqa: BLE001, S112 - run_preparations reports it
@@ -142,14 +148,15 @@ class Preloaded:
             return []
 
     def run_preparations(
-        self, waiting: Callable[[], bool] = lambda: False, only: Collection[str] | None = None
+        self, waiting: Callable[[str], bool] = lambda _: False, only: Collection[str] | None = None
     ) -> bool:
         """Run the pending preparations (those named in `only`, if given), each catching its own failure (the
         workers then import for themselves).
 
-        Gives way to requests: while a preparation imports, `waiting()` is asked at each module it loads, and
-        once it says a request waits, the preparation is interrupted there (`_GiveWay`), what it was loading
-        is forgotten (`_roll_back`), and it stays pending for the next idle moment. Returns False then,
+        Gives way to requests: while a preparation imports, `waiting(hook module)` is asked at each module it
+        loads, and once it says a request must be served first, the preparation is interrupted there
+        (`_GiveWay`), what it was loading is forgotten (`_roll_back`), and it stays pending for the next idle
+        moment. Returns False then,
         True once nothing asked for is pending. Threads are no way out: the supervisor forks, and a thread
         caught importing at fork time leaves its import locks held in the child.
         """
@@ -164,12 +171,14 @@ class Preloaded:
 
         for name in [n for n in list(self.pending) if only is None or n in only]:
             env = self.pending.pop(name)
+            started = time.monotonic()
             start = before = set(sys.modules)
             registered.clear()
-            give_way = _GiveWay(waiting, start)
+            give_way = _GiveWay(functools.partial(waiting, name), start)
             packages: list[str] = []
             sys.meta_path.insert(0, give_way)
             atexit.register = record  # type: ignore[assignment]
+            self.running = name
             try:
                 module = importlib.import_module(name)
                 before = set(sys.modules)  # the hook module itself is air_magic's: never hidden
@@ -182,6 +191,7 @@ class Preloaded:
                 if give_way.kept is None:
                     print(f"air_magic supervisor: preparation {name} failed: {exc!r}", file=sys.stderr, flush=True)
             finally:
+                self.running = None
                 atexit.register = register
                 sys.meta_path.remove(give_way)
             for func, _, _ in registered:
@@ -199,6 +209,14 @@ class Preloaded:
                 if loaded is not None and package not in self.modules:
                     self.modules[package] = os.path.dirname(getattr(loaded, "__file__", "") or "")
             self._watch(added)
+            took = time.monotonic() - started
+            how = "gave way to a request" if give_way.kept is not None else "done"
+            print(
+                f"air_magic supervisor {os.getpid()}: preparation {name} ({_store_of(env)}) {how} after {took:.2f} s, "
+                f"{time.monotonic() - _BORN:.2f} s after the helper started",
+                file=sys.stderr,
+                flush=True,
+            )
             if give_way.kept is not None:
                 self.pending.setdefault(name, env)  # a call that asked meanwhile sets its own environment
                 return False
@@ -355,6 +373,12 @@ def _roll_back(before: set[str], kept: set[str]) -> None:
         keep = name in kept or name.partition(".")[0] in sys.stdlib_module_names
         if not keep or (parent and parent not in sys.modules):
             del sys.modules[name]
+
+
+def _store_of(env: dict[str, str]) -> str:
+    """For the helper log: what a preparation was asked for (its tracking store, or the import alone)."""
+    uri = env.get("MLFLOW_TRACKING_URI")
+    return f"for {uri.partition(':')[0]} store" if uri else "imports"
 
 
 def _module_of(func: Any) -> str:

@@ -55,6 +55,7 @@ from ..come_back import COME_BACK, Interrupt
 from ..env import loopback_sockets, torchrun_env
 from ..rundir import RunDir
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
+from .inbox import Inbox
 from .jobs import Job
 from .pool import Pool, Pools
 from .preload import Preloaded
@@ -84,7 +85,17 @@ class Supervisor:
         self.closing = False
         self.retiring = False
         self.wake: tuple[int, int] | None = None
+        started = time.monotonic()
         self.preloaded = Preloaded(warm)
+        self.inbox = Inbox()
+        if warm:  # the helper log says where a first call's wait went (see also run_preparations)
+            took = time.monotonic() - started
+            print(
+                f"air_magic supervisor {os.getpid()}: preloaded {', '.join(self.preloaded.modules) or 'nothing'} "
+                f"in {took:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         self.warm = warm
         self.pools = Pools(
             on_session_end=lambda pool, why: _emit(p.SessionEnded(pool.job or "", pool.session or "", why))
@@ -407,7 +418,6 @@ class Supervisor:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: self.close())
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        buf = b""
         while not ((self.closing or self.retiring) and not self.jobs and not self.pools.releasing):
             done = self.pools.done_fds()
             said = list(self.done)
@@ -420,22 +430,21 @@ class Supervisor:
             if rfd in ready:
                 os.read(rfd, 4096)
             if 0 in ready:
-                chunk = os.read(0, 65536)
-                if not chunk:
-                    self.close()
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        self.handle(p.decode(line))
-            if os.getppid() != self.parent:
+                self.inbox.read()
+            while (msg := self.inbox.next()) is not None:
+                self.handle(msg)
+            if self.inbox.eof or os.getppid() != self.parent:
                 self.close()
             self.reap()
             self.tick()
-            idle = not (self.jobs or self.closing or self.retiring or select.select([0], [], [], 0)[0])
+            idle = not (self.jobs or self.closing or self.retiring or self.inbox.readable())
             if self.preloaded.pending and idle:
-                # Nothing to watch, no request waiting; one that comes meanwhile interrupts the preparation.
-                self.preloaded.run_preparations(lambda: bool(select.select([0], [], [], 0)[0]))
+                # Nothing to watch, no request waiting; one that comes meanwhile may interrupt the preparation.
+                self.preloaded.run_preparations(self.must_give_way)
+
+    def must_give_way(self, preparing: str) -> bool:
+        """Asked by a background preparation at each module it loads (see inbox.py)."""
+        return self.inbox.must_give_way(preparing, self.handle, self.preloaded.needed_by)
 
     def close(self) -> None:
         """The kernel is gone or asked us to go: stop every job, then leave."""
