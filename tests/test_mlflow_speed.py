@@ -102,52 +102,72 @@ def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb
     assert preload_nb.execute("parent.distributed() == first").check().result == "True"
 
 
-#: In a process like the helper: the MLflow warm-up interrupted at its `asks`-th chance to give way, then run to
-#: the end; then a forked worker imports mlflow (from the helper) and logs to the store.
+#: In a process like the helper (torch imported once): for each interruption point, a forked copy runs the MLflow
+#: warm-up interrupted at its `asks`-th chance to give way, then to the end; then a worker forked from that copy
+#: imports mlflow (from it) and logs to the store. Prints one exit code per point.
 INTERRUPTED_WARM_UP = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 from air_magic.launch.local.preload import Preloaded
-uri, asks = sys.argv[2], int(sys.argv[3])
-preloaded = Preloaded(warm=False)
-preloaded.ask(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": uri})
-count = iter(range(1, 1 << 20))
-assert preloaded.run_preparations(lambda hook: next(count) >= asks) is False
-assert preloaded.run_preparations() is True
-pid = os.fork()
-if pid == 0:
-    try:
-        preloaded.hide_in_child()
-        import mlflow
-        client = mlflow.MlflowClient(uri)
-        run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
-        client.log_metric(run.info.run_id, "x", 1.0)
-        os._exit(0 if len(client.get_metric_history(run.info.run_id, "x")) == 1 else 3)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        os._exit(1)
-print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+uri, points = sys.argv[2], [int(a) for a in sys.argv[3:]]
+
+def helper(asks):
+    preloaded = Preloaded(warm=False)
+    preloaded.ask(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": uri})
+    count = iter(range(1, 1 << 20))
+    assert preloaded.run_preparations(lambda hook: next(count) >= asks) is False
+    assert preloaded.run_preparations() is True
+    pid = os.fork()
+    if pid == 0:
+        try:
+            preloaded.hide_in_child()
+            import mlflow
+            client = mlflow.MlflowClient(uri)
+            run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+            client.log_metric(run.info.run_id, "x", 1.0)
+            os._exit(0 if len(client.get_metric_history(run.info.run_id, "x")) == 1 else 3)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+codes = []
+for asks in points:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(helper(asks))
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            os._exit(2)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(" ".join(map(str, codes)))
 """
+
+#: Chances to give way at which the warm-up is interrupted: its first module, and points inside mlflow's import.
+INTERRUPTIONS = [1, 400, 1350, 1450, 1550, 1650]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("asks", [1, 400, 1350, 1450, 1550, 1650])
-def test_an_interrupted_mlflow_warm_up_leaves_a_helper_whose_workers_log(tmp_path, asks):
+def test_an_interrupted_mlflow_warm_up_leaves_a_helper_whose_workers_log(tmp_path):
     """Wherever the helper's MLflow warm-up gives way to a call, it later completes, and a worker forked from it
     imports mlflow and logs to the store (no library is left half set up)."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.MlflowClient(uri).search_experiments()  # the store exists, as the notebook makes it first
     done = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED_WARM_UP, str(ROOT), uri, str(asks)],
+        [sys.executable, "-c", INTERRUPTED_WARM_UP, str(ROOT), uri, *map(str, INTERRUPTIONS)],
         capture_output=True,
         check=False,
         text=True,
         timeout=300,
         cwd=tmp_path,
     )
-    assert done.returncode == 0 and done.stdout.split()[-1:] == ["0"], done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = dict(zip(INTERRUPTIONS, map(int, done.stdout.split()[-len(INTERRUPTIONS) :]), strict=True))
+    assert codes == dict.fromkeys(INTERRUPTIONS, 0), f"exit code per interruption point: {codes}\n{done.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
