@@ -102,6 +102,12 @@ NOTES = {
     "call_patterns-1xH200-fresh-machine.json": "a second run on one H200, on a machine just started (its first "
     "imports slow: torchrun 15.9 s); 5 s after loading, the helper was still importing torch and then MLflow, and "
     "the paused first call waited for them.",
+    "call_patterns-1xH200-no-roll-back.json": (
+        "a third run on one H200, just started and slower than the others (torchrun 17.1 s, fresh-process calls "
+        "11.2 s), with the helper no longer rolling back a preparation that a call or a second request needs. The "
+        "helper's log in a probe of the same machine: torch preloaded in 3.3-4.5 s, then MLflow and its default "
+        "store's code in 4.9-5.8 s more, done 8.8-10 s after loading; the call 5 s after loading waited for that."
+    ),
     "call_patterns-cpu-loaded.json": (
         "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook was still "
         "importing MLflow and creating the fresh store's tables (2.6-3.3 s of its CPU fell in the first call "
