@@ -114,9 +114,11 @@ class JobResult:
     #: How each earlier attempt ended (its first failure), one line each, oldest first.
     earlier_failures: list[str] = field(default_factory=list)
     #: A session's call: what each rank that answered holds (name -> "type, size"), and why its ranks ended,
-    #: if they did during the call (None: the session is kept).
+    #: if they did during the call (None: the session is kept, in the last attempt's ranks).
     session_names: dict[int, dict[str, str]] = field(default_factory=dict)
     session_end: str | None = None
+    #: A session's call that restarted (max_restarts): why; the ranks from before, and what they held, are gone.
+    session_restarted: str | None = None
 
     @property
     def values(self) -> list[Any]:

@@ -305,8 +305,9 @@ class _Run(AttemptOutcome):
         self.ctx.attempt = self.attempt
         self.ctx.earlier_failures.append(why)
         if self.spec.session is not None:  # a restart starts a new world: the session's state is gone
-            self.result.session_end = f"a restart (max_restarts) started its ranks again after: {why}"
-            self.launcher.end_session(self.spec.session, self.result.session_end)
+            self.result.session_restarted = f"a restart (max_restarts) started its ranks again after: {why}"
+            self.launcher.end_session(self.spec.session, self.result.session_restarted)
+            self.result.session_end = None  # what the last attempt leaves decides whether its world is kept
         self.reset_attempt()
         marker = attempt_marker(self.attempt, self.ctx.attempts_allowed, why)
         self.run_dir.begin_attempt(self.attempt, self.spec.world_size, marker)
@@ -353,6 +354,12 @@ class _Run(AttemptOutcome):
     def session_note(self) -> str:
         """What became of the session after a failed call: kept with what it holds, or ended, and why."""
         name = self.spec.session
+        if self.result.session_end is None and self.result.session_restarted is not None:
+            restarted = self.result.session_restarted
+            return (
+                f"air_magic: session {name!r} was kept in the ranks the restart started ({restarted}): what it "
+                "held before the restart is gone; its ranks hold what this cell did before it stopped."
+            )
         if self.result.session_end is None:
             return (
                 f"air_magic: session {name!r} was kept: its ranks hold what they held, plus what this cell did "

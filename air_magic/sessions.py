@@ -148,6 +148,9 @@ def after(spec: JobSpec, result: JobResult) -> None:
     if result.session_end is None and record is not None and pids and set(pids.values()) != set(record.pids.values()):
         _end(name, "its ranks were gone when the next call came (the helper or the kernel's processes ended)")
         record = None
+    if result.session_restarted is not None and record is not None:  # the world before the restart is gone
+        _end(name, result.session_restarted)
+        record = None
     if result.session_end is not None:
         noticed = _ended.get(name)
         if record is None and (noticed is None or noticed.why != result.session_end):
@@ -156,9 +159,9 @@ def after(spec: JobSpec, result: JobResult) -> None:
         if record is not None:  # an end noticed already keeps the names its ranks held
             _end(name, result.session_end)
         record = None
-    # A call that ended its session's world and still finished (a restart, max_restarts) ran in new ranks, which
-    # the launcher keeps as the session: they are its world from now on.
-    if pids and (result.session_end is None or result.error is None):
+    # A call that restarted (max_restarts) ran its last attempt in new ranks, which the launcher keeps as the
+    # session unless that attempt ended them: they are its world from now on.
+    if pids and result.session_end is None:
         if record is None:
             record = _live[name] = Record(
                 name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or DEFAULT_IDLE, pids

@@ -267,3 +267,29 @@ def test_a_session_call_that_restarts_goes_on_in_the_new_ranks(session_kernel):
     ]
     listing = session_kernel.execute("%distributed_session").check().stdout
     assert "session 'again'" in listing and str(pids[1]) in listing, listing
+
+
+def test_a_session_call_whose_restart_fails_with_a_user_error_is_kept_in_the_new_ranks(session_kernel):
+    """With max_restarts, when the attempt after the restart also fails with a user error, that attempt's ranks are
+    the session (a user error keeps a session): the error says so, and the next cell runs in them and reads what the
+    failed cell assigned there, not what the ranks before the restart held."""
+    cell(session_kernel, f"--session kept {CPU}", "import os\nbefore = 1").check()
+    body = (
+        "import os\nafter = os.getpid()\nprint('PID', os.environ['RANK'], after, flush=True)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise ValueError('attempt ' + os.environ['TORCHELASTIC_RESTART_COUNT'] + ' fails')\n"
+    )
+    failed = cell(session_kernel, f"--session kept --max-restarts 1 {CPU}", body)
+    assert failed.error is not None and "attempt 1 fails" in failed.traceback, failed.traceback
+    assert "was kept in the ranks the restart started" in failed.traceback, failed.traceback
+    last = {}
+    for line in failed.stdout.splitlines():
+        if "PID " in line:
+            rank, pid = line.split("PID ", 1)[1].split()[:2]
+            last[int(rank)] = int(pid)  # the last attempt's line comes last
+    got = values(
+        cell(session_kernel, f"--session kept {CPU}", "import os\n(after, os.getpid(), 'before' in globals())")
+    )
+    assert got == [(last[0], last[0], False), (last[1], last[1], False)], (got, last)
+    listing = session_kernel.execute("%distributed_session").check().stdout
+    assert "session 'kept'" in listing and str(last[1]) in listing, listing
