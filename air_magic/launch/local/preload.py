@@ -156,9 +156,8 @@ class Preloaded:
         Gives way to requests: while a preparation imports, `waiting(hook module)` is asked at each module it
         loads, and once it says a request must be served first, the preparation is interrupted there
         (`_GiveWay`), what it was loading is forgotten (`_roll_back`), and it stays pending for the next idle
-        moment. Returns False then,
-        True once nothing asked for is pending. Threads are no way out: the supervisor forks, and a thread
-        caught importing at fork time leaves its import locks held in the child.
+        moment. Returns False then, True once nothing asked for is pending. Threads are no way out: the
+        supervisor forks, and a thread caught importing at fork time leaves its import locks held in the child.
         """
         import atexit
 
