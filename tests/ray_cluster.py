@@ -22,6 +22,10 @@ os.environ.setdefault("RAY_enable_metrics_collection", "0")  # the tests read no
 # A raylet waits this long for its agents to start (they import for many seconds on a busy machine).
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+# A raylet kills a worker that has not registered 60 s after it started (Ray's default); with both cores busy a
+# worker importing ray took longer, and the actor it was for died before it ran ("ActorDiedError ... connection
+# error code 2"). The simulated nodes share one small machine: give workers the time they take there.
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
 # The head checks each node every second instead of every 3 s: a removed node is known dead after about 5 s
 # instead of 15 s (the node-loss tests wait for that). A live node under load still has 5 checks of 10 s each.
 os.environ.setdefault("RAY_health_check_period_ms", "1000")

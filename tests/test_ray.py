@@ -341,6 +341,7 @@ def spare_places():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 60 s quiet; three calls and two spare sets of actors took over 300 s with both cores busy
 def test_a_cold_call_runs_in_the_spare_actors_started_after_the_last_one(cluster):
     """With spares on, a cold call leaves a spare set of its shape; the next cold call runs in those processes, which
     hold nothing of an earlier call, and leaves a new set; a spare set whose node left is not used (the call
