@@ -178,8 +178,11 @@ def test_payloads_results_errors_and_logs_are_private_files_in_private_directori
     loose = {p: oct(stat.S_IMODE(p.stat().st_mode)) for p in files if stat.S_IMODE(p.stat().st_mode) != 0o600}
     assert loose == {}, loose
     assert_nothing_left(before)
+    # A failing rank ends the call: the other rank may be stopped before it printed (as the OS scheduled it), so
+    # what must be kept is every line of the ranks that ran to their end, the failing one included.
+    ran = {"works": (0, 1), "fails": (1,), "unpicklable": (0,)}
     for kind, rec in recs.items():
-        assert_nothing_lost(rec.result.run_dir, {r: [f"rank {r} {kind}"] for r in (0, 1)})  # type: ignore[union-attr]
+        assert_nothing_lost(rec.result.run_dir, {r: [f"rank {r} {kind}"] for r in ran[kind]})  # type: ignore[union-attr]
 
 
 def _names_its_run_dir() -> str:
