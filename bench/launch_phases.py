@@ -83,8 +83,7 @@ if pause:  # as a notebook user: load the extension (helper, MLflow's preparatio
     time.sleep(pause)
 from air_magic.tracking import prepare as _prepare
 
-prepare_at = "the notebook's MLflow preparation " + ("still ran" if _prepare.importing() or (
-    _prepare._thread is not None and _prepare._thread.is_alive()) else "was over") + " at the call"
+prepare_at = "the notebook's MLflow preparation " + ("still ran" if _prepare.running() else "was over") + " at the call"
 
 class Recorder(Listener):
     def on_start(self, ctx):

@@ -420,21 +420,25 @@ def test_the_background_preparation_leaves_the_first_call_no_full_garbage_collec
 
 @pytest.mark.slow
 def test_background_preparation_starts_once_and_a_caller_waits_for_it(tmp_path):
-    """start() twice makes one preparation thread; wait() returns once mlflow is imported and the store is set up."""
+    """start() twice makes one preparation thread; wait() returns once mlflow is imported and the store is set up;
+    running() says whether it was started and is not over."""
     code = f"""
 import sys, threading, os
 sys.path.insert(0, {str(ROOT)!r})
 from air_magic.tracking import prepare
+before = prepare.running()
 prepare.start(); prepare.start()
 names = [t.name for t in threading.enumerate() if t.name == "air_magic-mlflow-prepare"]
+during = prepare.running()
 prepare.wait()
-print(len(names), "mlflow" in sys.modules, os.path.exists("mlflow.db"), "torch" in sys.modules)
+print(len(names), "mlflow" in sys.modules, os.path.exists("mlflow.db"), "torch" in sys.modules, before, during,
+      prepare.running())
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env
     )
-    assert done.stdout.split() == ["1", "True", "True", "False"]
+    assert done.stdout.split() == ["1", "True", "True", "False", "False", "True", "False"]
 
 
 SHELL_LOADS = """

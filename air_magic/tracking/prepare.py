@@ -48,6 +48,12 @@ def importing() -> bool:
     return _thread is not None and not _imported.is_set()
 
 
+def running() -> bool:
+    """Whether the preparation was started and is not over yet."""
+    thread = _thread
+    return thread is not None and thread.is_alive()
+
+
 def wait() -> None:
     """Block until the preparation (if it was started) is over."""
     thread = _thread

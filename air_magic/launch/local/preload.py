@@ -41,6 +41,17 @@ ExitFunc = tuple[Any, tuple[Any, ...], dict[str, Any]]
 _BORN = time.monotonic()  # about when the helper started: it imports this module first thing
 
 
+def log_timing(what: str, took: float) -> None:
+    """One line of the helper's log (its stderr) saying how long `what` took and when, counted from the helper's start:
+    where a first call's wait went."""
+    print(
+        f"air_magic supervisor {os.getpid()}: {what} after {took:.2f} s, {time.monotonic() - _BORN:.2f} s after the "
+        "helper started",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 class Preloaded:
     """What a warm supervisor imported, and how to tell that it no longer matches the caller.
 
@@ -210,12 +221,7 @@ class Preloaded:
             self._watch(added)
             took = time.monotonic() - started
             how = "gave way to a request" if give_way.kept is not None else "done"
-            print(
-                f"air_magic supervisor {os.getpid()}: preparation {name} ({_store_of(env)}) {how} after {took:.2f} s, "
-                f"{time.monotonic() - _BORN:.2f} s after the helper started",
-                file=sys.stderr,
-                flush=True,
-            )
+            log_timing(f"preparation {name} ({_store_of(env)}) {how}", took)
             if give_way.kept is not None:
                 self.pending.setdefault(name, env)  # a call that asked meanwhile sets its own environment
                 return False

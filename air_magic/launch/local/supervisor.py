@@ -58,7 +58,7 @@ from ..stopper import STOP_GRACE, Stopper, become_subreaper
 from .inbox import Inbox
 from .jobs import Job
 from .pool import Pool, Pools
-from .preload import Preloaded
+from .preload import Preloaded, log_timing
 from .spawn import Spawner
 from .trees import job_processes
 
@@ -88,14 +88,8 @@ class Supervisor:
         started = time.monotonic()
         self.preloaded = Preloaded(warm)
         self.inbox = Inbox()
-        if warm:  # the helper log says where a first call's wait went (see also run_preparations)
-            took = time.monotonic() - started
-            print(
-                f"air_magic supervisor {os.getpid()}: preloaded {', '.join(self.preloaded.modules) or 'nothing'} "
-                f"in {took:.2f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+        if warm:
+            log_timing(f"preloaded {', '.join(self.preloaded.modules) or 'nothing'}", time.monotonic() - started)
         self.warm = warm
         self.pools = Pools(
             on_session_end=lambda pool, why: _emit(p.SessionEnded(pool.job or "", pool.session or "", why))
