@@ -110,10 +110,11 @@ NOTES = {
     ),
     "call_patterns-1xH200-evening.json": (
         "a fourth run on one H200, the same code as the third, on a machine started for it (torchrun 15.4 s). The "
-        "log of four helpers in two runs of `launch_phases.py --first-call --pause 5` on the same machine: torch preloaded in 2.9-3.5 s, "
-        "then MLflow and its default store's code in 4.4-5.6 s more, done 7.5-9.4 s after loading; the call, made "
-        "5.2 s after loading, waited for that (its ranks started 2.2-4.2 s into it, its results were back after 4.1-5.7 s), after creating its MLflow run "
-        "(1.1-1.8 s: the notebook's own MLflow preparation still ran at the call in every probe)."
+        "log of four helpers in two runs of `launch_phases.py --first-call --pause 5` on the same machine: torch "
+        "preloaded in 2.9-3.5 s, then MLflow and its default store's code in 4.4-5.6 s more, done 7.5-9.4 s after "
+        "loading; the call, made 5.2 s after loading, waited for that (its ranks started 2.2-4.2 s into it, its "
+        "results were back after 4.1-5.7 s), after creating its MLflow run (1.1-1.8 s: the notebook's own MLflow "
+        "preparation still ran at the call in every probe)."
     ),
     "call_patterns-cpu-loaded.json": (
         "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook was still "
