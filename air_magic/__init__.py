@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from .accelerators import AcceleratorType, GPUType
+from .background import DistributedCall
 from .decorator import distributed
 from .errors import (
     AirMagicError,
     ConfigurationError,
+    DebuggerQuit,
     DistributedTimeoutError,
     JobCancelledError,
     RankFailedError,
@@ -21,6 +23,8 @@ from .job import JobResult, JobStatus, RankResult, RankState
 from .launch import ray_init
 from .launch.session import Placeholder, Ref
 from .payload import PayloadSizeWarning
+from .stopping import should_stop
+from .sweep import sweep
 
 __version__ = "0.1.0"
 #: Everything users import; the rest of the package is internal (tests/test_public.py keeps this honest).
@@ -28,6 +32,8 @@ __all__ = [
     "AcceleratorType",
     "AirMagicError",
     "ConfigurationError",
+    "DebuggerQuit",
+    "DistributedCall",
     "DistributedTimeoutError",
     "GPUType",
     "JobCancelledError",
@@ -47,6 +53,8 @@ __all__ = [
     "distributed",
     "load_ipython_extension",
     "ray_init",
+    "should_stop",
+    "sweep",
     "unload_ipython_extension",
 ]
 
@@ -76,3 +84,12 @@ def unload_ipython_extension(ipython: Any) -> None:
     from .magics import unload_ipython_extension as unload
 
     unload(ipython)
+
+
+def _arm() -> None:
+    from . import notebook_code
+
+    notebook_code.arm()  # in a kernel: the notebook's own modules travel even without %load_ext air_magic
+
+
+_arm()

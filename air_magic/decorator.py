@@ -12,11 +12,14 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from . import accelerators, launch, sessions
 from .errors import ConfigurationError
 from .job import JobResult, JobSpec
+
+if TYPE_CHECKING:
+    from .background import DistributedCall
 
 #: Three hours, in seconds.
 DEFAULT_TIMEOUT: float = 3 * 60 * 60
@@ -83,6 +86,8 @@ class Settings:
     session: str | None = None
     #: The ranks of the session that run the call; None = every rank.
     ranks: tuple[int, ...] | None = None
+    #: A call whose GPUs (or CPU slots) other calls hold waits for them; False: it fails at once instead.
+    wait: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
@@ -186,6 +191,17 @@ class DistributedFunction(Generic[P, R]):
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         return sessions.run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
 
+    def spawn(self, *args: P.args, **kwargs: P.kwargs) -> DistributedCall:
+        """Start the call in the background and return its handle at once; the kernel is free while it runs.
+
+        `handle.result()` waits for the per-rank values (or raises what `.distributed` would raise); see
+        `air_magic.DistributedCall`. A call whose GPUs other calls hold waits for them (`wait=False`: fails).
+        """
+        from .background import spawn
+
+        name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
+        return spawn(self.settings.spec(self._func, args, kwargs, name), wait=self.settings.wait)
+
     def with_overrides(self, **changes: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. `train.with_overrides(num_accelerators=1, timeout=60)`."""
         changes = legacy_names(changes, changes.pop("gpus", _UNSET), changes.pop("gpu_type", _UNSET))
@@ -224,6 +240,7 @@ def distributed(
     num_nodes: int = 1,
     max_restarts: int = 0,
     session: str | None = None,
+    wait: bool = True,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
 
@@ -244,6 +261,8 @@ def distributed(
         1 h by default), whose namespace keeps what calls build: the function's free globals resolve there
         first, and `Ref("name")` as an argument passes each rank its own object. A call that raises in user code
         keeps the session. See the sessions page of the docs.
+    wait: a call whose GPUs (CPU worker slots, on CPU) other calls of this kernel hold waits for them; False: it
+        fails at once instead. See the background calls page of the docs.
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
@@ -257,6 +276,7 @@ def distributed(
         num_nodes=num_nodes,
         max_restarts=max_restarts,
         session=session,
+        wait=wait,
         **given,
     )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration

@@ -21,8 +21,10 @@ DISPLAY = "AIR_MAGIC_DISPLAY"
 FORCE_CPU = "AIR_MAGIC_FORCE_CPU"
 #: A rank's pickled return value above this many MiB gets a ResultSizeWarning.
 LARGE_RESULT_MIB = "AIR_MAGIC_LARGE_RESULT_MIB"
+#: CPU worker slots of this node that calls running at once share (ledger.py); default: the core count.
+CPU_SLOTS = "AIR_MAGIC_CPU_SLOTS"
 
-USER_FACING = (RUNS_DIR, WARM, PRELOAD, DISPLAY, FORCE_CPU, LARGE_RESULT_MIB)
+USER_FACING = (RUNS_DIR, WARM, PRELOAD, DISPLAY, FORCE_CPU, LARGE_RESULT_MIB, CPU_SLOTS)
 
 # -- set by air_magic for its own processes (internal: not for users, may change) -----------------------------
 #: In a rank: the call's run directory on the rank's machine (the Ray scratch directory on another node).
@@ -42,4 +44,17 @@ MLFLOW_RUN_ID = "AIR_MAGIC_MLFLOW_RUN_ID"
 #: In a rank ("1"): its MLflow calls are relayed to the notebook's store, not written to it.
 MLFLOW_RELAY = "AIR_MAGIC_MLFLOW_RELAY"
 
-INTERNAL = (INTERNAL_RUN_DIR, JOB, SUPERVISOR_PID, HOT_FDS, DONE_FD, RAY_NODE_ID, MLFLOW_RUN_ID, MLFLOW_RELAY)
+#: In a rank ("1"): a `breakpoint()` there is answered from the notebook through the run directory (debug_channel.py).
+DEBUG_SERVED = "AIR_MAGIC_INTERNAL_DEBUG_SERVED"
+
+INTERNAL = (
+    INTERNAL_RUN_DIR,
+    JOB,
+    SUPERVISOR_PID,
+    HOT_FDS,
+    DONE_FD,
+    RAY_NODE_ID,
+    MLFLOW_RUN_ID,
+    MLFLOW_RELAY,
+    DEBUG_SERVED,
+)

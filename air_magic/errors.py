@@ -47,6 +47,14 @@ class JobCancelledError(AirMagicError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class DebuggerQuit(AirMagicError):
+    """`q` at a rank's debugger prompt (`breakpoint()`) ended the call; every rank was stopped."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback: quitting the debugger is a request, not a bug.
+        return [f"{type(self).__name__}: {self}", *getattr(self, "__notes__", [])]
+
+
 class ResultSizeWarning(UserWarning):
     """A rank returned a large value; every byte of it is copied into the notebook's memory."""
 

@@ -33,6 +33,11 @@ class RunContext:
     attempt: int = 0
     #: How each earlier attempt ended (its first failure), one line each, oldest first.
     earlier_failures: list[str] = field(default_factory=list)
+    #: What NCCL's flight recorder says of the ranks' collectives, once their dumps are read (GPU calls):
+    #: "rank 3 waits in all_reduce #1204; ranks 5 and 6 never reached it".
+    collectives: str | None = None
+    #: A Stop was asked for (the ranks' `should_stop()` says so from their next look).
+    stop_requested: bool = False
     _cancel: threading.Event = field(default_factory=threading.Event)
     _stacks: threading.Event = field(default_factory=threading.Event)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import keyword
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -23,7 +24,7 @@ from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 from . import launch, notebook_code, sessions
 from .cell import CellProgram, ends_with_semicolon
 from .decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_max_restarts, check_timeout
-from .errors import ConfigurationError
+from .errors import AirMagicError, ConfigurationError
 from .job import JobResult
 
 _DEFAULT: Any = object()  # an option the cell did not give: the configured default applies
@@ -302,10 +303,17 @@ class DistributedMagics(Magics):
         type=_identifier,
         default=None,
         metavar="NAME",
-        help="Also store the per-rank list of results in the notebook under NAME.",
+        help="Also store the per-rank list of results in the notebook under NAME (with --background: the handle).",
+    )
+    @argument(
+        "--background",
+        action="store_true",
+        help="Start the ranks and return at once with a DistributedCall handle (its .result() waits for the "
+        "values); the kernel is free while they run. %%distributed_calls lists such calls, %%distributed_show "
+        "draws one's panel.",
     )
     @cell_magic
-    def distributed(self, line: str, cell: str) -> list[Any] | None:
+    def distributed(self, line: str, cell: str) -> Any:
         """Run this cell on one worker process per accelerator (or N CPU workers with gloo).
 
         The cell runs on every rank with the notebook's globals it uses
@@ -345,6 +353,13 @@ class DistributedMagics(Magics):
         for held in sessions.held_names(settings.session):  # the session's own objects win: never sent again
             program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
+        if args.background:
+            from .background import spawn
+
+            handle = spawn(settings.spec(program, (), {}, name, origin="cell"))
+            if args.out:
+                shell.user_ns[args.out] = handle
+            return None if args.out or ends_with_semicolon(cell) else handle
         result = sessions.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
         self.last_result = result
         values = result.values
@@ -358,6 +373,73 @@ class DistributedMagics(Magics):
         launch.release_hot()
         for said in sessions.released():
             print(said)
+
+    @line_magic
+    def distributed_calls(self, line: str = "") -> None:
+        """List this kernel's background calls: id, function or cell, status, ranks, GPUs, started, elapsed, MLflow."""
+        from . import background
+
+        print(background.table())
+
+    @magic_arguments()
+    @argument("id", nargs="?", type=int, default=None, help="The call's id (%%distributed_calls). Default: the latest.")
+    @line_magic
+    def distributed_show(self, line: str = "") -> None:
+        """Draw a background call's panel in this cell: live, with every line its ranks wrote so far, while it runs;
+        its record once it ended."""
+        from . import background
+
+        args = parse_argstring(self.distributed_show, line)
+        try:
+            call = background.find(args.id)
+        except ConfigurationError as exc:
+            raise UsageError(str(exc)) from None
+        call.show()
+
+    @magic_arguments()
+    @argument(
+        "id",
+        nargs="?",
+        default=None,
+        metavar="ID",
+        help="The call to stop: a background call's id (%%distributed_calls), or its run directory's name. "
+        "Default: the call running now, else the latest background call.",
+    )
+    @line_magic
+    def distributed_stop(self, line: str = "") -> None:
+        """Stop a call after its current step: `air_magic.should_stop()` turns True on every rank.
+
+        A loop that checks it once per step ends at the same step on every rank and the call returns normally
+        (its MLflow run FINISHED, a session keeps everything). Code that never checks it runs on; Cancel stops at
+        once. The panel's Stop button and a background call's `.stop()` do the same.
+
+            %distributed_stop
+            %distributed_stop 3
+        """
+        from . import stopping
+
+        args = parse_argstring(self.distributed_stop, line)
+        run_dir: Path | None = None
+        try:
+            run_dir = stopping.find_call(args.id)
+        except LookupError as exc:
+            if args.id is None or args.id.isdigit():
+                from . import background
+
+                try:
+                    call = background.find(None if args.id is None else int(args.id))
+                    if call.done():
+                        raise UsageError(f"call {call.id} has ended ({call.status}): there is nothing to stop.")
+                    run_dir = call.run_dir
+                except (ConfigurationError, AirMagicError):
+                    pass
+            if run_dir is None:
+                raise UsageError(str(exc)) from None
+        assert run_dir is not None
+        if stopping.request_stop(run_dir):
+            print(f"asked {run_dir.name} to stop after this step: should_stop() is True on every rank from now on.")
+        else:
+            print(f"{run_dir.name} was already asked to stop.")
 
     @magic_arguments()
     @_session_option("The session to send the values to. Default: 'default'.")
@@ -413,7 +495,8 @@ class DistributedMagics(Magics):
     )
     @line_magic
     def distributed_session(self, line: str = "") -> None:
-        """List the live sessions (ranks, pids, node, device, memory, idle time left, names), or end or reset one."""
+        """List the live sessions (ranks, pids, node, device, memory, idle time left, names) and Ray's other kept
+        actors (hot ranks, spares: what they hold, how long), or end or reset a session."""
         args = parse_argstring(self.distributed_session, line)
         if args.end is not None:
             print(sessions.end(args.end))
@@ -422,6 +505,65 @@ class DistributedMagics(Magics):
             print(f"session {args.reset!r}: every rank's namespace is empty; its processes stay.")
         else:
             print(sessions.table())
+
+    @magic_arguments()
+    @argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="The rank to debug. Default: the first that raised (post-mortem), or the first waiting at a breakpoint.",
+    )
+    @argument(
+        "--session",
+        default=None,
+        type=_session_name,
+        metavar="NAME",
+        help="Post-mortem on this session's last error. Default: 'default'.",
+    )
+    @argument(
+        "call",
+        nargs="?",
+        default=None,
+        metavar="ID",
+        help="Attach to a rank waiting at a breakpoint in this call: a background call's id (%%distributed_calls), "
+        "its run directory, or part of the directory's name.",
+    )
+    @line_magic
+    def distributed_debug(self, line: str = "") -> None:
+        """Open pdb on a rank: a post-mortem of a session's last error, or a rank waiting at breakpoint().
+
+        After a session cell raised, `%distributed_debug` opens pdb on the traceback of the rank that raised
+        first (`--rank R` another), its frames and locals as they were; they are kept until the session's next
+        cell. With ID, or while a call not running in this cell (a background call) has a rank waiting at
+        breakpoint(), it attaches to that rank's prompt.
+
+            %distributed_debug
+            %distributed_debug --rank 1 --session gpt2
+        """
+        from . import debugging
+
+        args = parse_argstring(self.distributed_debug, line)
+        try:
+            if args.call is not None and args.call.isdigit():  # a background call's id (%distributed_calls)
+                from . import background
+
+                debugging.attach(background.find(int(args.call)).run_dir, args.rank)
+                return
+            if args.call is not None:
+                debugging.attach(debugging.find_waiting(args.call), args.rank)
+                return
+            if args.session is None:
+                try:
+                    waiting = debugging.find_waiting()
+                except ConfigurationError:
+                    waiting = None
+                if waiting is not None:
+                    debugging.attach(waiting, args.rank)
+                    return
+            sessions.post_mortem(args.session or sessions.DEFAULT_SESSION, args.rank)
+        except ConfigurationError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def load_ipython_extension(ipython: Any) -> None:

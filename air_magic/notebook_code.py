@@ -142,6 +142,22 @@ def remember(*_: object) -> None:
                 _remembered[name] = (spec, found)
 
 
+def arm() -> None:
+    """In an IPython kernel, remember the notebook's modules after every cell from now on, and those imported so far.
+
+    `import air_magic` calls it, so the decorator alone (no `%load_ext air_magic`) carries the notebook's code as
+    the magic does. It never imports IPython: outside a kernel (a script, a rank) it does nothing.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython is not None else None
+    events = getattr(shell, "events", None)
+    if events is None:
+        return
+    if remember not in events.callbacks.get("post_run_cell", []):
+        events.register("post_run_cell", remember)
+    remember()
+
+
 def _package_files(name: str, init: str) -> dict[str, str]:
     """Module name -> file of every .py file of the package `name` (whose `__init__.py` is `init`), within the cap."""
     found: dict[str, str] = {}

@@ -32,7 +32,8 @@ import uuid
 import warnings
 from typing import Any
 
-from . import envvars, payload
+from . import envvars, payload, stopping
+from .debugging import DebugServer
 from .errors import (
     AirMagicError,
     ConfigurationError,
@@ -41,12 +42,11 @@ from .errors import (
     annotate,
 )
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
-from .launch import launcher_for, session, used
+from .launch import flight_recorder, launcher_for, session, used
 from .launch import protocol as p
 from .launch.env import cpu_launch_env
 from .launch.interface import JobHandle, Launcher
 from .launch.rundir import RunDir, attempt_marker
-from .launch.stacks import flight_recorder_env, flight_recorder_note
 from .launch.stopper import STOP_GRACE
 from .listeners import Listener, RunContext
 from .outcome import AttemptOutcome
@@ -55,6 +55,13 @@ from .phase import Phase
 _POLL = 0.05
 #: Seconds a session's other ranks may go on after one raised, before they get KeyboardInterrupt.
 SESSION_PEERS_WAIT = 3.0
+#: Seconds a GPU call waits for its ranks' flight recorder dumps before it stops them (NCCL's monitor thread
+#: looks at the pipe that asks for one about once a second; the dump took 7 s on an H200 with torch 2.11).
+RECORDER_WAIT = 10.0
+#: Seconds between two looks for a Stop asked from outside the runner (the flag's file in the run directory).
+_STOP_LOOK = 0.2
+#: Stops before which a GPU call's ranks dump their flight recorder (Ctrl-C is not kept waiting).
+_RECORDED_STOPS = (StopReason.TIMEOUT, StopReason.CANCELLED, StopReason.RANK_FAILED)
 __all__ = ["STOP_GRACE", "default_listeners", "run"]
 
 
@@ -73,6 +80,13 @@ class _Run(AttemptOutcome):
             spec, self.run_dir.path, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
         )
         self.launcher_phase: Phase | None = None
+        stopping.track(self.run_dir.path)  # %distributed_stop reaches it while it runs
+        self.stop_forwarded = False  # a Stop's flag was handed to the launcher (ranks on other machines)
+        self.stop_looked_at = 0.0
+        #: A dump of NCCL's flight recorder was asked for with the stacks: (when, ranks asked, give up at).
+        self.recorder_asked: tuple[float, set[int], float] | None = None
+        #: Answers a rank's breakpoint() from this cell (a foreground call: the notebook's main thread).
+        self.debugger = DebugServer(self.run_dir.path, spec.world_size)
         self.attempt = 0
         self.reset_attempt()
 
@@ -129,9 +143,13 @@ class _Run(AttemptOutcome):
             hooks += [h for h in self.guarded(listener, "worker_hooks") or () if h not in hooks]
         env.update(self.spec.extra_env)
         if self.spec.uses_gpu:
-            env.update(flight_recorder_env(self.run_dir.path, env))  # NCCL's, dumped on its watchdog's timeout
+            # NCCL's flight recorder, dumped on its watchdog's timeout and when stacks are taken (the pipes are made
+            # on the ranks' machine: only where the run directory is that machine's)
+            env.update(flight_recorder.recorder_env(self.run_dir.path, env, pipes=self.spec.num_nodes == 1))
         env["PYTHONUNBUFFERED"] = "1"
         env[envvars.INTERNAL_RUN_DIR] = str(self.run_dir.path)
+        if "debug" in self.launcher.supports:
+            env[envvars.DEBUG_SERVED] = "1"
         if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.ranks_per_node))
         if not self.spec.uses_gpu:
@@ -161,6 +179,8 @@ class _Run(AttemptOutcome):
     def stop(self, reason: StopReason) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
+            if self.handle is not None and self.spec.uses_gpu and reason in _RECORDED_STOPS:
+                self.dump_recorder(wait=True)  # where each rank's collectives were, before they are stopped
             if self.handle is not None:
                 self.handle.stop(reason.value, STOP_GRACE, self.interrupt_after(reason))
 
@@ -219,12 +239,54 @@ class _Run(AttemptOutcome):
                 if self.on_event(event) or (self.handle.ends_in_background and self.all_returned()):
                     return
             self.notify("poll")
+            if self.stop_reason is None:
+                paused = self.debugger.serve()  # a person at a rank's prompt: the timeout waits too
+                deadline = None if deadline is None else deadline + paused
             if self.ctx.take_stacks_request():
                 self.handle.dump_stacks()
+                if self.spec.uses_gpu:
+                    self.dump_recorder(wait=False)
+            self.read_recorder()
+            self.forward_stop()
             if self.ctx.cancelled:
                 self.stop(StopReason.CANCELLED)
             if deadline is not None and time.monotonic() > deadline:
                 self.stop(StopReason.TIMEOUT)
+
+    def dump_recorder(self, wait: bool) -> None:
+        """Ask each GPU rank for a dump of NCCL's flight recorder; `wait`: until they come (RECORDER_WAIT at most),
+        else `read_recorder` reads them as they come."""
+        since = time.time()
+        asked = flight_recorder.ask_for_dumps(self.run_dir.path)
+        if not asked:
+            return
+        self.recorder_asked = (since, asked, time.monotonic() + RECORDER_WAIT)
+        if wait:
+            flight_recorder.wait_for_dumps(self.run_dir.path, asked, since, RECORDER_WAIT)
+            self.read_recorder(force=True)
+
+    def read_recorder(self, force: bool = False) -> None:
+        """Once every rank asked has dumped its recorder (or the wait is over): what they say, for the listeners."""
+        if self.recorder_asked is None:
+            return
+        since, asked, give_up_at = self.recorder_asked
+        waiting = not force and time.monotonic() < give_up_at
+        if waiting and not asked <= set(flight_recorder.dumps_since(self.run_dir.path, since)):
+            return
+        self.recorder_asked = None
+        dumps = flight_recorder.read_dumps(self.run_dir.path)
+        self.ctx.collectives = flight_recorder.collectives_summary(dumps, self.spec.world_size) if dumps else None
+
+    def forward_stop(self) -> None:
+        """A Stop asked for this call (its flag in the run directory) goes on to ranks that read another directory."""
+        now = time.monotonic()
+        if self.stop_forwarded or self.handle is None or now - self.stop_looked_at < _STOP_LOOK:
+            return
+        self.stop_looked_at = now
+        if stopping.stop_requested(self.run_dir.path):
+            self.stop_forwarded = True
+            self.ctx.stop_requested = True
+            self.handle.request_stop()
 
     def all_returned(self) -> bool:
         """Every rank exited with success and left its outcome: the results are complete, whatever still exits."""
@@ -274,6 +336,7 @@ class _Run(AttemptOutcome):
         finally:
             if self.handle is not None:
                 self.handle.close()
+            self.debugger.close()
         return self.finish(error)
 
     def run_attempt(self, request: p.JobRequest) -> None:
@@ -324,7 +387,9 @@ class _Run(AttemptOutcome):
         for rank in self.result.ranks:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
                 rank.state = RankState.STOPPED
-        recorded = flight_recorder_note(self.run_dir.path) if self.spec.uses_gpu else None
+        stopping.untrack(self.run_dir.path)
+        gpu = self.spec.uses_gpu
+        recorded = flight_recorder.recorder_note(self.run_dir.path, self.spec.world_size) if gpu else None
         if error is not None and recorded:
             annotate(error, recorded)
         self.run_dir.release_reserves()

@@ -19,14 +19,16 @@ import socket
 import sys
 import time
 import types
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import launch, runner
+from . import launch, ledger, runner
 from .errors import ConfigurationError, annotate
 from .job import JobResult, JobSpec
 from .launch.interface import ENDED_BY_USER
 from .launch.session import Pull, Push, Reset, SessionOp
+from .listeners import Listener
 
 #: The session of `--session` given without a name.
 DEFAULT_SESSION = "default"
@@ -74,6 +76,8 @@ class Ended:
 
 _live: dict[str, Record] = {}
 _ended: dict[str, Ended] = {}
+#: session -> the call running in it now (a background call's, until it ends): a second one is refused.
+_busy: dict[str, str] = {}
 
 
 def check_name(name: object) -> str:
@@ -87,6 +91,7 @@ def check_name(name: object) -> str:
 
 def _end(name: str, why: str) -> Ended | None:
     record = _live.pop(name, None)
+    ledger.release_session(name)
     if record is None:
         return None
     ended = _ended[name] = Ended(record, why)
@@ -203,15 +208,35 @@ def without_held(target: Any, held: set[str]) -> Any:
     return copy
 
 
-def run(spec: JobSpec) -> JobResult:
-    """Run a call through the runner; for a session's call, check it first and record what it left."""
-    if spec.session is None:
-        return runner.run(spec)
-    before(spec)
-    spec = dataclasses.replace(spec, target=without_held(spec.target, held_names(spec.session)))
-    result = runner.run(spec)
-    after(spec, result)
-    return result
+def run(spec: JobSpec, listeners: list[Listener] | None = None, claim: ledger.Claim | None = None) -> JobResult:
+    """Run a call through the runner, holding its GPUs or CPU slots in the ledger (waiting for them first if another
+    call holds them); for a session's call, check it first and record what it left.
+
+    `listeners` replace the default ones and `claim` is the call's place in the ledger (a background call's).
+    """
+    if spec.session is not None:
+        before(spec)
+        if spec.session in _busy:
+            raise ConfigurationError(
+                f"session {spec.session!r} is busy: {_busy[spec.session]} runs in it in the background. Wait for it "
+                "(`handle.result()`, or %distributed_calls to see it), or cancel it, then run this cell again."
+            )
+    claim = claim or ledger.Claim(spec, uuid.uuid4().hex, spec.name)
+    name = spec.name
+    with claim.held(spec, on_wait=lambda why: print(f"air_magic: {name} waits for {why}", file=sys.stderr)) as held:
+        session = held.session
+        if session is None:
+            return runner.run(held, listeners)
+        held = dataclasses.replace(held, target=without_held(held.target, held_names(session)))
+        _busy[session] = held.name
+        try:
+            result = runner.run(held, listeners)
+        finally:
+            _busy.pop(session, None)
+        if result.session_end is None:
+            claim.keep()
+        after(held, result)
+        return result
 
 
 # -- calls on the session itself ----------------------------------------------------------
@@ -288,12 +313,14 @@ def released() -> list[str]:
 
 
 def table() -> str:
-    """Every live session: ranks, pids, node, device, memory in use, idle time left, and the names each holds."""
+    """Every live session: ranks, pids, node, device, memory in use, idle time left, and the names each holds; then
+    what else a launcher keeps between calls (Ray's hot ranks and spare actors: what they hold, for how long)."""
     import psutil
 
     sessions = live()
+    kept = [line for launcher in launch.used_launchers() for line in launcher.held()]  # hot ranks, spares
     if not sessions:
-        return "No session is alive. Start one with a `%%distributed --session [NAME]` cell."
+        return "\n".join(["No session is alive. Start one with a `%%distributed --session [NAME]` cell.", *kept])
     host = socket.gethostname()
     here = {a.address for addresses in psutil.net_if_addrs().values() for a in addresses}
     lines: list[str] = []
@@ -316,7 +343,7 @@ def table() -> str:
             names = record.names.get(rank, {})
             held = "; ".join(f"{n}: {d}" for n, d in names.items()) or "(nothing assigned)"
             lines.append(f"  rank {rank}: pid {pid}, {node}, {device}, {memory} in use; {held}")
-    return "\n".join(lines)
+    return "\n".join(lines + kept)
 
 
 def with_session(spec: JobSpec, name: str | None, ranks: tuple[int, ...] | None) -> JobSpec:
@@ -329,3 +356,27 @@ def with_session(spec: JobSpec, name: str | None, ranks: tuple[int, ...] | None)
             )
         return spec
     return dataclasses.replace(spec, session=check_name(name), ranks=ranks, keep_alive=spec.keep_alive or DEFAULT_IDLE)
+
+
+def post_mortem(session: str, rank: int | None = None) -> None:
+    """Open the debugger on the error that `rank` of `session` keeps (default: the rank that raised first)."""
+    from .debugging import NOT_IN_SESSION
+    from .launch.rank_debugger import LastError, PostMortem
+
+    alive = live()
+    if session not in alive:
+        raise ConfigurationError(NOT_IN_SESSION.format(why=f"there is no live session {session!r}"))
+    kept = _on_session(session, LastError(), None, "debug: which ranks keep an error").values
+    errors = {r: e for r, e in enumerate(kept) if e is not None}
+    if not errors:
+        raise ConfigurationError(
+            NOT_IN_SESSION.format(
+                why=f"no rank of session {session!r} keeps an error (its last cell raised none, or a cell ran since)"
+            )
+        )
+    if rank is None:
+        rank = min(errors, key=lambda r: (errors[r][2], r))
+    elif rank not in errors:
+        have = ", ".join(f"rank {r} ({e[0]})" for r, e in sorted(errors.items()))
+        raise ConfigurationError(f"rank {rank} of session {session!r} keeps no error; {have} do.")
+    _on_session(session, PostMortem(), (rank,), f"post-mortem of rank {rank}")

@@ -16,8 +16,13 @@ os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests that want MLflow set t
 os.environ["AIR_MAGIC_FORCE_CPU"] = "1"
 
 # Fixtures kept next to what they serve, registered once for every module: `lab` (a JupyterLab server,
-# tests/lab.py) and `s3` (an S3 API on 127.0.0.1, tests/s3_server.py).
-pytest_plugins = ("lab", "s3_server")
+# tests/lab.py), `s3` (an S3 API on 127.0.0.1, tests/s3_server.py) and `cluster` (the simulated Ray cluster the Ray
+# tests of a pytest process share, tests/ray_cluster.py; it also keeps every Ray process on 127.0.0.1).
+pytest_plugins = ("lab", "s3_server", "ray_cluster")
+
+#: Fixtures that start a kernel, a server, a cluster or worker processes: a test that uses one (directly or through
+#: another fixture) is a behaviour test and must be marked `slow`, so that `make check` (-m "not slow") stays quick.
+STARTS_PROCESSES = ("kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
 
 
 #: The modules that take longest alone (measured on the 2-core machine), longest first. `make test` hands whole
@@ -25,8 +30,8 @@ pytest_plugins = ("lab", "s3_server")
 #: no long module is left to run alone at the end; the others follow in their usual order.
 LONGEST_FIRST = (
     "test_ray.py",
-    "test_demos_sharded.py",  # DeepSpeed builds its CPU communication op on a machine's first run
     "test_mlflow_speed.py",
+    "test_demos_sharded.py",  # two DeepSpeed calls (its CPU communication op is built by make's install step)
     "test_code_travels.py",
     "test_ray_sessions.py",
     "test_restarts.py",
@@ -46,9 +51,25 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Collect the longest modules first (a test's place within its module is kept)."""
+    """Refuse a test that starts processes without the `slow` mark; collect the longest modules first (a test's
+    place within its module is kept)."""
+    unmarked = unmarked_slow(items)
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start a kernel, a server, a cluster or processes; mark them @pytest.mark.slow: "
+            + ", ".join(unmarked)
+        )
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def unmarked_slow(items: list[pytest.Item]) -> list[str]:
+    """The ids of the tests that use a fixture of STARTS_PROCESSES (or one built on it) but are not marked `slow`."""
+    return [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("slow") is None and set(STARTS_PROCESSES) & set(getattr(item, "fixturenames", ()))
+    ]
 
 
 @pytest.fixture(autouse=True)

@@ -53,6 +53,8 @@ class CellResult(ErrorOutput):
     #: The execute_reply's content (status, payload such as a `%%distributed?` help page).
     reply: dict = field(default_factory=dict)
     execution_count: int | None = None
+    #: The prompts of the input requests the kernel sent (`Kernel.execute(answers=...)`), in order.
+    prompts: list[str] = field(default_factory=list)
 
     def add(self, msg: dict) -> None:
         """Take in one IOPub message of the cell."""
@@ -137,15 +139,23 @@ class Kernel:
     def pid(self) -> int:
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
 
-    def execute(self, code: str, timeout: float = 120, on_output=None) -> CellResult:
+    def execute(self, code: str, timeout: float = 120, on_output=None, answers: list[str] | None = None) -> CellResult:
+        """Run a cell; with `answers`, input requests are allowed and answered in turn as a frontend does (then `c`)."""
         out = CellResult()
+        pending = list(answers or ())
 
         def hook(msg: dict) -> None:
             out.add(msg)
             if on_output is not None and msg["msg_type"] == "stream":
                 on_output(msg["content"]["text"])
 
-        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
+        def answer(msg: dict) -> None:
+            out.prompts.append(msg["content"]["prompt"])
+            self.kc.input(pending.pop(0) if pending else "c")
+
+        reply = self.kc.execute_interactive(
+            code, timeout=timeout, output_hook=hook, allow_stdin=answers is not None, stdin_hook=answer
+        )
         out.reply = reply["content"]
         out.execution_count = out.reply.get("execution_count", out.execution_count)
         return out

@@ -5,6 +5,11 @@ imported, in this process and in every process Ray starts: with it, every Ray
 process listens on 127.0.0.1 only (on Linux Ray otherwise takes the machine's
 network address). The head holds no CPUs, so a job's ranks land on the two
 worker nodes, and `num_nodes=2` means those two.
+
+Registered as a pytest plugin (tests/conftest.py): the fixture `cluster` is one such cluster for every Ray test of
+a pytest process (one per worker of `make test`), started by the first test that asks for it. A test that removes a
+node adds one back (`add_node`), and one that adds a node removes it (`remove_node`); after each test that used the
+cluster, `two_worker_nodes` puts it back to two worker nodes, so the next test finds the cluster it expects.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 import random
 import socket
 import time
+
+import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -32,6 +39,38 @@ os.environ.setdefault("RAY_health_check_period_ms", "1000")
 
 #: CPUs of each worker node.
 NODE_CPUS = 2
+#: Worker nodes of the shared cluster at the start of every test.
+WORKER_NODES = 2
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The simulated cluster shared by the Ray tests of this pytest process, this process joined to it as a notebook
+    would be (spare actors off: the spares' test turns them on). `cluster.address` is what kernels join."""
+    ray = pytest.importorskip("ray")
+    from air_magic import ray_init
+
+    c = start_cluster(WORKER_NODES)
+    ray_init(c.address, log_to_driver=False, spares=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def two_worker_nodes(request):
+    """After a test that used the shared cluster, it has two worker nodes again (one lost by a failed node-loss
+    test is added back, one a test added is removed)."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    c = request.getfixturevalue("cluster")
+    while len(c.worker_nodes) > WORKER_NODES:
+        remove_node(c, list(c.worker_nodes)[-1])
+    while len(c.worker_nodes) < WORKER_NODES:
+        add_node(c)
 
 
 @contextlib.contextmanager
@@ -89,6 +128,17 @@ def add_node(cluster, wait: bool = True):
     if wait:
         cluster.wait_for_nodes(timeout=90)
     return node
+
+
+def remove_node(cluster, node) -> None:
+    """Take `node` out of the cluster and wait until Ray no longer counts it alive."""
+    import ray
+
+    cluster.remove_node(node)
+    deadline = time.monotonic() + 60
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the removed node is still reported alive"
+        time.sleep(0.2)
 
 
 #: Ports handed out by `_free_port` in this process: never the same one twice.

@@ -31,19 +31,20 @@ def tiny_dist(root: Path, version: str) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A simulated Ray cluster (a head and two 2-CPU nodes on 127.0.0.1) for the kernels of this module; the
-    second node's environment has `tinydist_am` 1.0 installed, the first none."""
-    pytest.importorskip("ray")
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def node_with_tinydist(cluster, tmp_path_factory):
+    """A third node joins the shared cluster (tests/ray_cluster.py) for one test: its environment has `tinydist_am`
+    1.0 installed, the two others none. It leaves the cluster after the test."""
     site = tiny_dist(tmp_path_factory.mktemp("node-site") / "site", "1.0")
-    c = ray_cluster.start_cluster(nodes=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
-        ray_cluster.add_node(c)
-    yield c
-    c.shutdown()
+        node = ray_cluster.add_node(cluster)
+    yield node
+    ray_cluster.wait_all_free(60)
+    ray_cluster.remove_node(cluster, node)
 
 
 def _code_travels(k: Kernel, workdir, ray_address: str | None) -> None:
@@ -98,6 +99,31 @@ def test_modules_imported_by_name_travel_to_local_ranks(workdir):
 
 
 @pytest.mark.slow
+def test_the_decorator_alone_carries_a_module_whose_file_is_gone(workdir):
+    """Without %load_ext: a module the notebook imported before and after `import air_magic`, whose file is then
+    removed, is imported by name inside the function on both ranks from the notebook's copy."""
+    (workdir / "early_da.py").write_text("TAG = 'early'\n")
+    (workdir / "late_da.py").write_text("TAG = 'late'\n")
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    try:
+        k.execute("import early_da\nfrom air_magic import distributed").check()
+        k.execute("import late_da").check()
+        (workdir / "early_da.py").unlink()
+        (workdir / "late_da.py").unlink()
+        k.execute(
+            "@distributed(2, 'CPU', mlflow=False)\n"
+            "def tags():\n"
+            "    import early_da, late_da\n"
+            "    return early_da.TAG + '/' + late_da.TAG\n"
+            "got = tags.distributed()",
+            timeout=180,
+        ).check()
+        assert k.value("got") == "['early/late', 'early/late']"
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.slow
 def test_a_session_imports_the_notebooks_copy_and_the_reloaded_one_next(workdir):
     """Session cells import a module beside the notebook whose file is gone; after an edit and a reload in the
     notebook, the next session cell (same processes, same namespace otherwise) imports the new code."""
@@ -131,19 +157,15 @@ def test_modules_imported_by_name_travel_to_ray_ranks(cluster, workdir):
 
 
 def ray_cluster_free(cluster) -> None:
-    """Nothing of the kernel's calls is left holding the cluster's CPUs."""
-    import ray
-
-    ray.init(cluster.address, log_to_driver=False)
-    try:
-        ray_cluster.wait_all_free(60)
-    finally:
-        ray.shutdown()
+    """Nothing of the kernel's calls is left holding the cluster's CPUs (this process is joined to it)."""
+    ray_cluster.wait_all_free(60)
 
 
 @pytest.mark.slow
-def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(cluster, workdir, tmp_path):
-    """The notebook imported tinydist_am 2.0; one node lacks it and the other has 1.0. With packages='check' the
+def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(
+    cluster, node_with_tinydist, workdir, tmp_path
+):
+    """The notebook imported tinydist_am 2.0; two nodes lack it and the third has 1.0. With packages='check' the
     call is refused before any rank starts, naming the package, each node and version; with 'sync' (the default)
     every rank imports the notebook's 2.0, and a second call too."""
     site = tiny_dist(tmp_path / "notebook-site", "2.0")
@@ -165,8 +187,9 @@ def test_a_package_a_node_lacks_or_has_in_another_version_is_refused_or_brought(
         assert "tinydist_am 2.0 here, 1.0 on node" in message and "No rank was started" in message, message
         assert "pip install 'tinydist_am==2.0'" in message and "packages='sync'" in message, message
         k.execute(f"_ = ray_init({cluster.address!r}, packages='sync')").check()
-        for _ in range(2):
-            assert k.value("which.distributed()").endswith("[('2.0', '2.0'), ('2.0', '2.0')]")
+        for _ in range(2):  # the first call makes the runtime environment on the nodes: as patient as the refusal
+            got = k.execute("print(repr(which.distributed()))", timeout=300).check().stdout.strip()
+            assert got.endswith("[('2.0', '2.0'), ('2.0', '2.0')]"), got
     finally:
         k.shutdown()
     ray_cluster_free(cluster)

@@ -95,3 +95,13 @@ def test_sessions_notebook_builds_once_survives_a_mistake_and_a_stopped_loop(dem
     got = run_demo("sessions.ipynb", demo_dir, '{"curve": curve}')
     assert len(got["curve"]) == 20
     assert_loss_goes_down(got["curve"], "rank 0")
+
+
+@pytest.mark.timeout(900)
+def test_background_notebook_trains_while_cells_run_and_sweeps_two_trials(demo_dir):
+    """The background demo: the loss is read from MLflow while the spawned training runs, the handle's result comes
+    back, and both trials of the sweep finish with their last loss compared."""
+    probe = '{"seen": len(history), "losses": [r["last_epoch_loss"] for r in results], "statuses": trials.statuses}'
+    got = run_demo("background.ipynb", demo_dir, probe)
+    assert got["seen"] > 0 and len(got["losses"]) == 2
+    assert got["statuses"] == ["finished", "finished"]

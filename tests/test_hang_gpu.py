@@ -19,7 +19,7 @@ KERNEL_ENV = REAL_NODE
 def test_a_collective_only_one_rank_enters_leaves_the_flight_recorder_dump_with_the_logs(kernel):
     """Rank 0 waits in an all_reduce rank 1 never joins: NCCL's watchdog (10 s here) dumps each rank's flight recorder
     into the run directory's flight_recorder/, the ranks saw the recorder's settings, and the error says how to read
-    it."""
+    it and which rank waits in which collective."""
     out = kernel.execute(
         """
 import json
@@ -31,7 +31,8 @@ def lonely_all_reduce():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=10))
     env = os.environ
-    print("FR " + env["TORCH_NCCL_TRACE_BUFFER_SIZE"] + " " + env["TORCH_NCCL_DUMP_ON_TIMEOUT"], flush=True)
+    size = env.get("TORCH_FR_BUFFER_SIZE") or env["TORCH_NCCL_TRACE_BUFFER_SIZE"]
+    print("FR " + size + " " + env["TORCH_NCCL_DUMP_ON_TIMEOUT"], flush=True)
     dist.all_reduce(torch.ones(1, device="cuda"))  # a warm-up both ranks enter
     torch.cuda.synchronize()
     if dist.get_rank() == 0:
@@ -53,3 +54,5 @@ except BaseException as exc:
     dumps = sorted((run_dir / "flight_recorder").glob("rank_*"))
     assert dumps and dumps[0].stat().st_size > 0, (report, sorted(run_dir.iterdir()))
     assert any("torchfrtrace" in note for note in report["notes"]), report
+    said = " ".join(report["notes"])
+    assert "rank 0 waits in all_reduce #2; rank 1 never reached it" in said, report

@@ -13,6 +13,8 @@ PUBLIC = {
     "AcceleratorType",
     "AirMagicError",
     "ConfigurationError",
+    "DebuggerQuit",
+    "DistributedCall",
     "DistributedTimeoutError",
     "GPUType",
     "JobCancelledError",
@@ -32,6 +34,8 @@ PUBLIC = {
     "distributed",
     "load_ipython_extension",
     "ray_init",
+    "should_stop",
+    "sweep",
     "unload_ipython_extension",
 }
 

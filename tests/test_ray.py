@@ -25,20 +25,16 @@ from air_magic.job import JobResult, JobStatus, RankState
 from air_magic.launch.ray import ray_launcher
 
 ray = pytest.importorskip("ray")
+# The ranks run this module's functions: they travel by value (a node cannot import the test module).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One simulated cluster for the module, this test process joined to it as the notebook would be."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    c = ray_cluster.start_cluster()
-    ray_init(c.address, log_to_driver=False, spares=False)  # the spares' test turns them on
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    patch.undo()
+@pytest.fixture(scope="module", autouse=True)
+def runs_dir(tmp_path_factory):
+    """The run directories of this module's calls (the fixture `cluster` is the shared one, tests/ray_cluster.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -122,6 +118,7 @@ def hangs():
 
 
 # -- tests ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_four_ranks_all_reduce_over_two_nodes(cluster):
     """2 nodes x 2 ranks: gloo all-reduce works unchanged, ranks are ordered by node then local rank, and each
     rank's output is live in the listener and kept in the run directory here."""
@@ -145,6 +142,7 @@ def test_four_ranks_all_reduce_over_two_nodes(cluster):
     assert list(result.run_dir.glob("*.reserved")) == [], "the room set aside for error records is given back"
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_gives_its_exception_and_stops_the_others(cluster):
     """The original exception type, the rank in its note and the remote traceback; the hanging peer is stopped."""
     result = run(raises_on_rank_1)
@@ -156,6 +154,7 @@ def test_a_rank_that_raises_gives_its_exception_and_stops_the_others(cluster):
     assert [r.state for r in result.ranks] == [RankState.STOPPED, RankState.FAILED]
 
 
+@pytest.mark.slow
 def test_cancel_while_ranks_hang_stops_them_and_what_they_started(cluster):
     """Cancel ends every rank and its child processes, kills the actors and frees the placement group."""
     rec = WhenAll("READY", lambda listener: listener.ctx.cancel())
@@ -169,6 +168,7 @@ def test_cancel_while_ranks_hang_stops_them_and_what_they_started(cluster):
     assert alive(pids) == []
 
 
+@pytest.mark.slow
 def test_timeout_stops_the_ranks(cluster):
     """The timeout reaches ranks on other nodes too: a DistributedTimeoutError, every actor gone."""
     result = run(hangs, timeout=10)
@@ -176,6 +176,7 @@ def test_timeout_stops_the_ranks(cluster):
     assert "timeout of 10 s" in str(result.error)
 
 
+@pytest.mark.slow
 def test_a_request_the_cluster_cannot_hold_fails_at_once_saying_what_is_free(cluster):
     """3 nodes asked of a cluster with 2 that have CPUs: an error naming what was asked and what is free."""
     result = run(hangs, nodes=3)
@@ -188,6 +189,7 @@ def test_a_request_the_cluster_cannot_hold_fails_at_once_saying_what_is_free(clu
 NODE_LINE = r"NODE (\w+)\n"
 
 
+@pytest.mark.slow
 def test_a_node_removed_mid_run_is_a_clear_error(cluster):
     """Rank 1's node leaves the cluster while the ranks run: WorkerDiedError naming the rank and its node."""
     removed = {}
@@ -399,6 +401,7 @@ def test_a_module_the_notebook_imported_travels_by_value_to_ray_and_local_ranks(
     del sys.modules[name]
 
 
+@pytest.mark.slow
 def test_more_than_one_node_without_ray_says_to_call_ray_init(tmp_path):
     """In a notebook that has not joined a cluster, num_nodes=2 is a ConfigurationError that names ray_init;
     num_nodes=1 never imports Ray."""
@@ -421,6 +424,7 @@ def test_more_than_one_node_without_ray_says_to_call_ray_init(tmp_path):
     assert "RAY IMPORTED False" in out.stdout
 
 
+@pytest.mark.slow
 def test_ray_init_starts_ray_on_loopback_only_and_twice_is_harmless(tmp_path):
     """ray_init() with no address: every Ray process listens on 127.0.0.1 only, the dashboard too; the second
     call returns the same context."""
@@ -465,6 +469,7 @@ ray.shutdown()
     assert "DASHBOARD 127.0.0.1:" in out.stdout or "DASHBOARD http://127.0.0.1:" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdir):
     """In a notebook: ray_init joins the cluster, `%%distributed --nodes 2` runs the cell on both nodes, and what
     the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store; Ctrl-C
@@ -572,6 +577,7 @@ def hangs_in_two_places():
         waiting_for_the_slow_rank()
 
 
+@pytest.mark.slow
 def test_stacks_of_ray_ranks_on_request_and_in_the_cancel_error(cluster):
     """Ray ranks write their stacks on request without stopping, and Cancel's error names each one's innermost user
     frame."""

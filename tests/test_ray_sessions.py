@@ -7,8 +7,6 @@ import ray_cluster
 from helpers import Kernel, distributed_cell, kernel_env
 from helpers import cell_values as values
 
-from air_magic import ray_init
-
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
@@ -17,18 +15,8 @@ RAY = "--nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """One simulated cluster for the module, this test process joined to it (to see what it holds)."""
-    c = ray_cluster.start_cluster()
-    ray_init(c.address, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ray_kernel(cluster, workdir):
-    """A kernel joined to the cluster with air_magic loaded."""
+    """A kernel joined to the shared cluster (tests/ray_cluster.py) with air_magic loaded."""
     k = Kernel(workdir, env=kernel_env(workdir))
     try:
         k.execute(

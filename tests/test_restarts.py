@@ -267,28 +267,19 @@ def test_the_restarts_demo_resumes_by_itself_and_trains_on_every_file_exactly_on
     assert rows == [("FINISHED", "1")]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster_of_three(tmp_path_factory):
-    """A simulated Ray cluster with three 2-CPU worker nodes (one spare), this process joined to it."""
+@pytest.fixture
+def ray_cluster_of_three(cluster, tmp_path, monkeypatch):
+    """The shared simulated Ray cluster (tests/ray_cluster.py) with a third 2-CPU worker node (one spare), this
+    process joined to it; after the test it has two worker nodes again."""
     import sys
 
-    import ray_cluster  # first: it keeps every Ray process on 127.0.0.1, which must be set before Ray is imported
-
-    pytest.importorskip("ray")
     import cloudpickle
-    import ray
+    import ray_cluster
 
-    from air_magic import ray_init
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
+    monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path))
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cluster = ray_cluster.start_cluster(nodes=3)
-    ray_init(cluster.address, log_to_driver=False, spares=False)  # the test checks every CPU free after the call
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    patch.undo()
+    ray_cluster.add_node(cluster)
+    return cluster
 
 
 def hangs_on_its_node_in_the_first_attempt():

@@ -72,7 +72,8 @@ def test_an_interrupt_during_a_loop_keeps_what_the_loop_had_done(session_kernel)
     assert out.ename == "KeyboardInterrupt"
     assert "session 'intr' was kept" in out.traceback
     steps = values(cell(session_kernel, f"--session intr {CPU}", "steps"))
-    assert all(5 <= s < 600 for s in steps), steps
+    # each rank kept the steps it had made; the rank that printed "step 5" made 5, the other may lag behind it
+    assert max(steps) >= 5 and all(0 < s < 600 for s in steps), steps
 
 
 def test_a_rank_stuck_in_all_reduce_after_the_other_raised_ends_the_session_and_leaves_nothing(session_kernel):

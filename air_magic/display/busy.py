@@ -97,7 +97,10 @@ def _after_cell(result: Any = None) -> None:
 
 
 def release() -> None:
-    """At the end of a call (before the cell's own `idle`)."""
+    """At the end of a call (before the cell's own `idle`); a background call's end (another thread) leaves the
+    hold of the cell running now alone."""
     global _parent
+    if threading.current_thread() is not threading.main_thread():
+        return
     with _lock:
         _parent = None

@@ -12,6 +12,8 @@ and only sets the call's cancel flag. What each rank uses (CPU, memory, its
 GPU) is read from the call's ResourceSampler (resources.py) once a second:
 a line at the top of each rank's tab, and the fullest GPU's memory (or the
 ranks' memory) in the header, coloured when it nears the limit.
+The Stop click, the same way, only leaves the call's Stop flag (stopping.py),
+which the ranks' `should_stop()` reads: the call goes on to the end of its step.
 The Stacks click, the same way, only asks the runner for every rank's stacks.
 Those arrive in the ranks' output (launch/stacks.py): each rank's tab shows one
 line in their place, and the stacks view under the header shows them, innermost
@@ -41,6 +43,7 @@ from ..launch.stack_dumps import Dump, StackScanner
 from ..listeners import Listener, RunContext
 from ..phase import Phase
 from ..resources import ResourceSampler, header_text, peak_text, usage_text
+from ..stopping import request_stop
 from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
@@ -78,9 +81,12 @@ def _title(rank: int, state: RankState, quiet: float | None = None) -> str:
     return f"rank {rank}: {state.value}"
 
 
-def stacks_html(dumps: dict[int, list[Dump]]) -> str:
-    """Each rank's newest stacks (its own process, then its children): where it is, then every thread."""
+def stacks_html(dumps: dict[int, list[Dump]], collectives: str | None = None) -> str:
+    """Each rank's newest stacks (its own process, then its children): where it is, then every thread; first, what
+    NCCL's flight recorder says of the collectives, where it said something."""
     parts = ['<div class="air-magic-stacks">']
+    if collectives:
+        parts.append(f'<div class="air-magic-collectives">NCCL\'s flight recorder: {html.escape(collectives)}</div>')
     for rank in sorted(dumps):
         for dump in dumps[rank]:
             frame = dump.user_frame()
@@ -107,7 +113,9 @@ class Panel(Listener):
     cancel_button: w.Button
     cancel_hint: w.HTML
     stacks_button: w.Button
+    stop_button: w.Button
     stacks_view: w.HTML
+    collectives: str | None
     scanners: list[StackScanner]
     dumps: dict[int, list[Dump]]
     stacks_dirty: bool
@@ -216,10 +224,16 @@ class Panel(Listener):
         if self.dirty and now - self.last_flush >= self.refresh:
             self._flush()
             self.last_flush = now
+        assert self.ctx is not None
+        if self.ctx.collectives != self.collectives:
+            self.collectives = self.ctx.collectives
+            self.stacks_dirty = True
         if self.stacks_dirty:
             self.stacks_dirty = False
-            self.stacks_view.value = stacks_html(self.dumps)
+            self.stacks_view.value = stacks_html(self.dumps, self.collectives)
             self.stacks_view.layout.display = None
+        if self.ctx.stop_requested and not self.stop_button.disabled:
+            self._show_stopping()
         if self.metrics is not None and now - self.last_charts >= CHARTS:
             self.last_charts = now
             if self.metrics.poll():
@@ -259,6 +273,11 @@ class Panel(Listener):
         self.cancel_button.disabled = True
         self.usage_header = ""
         self.stacks_button.disabled = True
+        self.stop_button.disabled = True
+        self.stop_button.layout.visibility = "hidden"
+        if self.ctx.collectives != self.collectives:
+            self.collectives = self.ctx.collectives
+            self.stacks_view.value = stacks_html(self.dumps, self.collectives)
         if self.phase == "cancelled":
             self.cancel_button.description = "Cancelled"
         else:
@@ -322,6 +341,15 @@ class Panel(Listener):
         self.stacks_button.add_class("air-magic-stacks-button")
         self.stacks_button.on_click(self._stacks_clicked)
         self.stacks_view = w.HTML(layout=w.Layout(display="none", width="100%"))
+        self.collectives = None
+        self.stop_button = w.Button(
+            description="Stop",
+            icon="step-forward",
+            tooltip="Stop after this step: air_magic.should_stop() turns True on every rank, the call returns normally",
+            layout=w.Layout(width="auto", min_width="8.5em", flex="0 0 auto"),
+        )
+        self.stop_button.add_class("air-magic-stop")
+        self.stop_button.on_click(self._stop_clicked)
         self.cancel_button = w.Button(
             description="Cancel",
             icon="stop",
@@ -334,7 +362,7 @@ class Panel(Listener):
         self.cancel_button.on_click(self._clicked)
         self.cancel_hint = w.HTML(layout=w.Layout(flex="0 1 auto"))
         header = w.HBox(
-            [self.status, self.link, self.stacks_button, self.cancel_button, self.cancel_hint],
+            [self.status, self.link, self.stacks_button, self.stop_button, self.cancel_button, self.cancel_hint],
             layout=w.Layout(align_items="center", width="100%", flex_flow="row nowrap", grid_gap="8px"),
         )
         header.add_class("air-magic-header")
@@ -353,12 +381,15 @@ class Panel(Listener):
             self.status,
             self.link,
             self.stacks_button,
+            self.stop_button,
             self.cancel_button,
             self.cancel_hint,
         ]
         for widget in self._widgets:
-            if widget not in (self.cancel_button, self.stacks_button):
+            if widget not in (self.cancel_button, self.stacks_button, self.stop_button):
                 keep_on_main_shell(widget)
+        if not keep_on_main_shell(self.stop_button, self._stop_now):
+            self.stop_button.layout.display = "none"  # a click would only arrive after the call
         if not keep_on_main_shell(self.stacks_button, self._stacks_now):
             self.stacks_button.layout.display = "none"  # a click would only arrive after the call
         if not keep_on_main_shell(self.cancel_button, self._cancel_now):
@@ -373,6 +404,23 @@ class Panel(Listener):
 
     def _clicked(self, _button: w.Button) -> None:
         self._cancel_now()
+
+    def _stop_now(self) -> None:
+        # On the shell-channel thread, like a cancel: only leave the flag (one small file); the ranks read it.
+        if self.ctx is not None:
+            request_stop(self.ctx.run_dir)
+            self.ctx.stop_requested = True
+
+    def _stop_clicked(self, _button: w.Button) -> None:
+        self._stop_now()
+
+    def _show_stopping(self) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping…"
+        self.stop_button.tooltip = "Stop asked: each rank's should_stop() is True from its next step"
+        if self.phase == Phase.RUNNING or self.phase == "running":
+            self.phase = "stopping after this step"
+            self._show_status()
 
     def _stacks_now(self) -> None:
         # On the shell-channel thread, like a cancel: only ask; the stacks arrive as the ranks' output.

@@ -64,6 +64,10 @@ class JobHandle(ABC):
         A launcher whose ranks cannot do that does nothing.
         """
 
+    def request_stop(self) -> None:
+        """A Stop was asked (the flag in the call's run directory, stopping.py): carry it to ranks that read another
+        directory. Ranks that read the call's own run directory need nothing: the default does nothing."""
+
 
 class Launcher(ABC):
     """Starts jobs."""
@@ -71,7 +75,8 @@ class Launcher(ABC):
     #: Call settings this launcher honours beyond the basics; the runner refuses a call that asks for
     #: one it lacks, before anything starts. "keep_alive": hot ranks kept between calls; "warm": ranks
     #: forked from a warm helper (`warm=`); "session": calls of a named session share hot ranks that keep a
-    #: namespace and outlive a user error (JobRequest.session).
+    #: namespace and outlive a user error (JobRequest.session); "debug": a rank's `breakpoint()` is answered from
+    #: the notebook through the run directory (launch/debug_channel.py).
     supports: frozenset[str] = frozenset()
 
     def prepare(self) -> Phase | None:
@@ -88,6 +93,11 @@ class Launcher(ABC):
 
     def end_session(self, name: str, why: str = ENDED_BY_USER) -> None:
         """End session `name`'s ranks now (a running call of it is stopped), saying `why`; nothing if it has none."""
+
+    def held(self) -> list[str]:
+        """A line for each set of ranks kept between calls other than a session's (hot ranks, spare actors): what it
+        holds and for how long; [] if none."""
+        return []
 
     def ended_sessions(self) -> list[tuple[str, str]]:
         """(session, why) for each session whose ranks ended outside any call (idle, released) since last asked."""

@@ -194,6 +194,35 @@ class RunDir:
         """What a rank on another node uses, as sampled there and last received (rank_files.py)."""
         return self.path / f"rank-{rank}.usage"
 
+    def debug_wait(self, rank: int) -> Path:
+        """The rank's debugger waits for an answer: its output and prompt, as JSON (debug_channel.py)."""
+        return self.path / f"debug-{rank}.wait"
+
+    def debug_answers(self, rank: int) -> Path:
+        """The FIFO on which the rank's debugger reads each answer, one line (debug_channel.py)."""
+        return self.path / f"debug-{rank}.answers"
+
+    #: The file a Stop leaves (stopping.py): the ranks' `should_stop()` is True once it exists.
+    STOP_FLAG = "stop"
+
+    @property
+    def stop_flag(self) -> Path:
+        return self.path / self.STOP_FLAG
+
+    def request_stop(self) -> bool:
+        """Leave the Stop flag (its content: when, for people); False if it was there already."""
+        try:
+            write_private(self.stop_flag, f"{time.time():.3f}\n".encode())
+        except FileExistsError:
+            return False
+        return True
+
+    @property
+    def flight_recorder(self) -> Path:
+        """Where NCCL's flight recorder writes each rank's dump, and keeps the pipe that asks for one
+        (launch/flight_recorder.py)."""
+        return self.path / "flight_recorder"
+
     @property
     def payload(self) -> Path:
         return self.path / "payload.pkl"

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .stacks import HEADER_RE, MARKS, RANK_ROLE, STOPPING, TRAILER_RE
+from .stacks import HEADER_RE, MARKS, NATIVE_MARK, NATIVE_RE, NO_NATIVE_RE, RANK_ROLE, STOPPING, TRAILER_RE
 
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) (?:\[(.*)\] )?\(most recent call first\):$")
 _FRAME_RE = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')
@@ -78,6 +78,10 @@ class Dump:
     clock: str
     #: The thread running the call first, then threads in user code, then the rest.
     threads: list[ThreadStack] = field(default_factory=list)
+    #: py-spy's view of the process, native frames included (a rank's own process), as py-spy wrote it.
+    native: list[str] = field(default_factory=list)
+    #: Why there are no native frames, when py-spy could not give them.
+    native_note: str | None = None
 
     @property
     def of_rank(self) -> bool:
@@ -114,6 +118,11 @@ class Dump:
                 source = frame.source()
                 if source:
                     out.append(f"      {source}")
+        if self.native:
+            out.append("  Native frames too (py-spy dump --native), innermost first:")
+            out += [f"    {line}" for line in self.native]
+        elif self.native_note:
+            out.append(f"  No native frames: {self.native_note}")
         return "\n".join(out)
 
 
@@ -182,6 +191,15 @@ class StackScanner:
             self.dump = Dump(int(head[1]), head[2], head[3], head[4])
             return closed
         if self.dump is not None:
+            if line.startswith(NATIVE_MARK):
+                self.dump.native.append(line[len(NATIVE_MARK) :])
+                return ""
+            if NATIVE_RE.match(line):
+                return ""
+            no_native = NO_NATIVE_RE.match(line)
+            if no_native is not None:
+                self.dump.native_note = no_native[2]
+                return ""
             thread = _THREAD_RE.match(line)
             if thread is not None:
                 self.threads.append(ThreadStack(thread[2], thread[1] == "Current thread", name=thread[3] or ""))

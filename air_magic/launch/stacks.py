@@ -16,20 +16,22 @@ fd 2 (through /proc). Processes that share a log (a rank and its DataLoader
 workers) take turns, so their dumps do not interleave; different logs are
 served at once. This module owns that format; stack_dumps.py reads it back.
 
-NCCL's flight recorder (`flight_recorder_env`) is what a GPU rank adds: which
-collective each rank was in, and its sequence number, dumped into the run
-directory when NCCL's watchdog times out.
+A rank's own process also gets its native frames, from py-spy (`native_stacks`),
+written into the same dump: where in C, C++ or CUDA code each thread waits.
+NCCL's flight recorder (flight_recorder.py) says which collective each rank is in.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 #: The signal a rank answers with its stacks: a real-time one, which user code and its libraries leave alone
 #: (PyTorch Lightning takes SIGUSR1 on SLURM). None where the platform has none.
@@ -52,6 +54,19 @@ HEADER_RE = re.compile(r"^air_magic: stacks of pid (\d+) \((.*)\), (.*) at (\d\d
 TRAILER_RE = re.compile(r"^air_magic: end of the stacks of pid (\d+)$")
 #: How those lines begin: output that could still become one is held until its line ends.
 MARKS = ("air_magic: stacks of pid ", "air_magic: end of the stacks of pid ")
+#: Native frames (py-spy) of a rank's own process, written into its dump before the trailer: a line that says
+#: they follow, then each of py-spy's lines after NATIVE_MARK; or one line saying why there are none.
+_NATIVE = "air_magic: native stacks of pid {pid} (py-spy dump --native):"
+_NO_NATIVE = "air_magic: no native stacks of pid {pid}: {why}"
+NATIVE_RE = re.compile(r"^air_magic: native stacks of pid (\d+) \(py-spy dump --native\):$")
+NO_NATIVE_RE = re.compile(r"^air_magic: no native stacks of pid (\d+): (.*)$")
+NATIVE_MARK = "  | "
+#: At most this long is spent on the native frames of one `request`, in seconds (py-spy reads the
+#: symbols of every library the rank loaded: about 0.3 s for a torch rank on a quiet machine).
+NATIVE_LIMIT = 15.0
+#: A native frame's line is cut at this many characters (a C++ template's name can take thousands).
+NATIVE_LINE = 300
+_COLOUR_RE = re.compile(r"\x1b\[[0-9;]*m")
 #: The rank's own process, as headers name it.
 RANK_ROLE = "the rank"
 #: Why a dump was asked for, as the header says, when its process is about to be stopped.
@@ -74,7 +89,25 @@ def install() -> None:
     except ValueError:
         pass  # not the main thread (a Ray rank runs its call in a thread): it is never paused
     faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=False)
+    _let_py_spy_attach()
     _installed = True
+
+
+def _let_py_spy_attach() -> None:
+    """Where Yama restricts ptrace to a process's ancestors, let the process that asks for this rank's stacks (the
+    helper; a Ray rank asks itself) and what it starts (py-spy) attach to it. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    from .. import envvars
+
+    asker = int(os.environ.get(envvars.SUPERVISOR_PID) or os.getpid())
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(0x59616D61, asker, 0, 0, 0)  # PR_SET_PTRACER; fails harmlessly without Yama
+    except (OSError, AttributeError):
+        pass
 
 
 def pause() -> None:
@@ -210,9 +243,12 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
                 waiting[fd] = (current, now)
             elif fd in grown and now - since >= _SETTLED:
                 del waiting[fd]
+    natives = native_stacks([t.pid for t in turn if t.fd is not None and t.role == RANK_ROLE])
     for target in turn:
         if target.fd is not None:
             try:
+                if target.pid in natives:
+                    os.write(target.fd, natives[target.pid].encode())
                 os.write(target.fd, f"{_TRAILER.format(pid=target.pid)}\n".encode())
             except OSError:
                 pass
@@ -221,41 +257,66 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
     return asked
 
 
-# -- NCCL's flight recorder ------------------------------------------------------------
-#: Entries NCCL's flight recorder keeps per rank: a ring buffer of the last collectives (a few hundred bytes each).
-FLIGHT_RECORDER_ENTRIES = 2000
+# -- native frames ----------------------------------------------------------------------
+def py_spy() -> str | None:
+    """The py-spy program: on PATH, or beside this Python (a virtual environment's bin/)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else None
 
 
-def flight_recorder_env(run_dir: Path, env: dict[str, str]) -> dict[str, str]:
-    """What a GPU rank's environment adds so NCCL's watchdog dumps its flight recorder into the run directory.
+def _why_not(output: str) -> str:
+    """py-spy's own words on why it could not attach, with what to do where it is a permission."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    said = "; ".join(lines[-2:])[:300] or "no output"
+    if re.search(r"permission denied|not permitted|os error (1|13)\b", output, re.IGNORECASE):
+        return (
+            f"the platform does not let py-spy attach (ptrace not permitted: {said}); allow it with "
+            "kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE in a container"
+        )
+    return f"py-spy failed: {said}"
 
-    Only the variables `env` does not set already; the dumps are `flight_recorder/rank_<N>` there.
+
+def native_stacks(pids: list[int], limit: float = NATIVE_LIMIT) -> dict[int, str]:
+    """Each process's native frames, as the lines written into its dump (or the line saying why there are none).
+
+    py-spy is run for every process at once and given `limit` s in all.
     """
-    out: dict[str, str] = {}
-    if not any(k in env for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")):
-        out["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
-    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env:
-        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
-    if not any(k in env for k in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
-        where = run_dir / "flight_recorder"
+    if not pids:
+        return {}
+    program = py_spy()
+    if program is None:
+        missing = "py-spy is not installed (pip install py-spy)"
+        return {pid: _NO_NATIVE.format(pid=pid, why=missing) + "\n" for pid in pids}
+    running: dict[int, subprocess.Popen[bytes]] = {}
+    out: dict[int, str] = {}
+    for pid in pids:
         try:
-            where.mkdir(mode=0o700, exist_ok=True)
-        except OSError:
-            return out
-        out["TORCH_FR_DUMP_TEMP_FILE"] = out["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(where / "rank_")
+            running[pid] = subprocess.Popen(
+                [program, "dump", "--native", "--pid", str(pid)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "NO_COLOR": "1", "CLICOLOR": "0", "CLICOLOR_FORCE": "0", "TERM": "dumb"},
+            )
+        except OSError as exc:
+            out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy could not start: {exc}") + "\n"
+    deadline = time.monotonic() + limit
+    for pid, proc in running.items():
+        try:
+            raw = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy did not answer within {limit:g} s") + "\n"
+            continue
+        text = _COLOUR_RE.sub("", raw)  # py-spy colours its output when it thinks a terminal reads it
+        if proc.returncode != 0 or not text.strip():
+            out[pid] = _NO_NATIVE.format(pid=pid, why=_why_not(text)) + "\n"
+            continue
+        lines = [line[: NATIVE_LINE - 1] + "…" if len(line) > NATIVE_LINE else line for line in text.splitlines()]
+        body = "".join(f"{NATIVE_MARK}{line}\n" for line in lines)
+        out[pid] = _NATIVE.format(pid=pid) + "\n" + body
     return out
-
-
-def flight_recorder_note(run_dir: Path) -> str | None:
-    """Where NCCL's flight recorder dumps of a call are and how to read them; None if there are none."""
-    where = run_dir / "flight_recorder"
-    try:
-        dumps = sorted(p.name for p in where.iterdir() if p.name.startswith("rank_"))
-    except OSError:
-        return None
-    if not dumps:
-        return None
-    return (
-        f"NCCL's flight recorder dumped what the collectives were doing ({', '.join(dumps)}) into {where}; read them "
-        f"with: torchfrtrace {where} --prefix rank_ --allow-incomplete-ranks"
-    )

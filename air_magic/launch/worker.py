@@ -24,7 +24,7 @@ from types import ModuleType
 
 from .. import envvars, portable
 from ..errors import SerializationError
-from . import session
+from . import rank_debugger, session
 from .carried import load_call
 from .errorfile import write_error_file
 from .protocol import HotCall, JobFile, decode
@@ -140,11 +140,13 @@ def run(path: Path, rank: int) -> int:
     global session_kept
     session_kept = spec.session is not None
     hold_destroyed_groups()
+    rank_debugger.install(run_dir, rank)  # breakpoint() prompts in the notebook's cell (rank_debugger.py)
     try:
         _install_hooks(spec.hooks)
         target, args, kwargs, sources = load_call(run_dir.payload.read_bytes())  # notebook modules first
         for filename, lines in sources["files"].items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        rank_debugger.new_call(target, sources["code"])
         if spec.session is None:
             value = target(*args, **kwargs)
         elif spec.ranks is None or rank in spec.ranks:
@@ -152,13 +154,15 @@ def run(path: Path, rank: int) -> int:
         else:
             value = None  # a call for other ranks of the session: this one does nothing
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
+        exc = rank_debugger.translated(exc, rank)  # `q` at a prompt: DebuggerQuit
         if spec.session is not None:
             why = session.ends_session(exc)
             session_kept = why is None
             if why is not None:
                 exc.add_note(f"air_magic: {why}, so session {spec.session!r} ends.")
         code = fail(exc, locals().get("sources", {}).get("code"))
-        session.drop_traceback(exc)
+        if not (session_kept and rank_debugger.keep(exc, locals().get("target"))):  # for %distributed_debug
+            session.drop_traceback(exc)
         return code
     try:
         if spec.session is not None:

@@ -79,6 +79,9 @@ class MlflowTracker(Listener):
         self._relayed: dict[int, int] = {}  # rank -> bytes of its metrics file already logged
         self._next_relay = 0.0
         self.relay_errors: list[str] = []
+        self.captured = False  # capture() read the spawning thread's active run (a background call)
+        self.parent_run_id: str | None = None
+        self.chosen_experiment: str | None = None
 
     # -- on start ----------------------------------------------------------
     def _experiment(self, mlflow: Any, client: Any) -> tuple[str, str]:
@@ -103,12 +106,27 @@ class MlflowTracker(Listener):
                     raise
         return found.experiment_id, name
 
+    def capture(self, parent_run_id: str | None = None, experiment_id: str | None = None) -> None:
+        """Read the calling thread's active MLflow run and experiment now (or take these): a background call's
+        tracker starts on another thread, which has neither."""
+        self.captured = True
+        self.parent_run_id, self.chosen_experiment = parent_run_id, experiment_id
+        if parent_run_id is None and experiment_id is None:
+            self._read_active()
+
     def on_start(self, ctx: RunContext) -> None:
         # What only the calling thread can see (MLflow's active run and experiment are per thread) is
         # read here; the slow part (importing mlflow, creating the run) runs on a thread until worker_env().
         self.failure: BaseException | None = None
-        self.parent_run_id: str | None = None
-        self.chosen_experiment: str | None = None
+        if not self.captured:
+            self.parent_run_id = self.chosen_experiment = None
+            self._read_active()
+        self.starting: threading.Thread | None = threading.Thread(
+            target=self._start_quietly, args=(ctx,), name="air_magic-mlflow-run", daemon=True
+        )
+        self.starting.start()
+
+    def _read_active(self) -> None:
         # Not imported yet (or being imported by prepare.py, which a user's import would have waited for):
         # the notebook cannot have an active run or experiment.
         if "mlflow" in sys.modules and not prepare.importing():
@@ -120,10 +138,6 @@ class MlflowTracker(Listener):
                 self.chosen_experiment = parent.info.experiment_id
             else:
                 self.chosen_experiment = _compat.active_experiment_id()
-        self.starting: threading.Thread | None = threading.Thread(
-            target=self._start_quietly, args=(ctx,), name="air_magic-mlflow-run", daemon=True
-        )
-        self.starting.start()
 
     def _start_quietly(self, ctx: RunContext) -> None:
         try:

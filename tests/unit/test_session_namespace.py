@@ -97,7 +97,7 @@ def test_errors_from_torch_distributed_or_cuda_end_the_session_and_user_errors_d
 
 def test_a_hot_ranks_done_line_says_whether_it_stays_usable():
     """'0' is a success, '1 kept' a failed session call whose rank stays, '1' a failure that ends the rank."""
-    pool = Pool("key", 1, 60.0, 0)
+    pool = Pool("key", "1", 60.0)
     assert pool.feed(0, b"0\n1 kept\n1\n") == [(0, True), (1, True), (1, False)]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from air_magic.launch import stack_dumps, stacks
 from air_magic.launch.stack_dumps import StackScanner, parse, where_ranks_were
-from air_magic.launch.stacks import STOPPING, flight_recorder_env
+from air_magic.launch.stacks import STOPPING
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = "/usr/lib/python3/dist-packages/torch/distributed/distributed_c10d.py"
@@ -158,18 +158,3 @@ def test_where_ranks_were_names_each_ranks_last_stop_dump(tmp_path):
     assert "earlier_place" not in text and "rank 1: no stacks" in text
     logs[0].write_text(live)
     assert where_ranks_were(logs) is None
-
-
-def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
-    """The flight recorder is turned on with dumps into the run directory, unless the user chose otherwise, and a
-    dump there is named with the command that reads it."""
-    env = flight_recorder_env(tmp_path, {})
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == str(stacks.FLIGHT_RECORDER_ENTRIES)
-    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
-    assert (tmp_path / "flight_recorder").is_dir()
-    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/"}
-    assert flight_recorder_env(tmp_path, mine) == {}
-    assert stacks.flight_recorder_note(tmp_path) is None
-    (tmp_path / "flight_recorder" / "rank_0").write_bytes(b"pickle")
-    assert f"torchfrtrace {tmp_path / 'flight_recorder'}" in (stacks.flight_recorder_note(tmp_path) or "")

@@ -227,7 +227,7 @@ class SupervisorClient:
 class LocalLauncher(Launcher):
     """Ranks on this machine, through the kernel's supervisor (started on first use, again if it died)."""
 
-    supports = frozenset({"keep_alive", "warm", "session"})
+    supports = frozenset({"keep_alive", "warm", "session", "debug"})
 
     def __init__(self) -> None:
         self._client: SupervisorClient | None = None

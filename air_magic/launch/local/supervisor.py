@@ -20,10 +20,12 @@ of its work lives beside it:
   `--warm`, or for a job that asks for fresh interpreters, every worker is
   started by posix_spawn. The supervisor stays single-threaded so forking is
   safe: even the rendezvous store runs in a process of its own (rendezvous.py).
-- pool.py: hot ranks. A job with `keep_alive` leaves its workers alive after the
-  call; the next job of the same world runs in them. Idle past `keep_alive`,
-  after a failure or a stop, on ReleaseHot, retirement or close, the pool's
-  whole tree is stopped.
+- pool.py: hot ranks, adapted to the keeper of kept worlds (launch/keeper.py),
+  which holds the rules: which call takes a pool, what a call leaves, what ends
+  one and why. A job with `keep_alive` leaves its workers alive after the call;
+  the keeper lets the next job of the same world (or session) run in them. Idle
+  past `keep_alive`, after a failure or a stop, on ReleaseHot, retirement or
+  close, the pool's whole tree is stopped.
 - Ends: a rank that succeeded says on a pipe of its own, just before it exits, that
   its result is written; its RankExited goes out then, so the caller need not wait
   for the exit.
@@ -53,6 +55,7 @@ from ...errors import describe_returncode
 from .. import protocol as p
 from ..come_back import COME_BACK, Interrupt
 from ..env import loopback_sockets, torchrun_env
+from ..keeper import SessionBusy
 from ..rundir import RunDir
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
 from .inbox import Inbox
@@ -91,9 +94,7 @@ class Supervisor:
         if warm:
             log_timing(f"preloaded {', '.join(self.preloaded.modules) or 'nothing'}", time.monotonic() - started)
         self.warm = warm
-        self.pools = Pools(
-            on_session_end=lambda pool, why: _emit(p.SessionEnded(pool.job or "", pool.session or "", why))
-        )
+        self.pools = Pools(on_session_end=lambda pool, why: _emit(p.SessionEnded(pool.call, pool.session or "", why)))
         self.done: dict[int, tuple[str, int]] = {}  # read end of a rank's done pipe -> (job, rank)
         self.done_buffers: dict[int, bytes] = {}
         self.spawner = Spawner(self.preloaded, lambda: (*(self.wake or ()), *self.pools.fds(), *self.done))
@@ -104,7 +105,8 @@ class Supervisor:
             try:
                 self.launch(msg)
             except Exception as exc:  # noqa: BLE001 - reported to the runner
-                _emit(p.LaunchFailed(msg.job, f"{type(exc).__name__}: {exc}"))
+                said = str(exc) if isinstance(exc, SessionBusy) else f"{type(exc).__name__}: {exc}"
+                _emit(p.LaunchFailed(msg.job, said))
                 job = self.jobs.get(msg.job)
                 if job is not None:
                     self.stop(job, 0.0)
@@ -168,7 +170,7 @@ class Supervisor:
         pool = None
         if hot:
             pool = job.pool = Pool(
-                msg.world_key, job.world_size, float(msg.keep_alive or 0), port, job=job.id, session=msg.session
+                msg.world_key, str(job.world_size), float(msg.keep_alive or 0), msg.session, call=job.id, port=port
             )
             pool.store_pid, job.store_pid = job.store_pid, None  # the store lives as long as the pool
             self.pools.add(pool)
@@ -197,19 +199,10 @@ class Supervisor:
 
     def run_hot(self, job: Job, msg: p.LaunchJob) -> bool:
         """Run `job` in an idle pool of the same world (or in its session's), if there is one; True if it did."""
-        if msg.session is not None:
-            pool = self.pools.session(msg.session)
-            if pool is not None and (pool.job is not None or pool.world_size != job.world_size):
-                raise RuntimeError(
-                    f"session {msg.session!r} holds {pool.world_size} rank(s)"
-                    + (" and is running a call" if pool.job is not None else "")
-                    + f"; end it with %distributed_session --end {msg.session} to start another world under that name"
-                )
-        else:
-            pool = self.pools.idle(msg.world_key, job.world_size)
+        pool = self.pools.take(msg.world_key, str(job.world_size), job.id, msg.session)  # the keeper's rules
         if pool is None:
             return False
-        pool.job, pool.idle_since, job.pool, job.port = job.id, None, pool, pool.port
+        job.pool, job.port = pool, pool.port
         env = {**msg.env, JOB: job.id, SUPERVISOR_PID: str(os.getpid())}
         loopback_sockets(env)
         for rank, pid in pool.pids.items():
@@ -217,7 +210,7 @@ class Supervisor:
             rank_env[HOT_FDS] = os.environ.get(HOT_FDS, "")
             job.pids[rank] = pid
             self.owner[pid] = (job.id, rank)
-            pool.call(rank, msg.run_dir, rank_env)
+            pool.send(rank, msg.run_dir, rank_env)
             _emit(p.RankStarted(job.id, rank, pid))
         return True
 
@@ -231,7 +224,7 @@ class Supervisor:
             os.close(pool.done.pop(rank))
             return  # it exited: reap() reports it
         for code, usable in pool.feed(rank, data):
-            job = self.jobs.get(pool.job or "")
+            job = self.jobs.get(pool.call)
             if job is not None and rank not in job.exited:
                 job.exited[rank] = code
                 self.report_exit(job, rank, code)
@@ -351,8 +344,8 @@ class Supervisor:
         for pool in [q for q in self.pools.pools if q.store_pid == pid]:
             pool.store_pid = None
             self.pools.release(pool, "its rendezvous store died")
-            if pool.job in self.jobs:
-                self.jobs[pool.job].store_pid = pid  # reported below like any job's store
+            if pool.call in self.jobs:
+                self.jobs[pool.call].store_pid = pid  # reported below like any job's store
         for job in self.jobs.values():
             if job.store_pid == pid:
                 job.store_pid = None
@@ -393,7 +386,7 @@ class Supervisor:
                 for fd in [fd for fd, (owner, _) in self.done.items() if owner == job.id]:
                     self.close_said(fd)  # a rank's own children may still hold its write end
                 if job.pool is not None and job.pool in self.pools.pools:
-                    job.pool.job, job.pool.idle_since = None, time.monotonic()  # ready for the next call
+                    self.pools.done(job.pool)  # ready for the next call
                     for rank, pid in job.pool.pids.items():
                         self.owner[pid] = ("", rank)
                 _emit(p.JobGone(job.id))
@@ -451,15 +444,14 @@ class Supervisor:
         self.closing = True
         for job in self.jobs.values():
             self.stop(job, STOP_GRACE)
-        for pool in list(self.pools.pools):
-            self.pools.release(pool, "the kernel shut down")
+        self.pools.end_all("the kernel shut down")
 
     def end_session(self, name: str, why: str) -> None:
         """End session `name`'s ranks, idle or running a call (which then ends as stopped)."""
         pool = self.pools.session(name)
         if pool is None:
             return
-        job = self.jobs.get(pool.job or "")
+        job = self.jobs.get(pool.call)
         if job is not None:
             self.stop(job, STOP_GRACE, why)
         self.pools.release(pool, why)

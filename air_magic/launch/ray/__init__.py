@@ -10,6 +10,7 @@ placement.py the placement group and its actors, each rank's environment, ending
 hot.py       hot worlds (keep_alive) and sessions' worlds: which call takes one, when one ends
 spares.py    spare actor sets: the next cold call's actors started ahead, which call takes them
 ending.py    a session's call: its ranks interrupted before they are stopped, the world kept or why it ends
+deaths.py    Ray's bare actor deaths whose cause is known, as errors that name it and what to change
 rank.py      what runs inside each rank's actor
 _compat.py   the only uses of Ray's private names
 

@@ -4,8 +4,10 @@
 (GCS, raylet, dashboard and its agents, workers) on 127.0.0.1: on Linux Ray
 otherwise binds the machine's network address, and whoever reaches a Ray
 port can run code on it. With an address (or RAY_ADDRESS) it joins that
-cluster as it is. This module imports Ray only when called, so a one-node
-call never needs it.
+cluster as it is. Spares (spares.py) are on by default only for a Ray this
+kernel started: on a cluster joined by address, actors held between calls are
+what the user asked for, never a default. This module imports Ray only when
+called, so a one-node call never needs it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ PACKAGE_MODES = ("sync", "check", "off")
 _packages = "sync"
 #: How long a spare actor set waits for a call by default, in seconds (ray_init's `spares`; launch/ray/spares.py).
 SPARE_IDLE = 300.0
-_spare_idle = SPARE_IDLE
+#: 0 (no spares) until ray_init decides: a notebook connected by its own ray.init has none unless it asks.
+_spare_idle = 0.0
+#: ray_init started the Ray this notebook is connected to (rather than joining a cluster).
+_started_here = False
 #: What ends the spare sets kept now when ray_init turns spares off (the launcher gives it: see spares_off).
 _end_spares: list[Callable[[], None]] = []
 _warming: threading.Thread | None = None
@@ -70,7 +75,7 @@ def _loopback_only() -> Iterator[None]:
 
 
 def ray_init(
-    address: str | None = None, *, packages: str = "sync", spares: bool | float = True, **ray_init_kwargs: Any
+    address: str | None = None, *, packages: str = "sync", spares: bool | float | None = None, **ray_init_kwargs: Any
 ) -> Any:
     """Connect this notebook to Ray, so that `distributed(..., num_nodes=N)` can run on N machines.
 
@@ -90,8 +95,9 @@ def ray_init(
         seconds for new Ray worker processes. A spare has no process group and never ran
         code of yours. It holds that shape's CPUs (and GPUs) until a call takes it, another call of this
         notebook needs what it holds, `%distributed_release`, or it has waited 300 s (a number of seconds
-        here sets that time). False turns spares off (and ends those started); calling ray_init again
-        changes it.
+        here sets that time). None (the default): on where ray_init starts Ray here, off on a cluster
+        joined by address (or RAY_ADDRESS), where a call leaves nothing held unless asked. True or a number
+        turns them on, False off (and ends those started); calling ray_init again sets it anew.
     ray_init_kwargs: passed to `ray.init` (num_cpus=, runtime_env=, namespace=, ...).
 
     Once connected, every node with CPUs starts a Ray worker for this notebook in the background, so
@@ -101,21 +107,19 @@ def ray_init(
     Ray's context; its `dashboard_link` attribute opens the dashboard (through the Jupyter server
     when this kernel runs under one with jupyter-server-proxy and the dashboard is on this machine).
     """
-    global _context, _packages, _spare_idle
+    global _context, _packages, _started_here
     if packages not in PACKAGE_MODES:
         raise ConfigurationError(f"packages must be one of {', '.join(map(repr, PACKAGE_MODES))}, got {packages!r}.")
-    if not isinstance(spares, (int, float)) or spares < 0:
-        raise ConfigurationError(f"spares must be True, False or a number of seconds >= 0, got {spares!r}.")
+    if spares is not None and (not isinstance(spares, (int, float)) or spares < 0):
+        raise ConfigurationError(f"spares must be None, True, False or a number of seconds >= 0, got {spares!r}.")
     _packages = packages
-    _spare_idle = (SPARE_IDLE if spares else 0.0) if isinstance(spares, bool) else float(spares)
-    if not _spare_idle:
-        for end in _end_spares:
-            end()
     ray = import_ray()
     if ray.is_initialized():
-        if _context is None:  # connected by the user's own ray.init
+        if _context is None:  # connected by the user's own ray.init: not a Ray that ray_init started
             _context = ray.init(ignore_reinit_error=True)
             _context.dashboard_link = dashboard_link(getattr(_context, "dashboard_url", None))
+            _started_here = False
+        _set_spares(spares)
         return _context
     joining = address is not None or bool(os.environ.get("RAY_ADDRESS"))
     if joining:
@@ -127,9 +131,21 @@ def ray_init(
             # "local": a new Ray of this kernel's own, even when `ray start` left one running here
             context = ray.init(address="local", **ray_init_kwargs)
     context.dashboard_link = dashboard_link(getattr(context, "dashboard_url", None))
-    _context = context
+    _context, _started_here = context, not joining
+    _set_spares(spares)
     prestart_workers()  # the nodes start a worker for this notebook while the user types
     return context
+
+
+def _set_spares(spares: bool | float | None) -> None:
+    """ray_init's `spares`: None is on for a Ray ray_init started here, off on a cluster it joined."""
+    global _spare_idle
+    if spares is None:
+        spares = _started_here
+    _spare_idle = (SPARE_IDLE if spares else 0.0) if isinstance(spares, bool) else float(spares)
+    if not _spare_idle:
+        for end in _end_spares:
+            end()
 
 
 def prestart_workers() -> None:
@@ -155,7 +171,7 @@ def packages_mode() -> str:
 
 
 def spare_idle() -> float:
-    """How long a spare actor set waits for a call, in seconds; 0: ray_init(spares=False)."""
+    """How long a spare actor set waits for a call, in seconds; 0: spares are off (ray_init's `spares`)."""
     return _spare_idle
 
 

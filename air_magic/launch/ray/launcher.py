@@ -7,6 +7,7 @@ other rooms of this package are listed in its __init__.py.
 from __future__ import annotations
 
 import atexit
+import re
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from .. import protocol as p
 from ..interface import ENDED_BY_USER, Launcher
 from ..rundir import RunDir
 from .cluster import require_connected, spares_off
+from .hot import HotWorld
 from .pump import RayJob
 from .rank import RankActor
 from .starting import Owner
@@ -80,6 +82,10 @@ class RayLauncher(Owner, Launcher):
         for job in jobs:
             job.end_session(why)
 
+    def held(self) -> list[str]:
+        now = time.monotonic()
+        return [held_line(w, now) for w in self.hot_worlds() + self.spare_sets() if w.session is None]
+
     def shutdown(self, timeout: float = 20.0) -> None:
         """Stop every job still running, wait for its teardown, and end every hot world (at exit, on unload)."""
         with self._lock:
@@ -90,6 +96,20 @@ class RayLauncher(Owner, Launcher):
         for job in jobs:
             job.thread.join(max(0.0, deadline - time.monotonic()))
         self.end_all()
+
+
+def held_line(world: HotWorld, now: float) -> str:
+    """What one kept world holds on the cluster and for how long (`now`: time.monotonic())."""
+    shape = re.match(r"(\d+)x(\d+)/(True|False)", world.shape)  # hot.world_key, spares.spare_key
+    nodes, per_node, gpu = (int(shape[1]), int(shape[2]), shape[3] == "True") if shape else (0, 0, False)
+    each = f"{per_node} CPU" + (f" and {per_node} GPU" if gpu else "")
+    if world.busy or world.idle_since is None:
+        when = "running a call"
+    else:
+        idle = now - world.idle_since
+        when = f"idle {idle:,.0f} s, ends after {max(0.0, world.keep_alive - idle):,.0f} s more idle"
+    what = "spare actors" if world.spare else "hot ranks"
+    return f"Ray {what}: {nodes} node(s) with {each} each; {when} (%distributed_release ends them)"
 
 
 _launcher = RayLauncher()

@@ -30,11 +30,12 @@ from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..interface import JobHandle, drain
+from ..keeper import SessionBusy
 from ..rundir import RunDir
 from . import spares
 from .cluster import alive_nodes
 from .ending import SessionCall
-from .hot import HotWorld, SessionBusy
+from .hot import HotWorld
 from .placement import LaunchError, end_actors
 from .received import Received
 from .starting import Owner, Starting, Stopped
@@ -107,6 +108,11 @@ class RayJob(Starting, JobHandle):
         for rank in sorted(self.started - self.exited):
             with contextlib.suppress(Exception):
                 self.actors[rank].dump_stacks.remote("on request")  # arrives with the rank's next output
+
+    def request_stop(self) -> None:
+        for rank in sorted(self.started - self.exited):
+            with contextlib.suppress(Exception):
+                self.actors[rank].request_stop.remote()  # the rank's should_stop() sees it at its next look
 
     # -- the pump (its own thread) ------------------------------------------
     def _pump(self) -> None:

@@ -231,6 +231,10 @@ class RankActor:
 
         return not self.done.is_set() and session.interrupt_call()
 
+    def request_stop(self) -> bool:
+        """A Stop for the call running now: its flag in this rank's scratch directory (what should_stop reads)."""
+        return self.scratch is not None and not self.done.is_set() and self.scratch.request_stop()
+
     def dump_stacks(self, why: str) -> int:
         """This process and its children write their threads' stacks to the rank's log (launch/stacks.py)."""
         import psutil

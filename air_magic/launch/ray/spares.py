@@ -20,7 +20,9 @@ waiting for what they hold, `release_hot()`, shutdown. A spare set with an
 actor or a node lost, or whose placement group was moved, is ended when a
 call would take it, and that call places anew. Sessions neither take nor
 leave spares (a session's world is kept for its own calls).
-`ray_init(spares=False)` turns spares off. This module decides; starting.py asks it
+Spares are on by default only for a Ray that `ray_init` started here; on a cluster
+joined by address they are off unless `ray_init(spares=...)` asks (cluster.py).
+This module decides; starting.py asks it
 at placement, and the pump (pump.py) after a call.
 """
 
@@ -72,6 +74,8 @@ def start(owner: HotWorlds, actor_cls: Any, request: p.JobRequest, runtime_env: 
     placement.check_fits()  # a LaunchError (no spare) when a node of the call's is gone
     pg, actors = placement.reserve(actor_cls, f"air_magic-spare-{request.job_id[:8]}", runtime_env)
     owner.keep(HotWorld(key, actors, pg, [], "", 0, idle, busy=False, spare=True))
+    if not spare_idle():  # ray_init turned spares off while this set was asked for
+        owner.release_spares()
 
 
 def _usable(ray: Any, spare: HotWorld) -> bool:

@@ -20,6 +20,7 @@ from ..rundir import RunDir
 from . import packages, spares
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming
+from .deaths import not_registered
 from .ending import SessionCall
 from .hot import HotWorld, HotWorlds, world_key
 from .placement import LaunchError, Placement, code_dirs, rank_envs
@@ -160,7 +161,13 @@ class Starting:
     def _start_ranks(self) -> None:
         """The placed actors: where each runs (rank 0 picks MASTER_PORT), then the call in each."""
         wheres = [a.where.remote(rank == 0) for rank, a in enumerate(self.actors)]
-        self.infos = self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
+        try:
+            self.infos = self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
+        except Exception as exc:
+            clear = not_registered(exc)  # Ray's bare words for a worker its busy node did not start in time
+            if clear is None:
+                raise
+            raise clear from exc
         master, port = self.infos[0].ip, self.infos[0].free_port
         if self.request.keep_alive:
             self.world = HotWorld(

@@ -1,0 +1,306 @@
+"""Background calls: `fn.spawn(...)` and `%%distributed --background` return a `DistributedCall` at once.
+
+The call takes the same path as a foreground one (sessions.run -> runner -> launcher) on a thread of its
+own, so the kernel is free while the ranks run. The runner is policy only and needs no main thread; a
+background call has no Ctrl-C (its Cancel is `.cancel()` or the panel's button). The thread runs in a copy
+of the spawning cell's context, so what its display writes goes to that cell. Its GPUs or CPU slots come
+from the ledger (ledger.py): a call whose units are held by others is `waiting` until they are free.
+
+This module keeps the kernel's calls (`calls()`, `%distributed_calls`); each call's record on disk, and the
+handle rebuilt from it after a kernel restart, are call_record.py. Drawing a call's panel again is
+display/follow.py. No IPython here (magics.py).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import sys
+import threading
+import time
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from . import ledger, payload, sessions
+from .errors import AirMagicError, ConfigurationError, JobCancelledError
+from .job import JobResult, JobSpec, JobStatus, RankState
+from .launch.rundir import RunDir
+from .listeners import Listener, RunContext
+
+WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
+
+_ids = itertools.count(1)
+_calls: dict[int, DistributedCall] = {}
+
+
+class _Watch(Listener):
+    """Tells the handle what the runner does, and passes it on to the panels drawn again (`follow`)."""
+
+    def __init__(self, call: DistributedCall) -> None:
+        self.call = call
+        self.followers: list[Listener] = []
+        self.states: dict[int, RankState] = {}
+        self.lock = threading.Lock()
+
+    def on_start(self, ctx: RunContext) -> None:
+        self.call.ctx = ctx
+        self.call.status = RUNNING
+        if self.call._cancel_asked:
+            ctx.cancel()
+
+    def _each(self, hook: str, *args: Any) -> None:
+        with self.lock:
+            followers = list(self.followers)
+        for follower in followers:
+            try:
+                getattr(follower, hook)(*args)
+            except Exception:  # noqa: BLE001, S112 - a second view never changes the call
+                continue
+
+    def on_phase(self, phase: Any) -> None:
+        self._each("on_phase", phase)
+
+    def on_rank_state(self, rank: int, state: RankState) -> None:
+        self.states[rank] = state
+        self._each("on_rank_state", rank, state)
+
+    def on_attempt(self, attempt: int, why: str) -> None:
+        self._each("on_attempt", attempt, why)
+
+    def poll(self) -> None:
+        self._each("poll")
+
+    def on_end(self, result: JobResult) -> None:
+        self.call.result_ = result
+        self._each("on_end", result)
+
+
+class DistributedCall:
+    """A call running in the background: its status, result, logs, MLflow run and panel.
+
+    Made by `fn.spawn(...)` or `%%distributed --background`; `DistributedCall.from_run_dir(path)` rebuilds the
+    handle of an ended call from its run directory.
+    """
+
+    def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None) -> None:
+        self.id = next(_ids)
+        self.spec = spec
+        self.status = WAITING
+        self.started = time.time()
+        self.ended: float | None = None
+        self.ctx: RunContext | None = None
+        self.result_: JobResult | None = None
+        self.error: BaseException | None = None
+        self.waiting_for = ""
+        self._cancel_asked = False
+        self._done = threading.Event()
+        self._run_dir: Path | None = None
+        self._record: dict[str, Any] = {}
+        self.watch = _Watch(self)
+        self.listeners = listeners
+        self.claim: ledger.Claim | None = None
+        self._busy_word = f"background call {self.id} ({spec.name})"
+
+    # -- starting ----------------------------------------------------------
+    def start(self, wait: bool = True) -> DistributedCall:
+        """Take the call's GPUs or slots (or queue for them), then run it on a thread; returns at once."""
+        if self.spec.session is not None and self.spec.session in sessions._busy:
+            raise ConfigurationError(
+                f"session {self.spec.session!r} is busy with {sessions._busy[self.spec.session]}; wait for it "
+                "or cancel it first."
+            )
+        payload.serialize(self.spec.target, self.spec.args, self.spec.kwargs)  # fails here, before anything starts
+        self.claim = ledger.Claim(self.spec, f"call {self.id}", f"call {self.id} ({self.spec.name})")
+        if not self.claim.try_now():
+            self.waiting_for = self.claim.why_waiting()
+            if not wait:
+                raise ConfigurationError(
+                    f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
+                )
+        if self.listeners is None:
+            from .runner import default_listeners
+
+            self.listeners = default_listeners(self.spec)
+            for listener in self.listeners:  # MLflow's active run is per thread: read the spawning thread's now
+                capture = getattr(listener, "capture", None)
+                if callable(capture):
+                    capture()
+        self.listeners.insert(0, self.watch)  # first: the handle has the call's context as soon as it exists
+        if self.spec.session is not None:
+            sessions._busy[self.spec.session] = self._busy_word
+        self.status = WAITING if self.waiting_for else RUNNING
+        if self.waiting_for:
+            print(f"air_magic: call {self.id} ({self.spec.name}) waits for {self.waiting_for}", file=sys.stderr)
+            self._say_waiting()
+        _calls[self.id] = self
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(self._run,), name=f"air_magic-call-{self.id}", daemon=True).start()
+        return self
+
+    def _say_waiting(self) -> None:
+        """The line a panel shows first says what the call waits for, until the panel takes its place."""
+        for listener in self.listeners or ():
+            starting = getattr(listener, "starting", None)
+            if starting is not None and getattr(starting, "handle", None) is not None:
+                starting.taken = True  # kept when the cell ends: the panel takes its place once the call starts
+                text = f"{self.spec.name} · call {self.id} · waiting for {self.waiting_for}"
+                starting.handle.update(
+                    {"text/html": f'<div class="air-magic-starting">{escape(text)}</div>', "text/plain": text},
+                    raw=True,
+                )
+
+    def _run(self) -> None:
+        assert self.claim is not None and self.listeners is not None
+        try:
+            self.claim.wait(cancelled=lambda: self._cancel_asked)
+            self.waiting_for, self.status = "", RUNNING
+            if self.spec.session is not None:
+                sessions._busy.pop(self.spec.session, None)  # sessions.run marks it again while it runs
+            self.result_ = sessions.run(self.spec, self.listeners, self.claim)
+            self.error = self.result_.error
+        except BaseException as exc:  # noqa: BLE001 - kept for .result(), raised there
+            self.error = exc
+            self.claim.release()
+        finally:
+            if self.spec.session is not None and sessions._busy.get(self.spec.session) == self._busy_word:
+                sessions._busy.pop(self.spec.session, None)
+            self.status = self._ended_as()
+            self.ended = time.time()
+            self._write_record()
+            self._done.set()
+
+    def _ended_as(self) -> str:
+        if self.result_ is not None and self.result_.status == JobStatus.FINISHED and self.error is None:
+            return FINISHED
+        return CANCELLED if isinstance(self.error, JobCancelledError) else FAILED
+
+    # -- asking ------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the call has ended (finished, failed or cancelled)."""
+        return self._done.is_set()
+
+    def job(self, timeout: float | None = None) -> JobResult:
+        """The call's JobResult (run directory, exit codes, timing), waiting up to `timeout` s for the end."""
+        self._wait(timeout)
+        if self.result_ is None:
+            raise self.error or AirMagicError(f"call {self.id} left no result")
+        return self.result_
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """The return values by rank, waiting up to `timeout` s; raises what `.distributed` would have raised."""
+        self._wait(timeout)
+        if self.error is not None:
+            raise self.error
+        assert self.result_ is not None
+        return self.result_.values
+
+    def _wait(self, timeout: float | None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"call {self.id} ({self.spec.name}) is still {self.status} after {timeout:g} s.")
+
+    def cancel(self) -> None:
+        """Stop every rank (or stop waiting for GPUs); `.result()` then raises JobCancelledError."""
+        self._cancel_asked = True
+        if self.ctx is not None:
+            self.ctx.cancel()
+
+    def stop(self) -> None:
+        """Ask the ranks to stop after their current step: `air_magic.should_stop()` is True on every rank from now
+        on, and a loop that checks it returns normally. A call whose code never asks goes on to its end."""
+        from .stopping import request_stop
+
+        request_stop(self.run_dir)
+
+    def logs(self, rank: int = 0) -> str:
+        """Everything rank `rank` has written so far (its log in the run directory)."""
+        return RunDir(self.run_dir).log(rank).read_text(errors="replace")
+
+    def show(self) -> None:
+        """Draw this call's panel here: live while it runs, with every line written so far; its record once ended."""
+        from .display.follow import show
+
+        show(self)
+
+    @property
+    def run_dir(self) -> Path:
+        if self._run_dir is None:
+            while self.ctx is None and not self._done.is_set():
+                if self.status == WAITING:
+                    raise AirMagicError(f"call {self.id} is waiting for {self.waiting_for}: it has no run yet.")
+                time.sleep(0.02)
+            self._run_dir = self.ctx.run_dir if self.ctx is not None else None
+        if self._run_dir is None:
+            raise AirMagicError(f"call {self.id} ended before it had a run directory: {self.error!r}")
+        return self._run_dir
+
+    @property
+    def run_id(self) -> str | None:
+        """The call's MLflow run id (None without MLflow, or before the run is made)."""
+        for listener in self.listeners or ():
+            if getattr(listener, "run_id", None):
+                return str(listener.run_id)  # type: ignore[attr-defined]
+        return self._record.get("run_id")
+
+    @property
+    def link(self) -> str | None:
+        return (self.ctx.links.get("mlflow") if self.ctx is not None else None) or self._record.get("link")
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+    def __repr__(self) -> str:
+        return f"<DistributedCall {self.id} {self.spec.name}: {self.status}>"
+
+    # -- the record on disk ------------------------------------------------
+    def _write_record(self) -> None:
+        from .call_record import write
+
+        write(self)
+
+    @classmethod
+    def from_run_dir(cls, path: str | Path) -> DistributedCall:
+        """The handle of an ended call, rebuilt from its run directory (after a kernel restart, say): its status,
+        record, logs, exit codes and, where the ranks left them, its results or its error."""
+        from .call_record import rebuild
+
+        call: DistributedCall = rebuild(cls, Path(path))
+        return call
+
+
+def spawn(spec: JobSpec, wait: bool = True) -> DistributedCall:
+    """Start `spec` in the background; the handle, at once."""
+    return DistributedCall(spec).start(wait=wait)
+
+
+def calls() -> dict[int, DistributedCall]:
+    """This kernel's background calls by id, oldest first."""
+    return dict(_calls)
+
+
+def find(call_id: int | None) -> DistributedCall:
+    """Call `call_id` (None: the latest); an error listing the known ids otherwise."""
+    if call_id is None and _calls:
+        return _calls[max(_calls)]
+    if call_id in _calls:
+        return _calls[call_id]
+    known = ", ".join(map(str, _calls)) or "none yet (start one with fn.spawn(...) or %%distributed --background)"
+    raise ConfigurationError(f"there is no call {call_id} in this kernel; known calls: {known}.")
+
+
+def table() -> str:
+    """%distributed_calls: one line per call of this kernel."""
+    if not _calls:
+        return "No background call in this kernel yet: start one with fn.spawn(...) or %%distributed --background."
+    lines = ["id  call                      status     ranks  GPUs      started   elapsed  MLflow"]
+    for call in _calls.values():
+        units = call.claim.units if call.claim is not None and call.spec.uses_gpu else None
+        gpus = ",".join(units) if units else "-"
+        when = time.strftime("%H:%M:%S", time.localtime(call.started))
+        status = call.status + (f" (for {call.waiting_for})" if call.status == WAITING else "")
+        lines.append(
+            f"{call.id:<3} {call.spec.name[:25]:<25} {status:<10} {call.spec.world_size:<6} {gpus:<9} {when}  "
+            f"{call.elapsed:>6.0f} s  {call.link or '-'}"
+        )
+    return "\n".join(lines)

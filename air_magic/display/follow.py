@@ -1,0 +1,156 @@
+"""Draw a background call's panel again, in the cell that asks (`%distributed_show`, `DistributedCall.show()`).
+
+A running call gets a new live panel whose ranks' lines are read from their logs in the run directory,
+from the first byte: every line written so far, then each new one as the call's thread polls (so a
+reloaded page or a new cell gets the whole live view back). Rank states, phases and the end come from the
+call itself; its Cancel button cancels the call. An ended call prints its static record, rebuilt from
+the run directory (display/record.py). Outside a widget kernel a running call prints what each rank wrote so
+far. Not for the first panel of a call (widgets.py, built by the runner's listeners).
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..job import RankState
+from ..launch.rundir import RunDir
+from ..listeners import Listener
+from ..resources import ResourceSampler
+from . import display_mode, in_widget_kernel
+from .charts import MetricsTail
+from .record import record_bundle
+from .tail import TailBuffer
+
+if TYPE_CHECKING:
+    from ..job import JobResult
+
+#: A background.DistributedCall (not imported: background.py imports this module to draw a call).
+DistributedCall = Any
+
+#: Bytes of a rank's log read at once.
+_CHUNK = 1 << 20
+
+
+class LogReader:
+    """Follows every rank's log of a run directory from its first byte, decoding UTF-8 across reads."""
+
+    def __init__(self, run_dir: Any, world_size: int) -> None:
+        self.paths = RunDir(run_dir).logs(world_size)
+        self.offsets = [0] * world_size
+        self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(world_size)]
+
+    def read(self) -> dict[int, str]:
+        """rank -> text appended since the last read (ranks with nothing new left out)."""
+        out: dict[int, str] = {}
+        for rank, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[rank])
+                    data = f.read(_CHUNK)
+            except OSError:
+                continue
+            if data:
+                self.offsets[rank] += len(data)
+                out[rank] = self.decoders[rank].decode(data)
+        return out
+
+
+class Follow(Listener):
+    """A panel drawn again for a running call, fed from the run directory; the call's thread drives it."""
+
+    def __init__(self, call: DistributedCall, panel: Listener) -> None:
+        self.call = call
+        self.panel = panel
+        self.logs = LogReader(call.run_dir, call.spec.world_size)
+        self.ended = False
+        self.lock = threading.Lock()
+
+    def attach(self) -> None:
+        """Draw the panel now (in the calling cell), with what the call did so far, then follow the call."""
+        ctx = self.call.ctx
+        assert ctx is not None
+        self.panel.on_start(ctx)
+        for phase, _ in ctx.phases:
+            self.panel.on_phase(phase)
+        for rank, state in sorted(self.call.watch.states.items()):
+            self.panel.on_rank_state(rank, state)
+        self.feed()
+        watch = self.call.watch
+        with watch.lock:
+            watch.followers.append(self)
+            result = self.call.result_
+        if result is not None:  # it ended while the panel was drawn
+            self.on_end(result)
+
+    def feed(self) -> None:
+        for rank, text in self.logs.read().items():
+            self.panel.on_output(rank, text)
+
+    def on_phase(self, phase: Any) -> None:
+        self.panel.on_phase(phase)
+
+    def on_rank_state(self, rank: int, state: RankState) -> None:
+        self.panel.on_rank_state(rank, state)
+
+    def poll(self) -> None:
+        with self.lock:
+            if not self.ended:
+                self.feed()
+                self.panel.poll()
+
+    def on_end(self, result: JobResult) -> None:
+        with self.lock:
+            if self.ended:
+                return
+            self.ended = True
+            self.feed()
+            self.panel.on_end(result)
+
+
+def _sampler(call: DistributedCall) -> ResourceSampler | None:
+    return next((x for x in call.listeners or () if isinstance(x, ResourceSampler)), None)
+
+
+def record_of(call: DistributedCall) -> dict[str, str]:
+    """The static record of an ended call, rebuilt from its run directory."""
+    result = call.job()
+    n = result.spec.world_size
+    tails = [TailBuffer() for _ in range(n)]
+    for rank, text in LogReader(result.run_dir, n).read().items():
+        tails[rank].feed(text)
+    metrics = MetricsTail(result.run_dir, n)
+    metrics.poll()
+    sampler = _sampler(call)
+    logs = RunDir(result.run_dir).logs(n)
+    return record_bundle(result, tails, logs, call.link, metrics, peaks=sampler.peaks() if sampler else None)
+
+
+def show(call: DistributedCall) -> None:
+    """Draw `call` here: its record if it ended, a live panel (or the lines so far) if it runs."""
+    from IPython.display import display
+
+    if call.done():
+        display(record_of(call), raw=True)
+        return
+    deadline = time.monotonic() + 120  # a running call has its context a moment after its listeners start
+    while call.ctx is None and call.status != "waiting" and not call.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if call.done():
+        display(record_of(call), raw=True)
+        return
+    if call.ctx is None:
+        print(f"air_magic: call {call.id} ({call.spec.name}) is {call.status}: it waits for {call.waiting_for}.")
+        return
+    mode = display_mode()
+    if mode == "panel" or (mode == "auto" and in_widget_kernel()):
+        from .starting import StartingLine
+        from .widgets import Panel
+
+        Follow(call, Panel(StartingLine(call.spec), resources=_sampler(call))).attach()
+        return
+    for rank, text in LogReader(call.run_dir, call.spec.world_size).read().items():
+        print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()), end="")
+    print(f"air_magic: call {call.id} ({call.spec.name}) is {call.status}; logs in {call.run_dir}")

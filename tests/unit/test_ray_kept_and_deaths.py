@@ -1,0 +1,102 @@
+"""What Ray holds and says, as plain objects: the spares' default, the listing of kept actors, and the error for a
+worker that did not register in time (no Ray, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from air_magic.launch.ray import cluster
+from air_magic.launch.ray.deaths import REGISTER_TIMEOUT_ENV, WorkerNotRegistered, not_registered
+from air_magic.launch.ray.hot import HotWorld
+from air_magic.launch.ray.launcher import held_line
+from air_magic.launch.ray.placement import LaunchError
+from air_magic.launch.ray.starting import Starting
+
+#: Ray's words for an actor whose worker the raylet ended before it registered (the exit detail of Ray 2.60).
+BARE = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: RankActor\n\tactor_id: 5f2c\n\t"
+    "pid: 4242\n\tnamespace: 0e1f\n\tip: 127.0.0.1\nThe actor is dead because its worker process has died. "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. "
+    "End of file. Some common causes include: (1) the process was killed by the OOM killer due to high memory usage"
+)
+
+
+class ActorDiedError(Exception):
+    """Stands in for ray.exceptions.ActorDiedError (named the same; tests/unit imports no Ray)."""
+
+
+class FailsAtFirstAnswer(Starting):
+    """A call's start whose actors' first answer (`where`) fails with `error`."""
+
+    class Actor:
+        class where:  # the shape of a Ray actor method
+            @staticmethod
+            def remote(first: bool) -> object:
+                return object()
+
+    def __init__(self, error: BaseException) -> None:
+        self.actors = [self.Actor(), self.Actor()]
+        self.error = error
+
+    def _wait(self, refs: list, limit: float, what: str) -> list:
+        raise self.error
+
+
+def test_a_worker_that_did_not_register_in_time_is_named_with_its_setting_raised_from_rays_error():
+    """Ray's bare "connection error code 2" death at a rank's first answer becomes a LaunchError that names the busy
+    node and RAY_worker_register_timeout_seconds, raised from Ray's error."""
+    bare = ActorDiedError(BARE)
+    with pytest.raises(WorkerNotRegistered) as caught:
+        FailsAtFirstAnswer(bare)._start_ranks()
+    error = caught.value
+    assert isinstance(error, LaunchError) and error.__cause__ is bare
+    assert "too busy to start the worker in time" in str(error) and REGISTER_TIMEOUT_ENV in str(error)
+
+
+def test_other_errors_at_the_first_answer_are_left_as_they_are():
+    """Another actor death, or the same words outside an actor death, are not read as a registration timeout."""
+    for other in (
+        ActorDiedError("The actor died because its node died. Worker exit type: NODE_DIED"),
+        RuntimeError("connection error code 2"),
+        LaunchError("starting the ranks' Ray actors did not happen within 300 s"),
+    ):
+        assert not_registered(other) is None
+        with pytest.raises(type(other)) as caught:
+            FailsAtFirstAnswer(other)._start_ranks()
+        assert caught.value is other
+
+
+@pytest.fixture
+def no_spares_kept(monkeypatch):
+    """ray_init's decision alone: what turning spares off would end is recorded, not asked of Ray."""
+    ended: list[str] = []
+    monkeypatch.setattr(cluster, "_end_spares", [lambda: ended.append("spares")])
+    monkeypatch.setattr(cluster, "_spare_idle", cluster.spare_idle())
+    monkeypatch.setattr(cluster, "_started_here", False)
+    return ended
+
+
+def test_spares_are_on_by_default_only_for_a_ray_started_here(no_spares_kept, monkeypatch):
+    """Default spares: off (and any kept ended) on a joined cluster, 300 s where ray_init started Ray; True or a
+    number turns them on anywhere."""
+    cluster._set_spares(None)
+    assert cluster.spare_idle() == 0 and no_spares_kept == ["spares"]
+    cluster._set_spares(True)
+    assert cluster.spare_idle() == cluster.SPARE_IDLE
+    cluster._set_spares(120)
+    assert cluster.spare_idle() == 120
+    monkeypatch.setattr(cluster, "_started_here", True)
+    cluster._set_spares(None)
+    assert cluster.spare_idle() == cluster.SPARE_IDLE and no_spares_kept == ["spares"]
+
+
+def test_the_listing_says_what_kept_actors_hold_and_when_they_end():
+    """A spare set and an idle hot world: nodes, CPUs or GPUs per node, idle time and time left; a busy one runs."""
+    spare = HotWorld("spare/2x1/False/torch/{}", ["a", "b"], None, [], "", 0, 300.0, busy=False, spare=True)
+    spare.idle_since = 100.0
+    assert held_line(spare, 112.0) == (
+        "Ray spare actors: 2 node(s) with 1 CPU each; idle 12 s, ends after 288 s more idle "
+        "(%distributed_release ends them)"
+    )
+    hot = HotWorld("0a1b/2x4/True", list("abcdefgh"), None, [], "127.0.0.1", 1234, 600.0)
+    assert held_line(hot, 5.0).startswith("Ray hot ranks: 2 node(s) with 4 CPU and 4 GPU each; running a call")
