@@ -55,3 +55,27 @@ def test_the_rule_catches_a_module_that_starts_a_process(tmp_path):
     probe = tmp_path / "test_probe.py"
     probe.write_text("import subprocess\nfrom helpers import Kernel\nimport os\nos.fork()\n")
     assert [v.split(" ", 1)[1] for v in _violations(probe)] == ["imports subprocess", "imports helpers", "calls fork()"]
+
+
+class _Item:
+    """What tests/conftest.py reads of a collected test: its id, its fixtures (with those they use) and its marks."""
+
+    def __init__(self, nodeid: str, fixturenames: list[str], slow: bool) -> None:
+        self.nodeid, self.fixturenames, self.slow = nodeid, fixturenames, slow
+
+    def get_closest_marker(self, name: str):
+        return object() if name == "slow" and self.slow else None
+
+
+def test_a_test_that_starts_processes_without_the_slow_mark_is_named():
+    """Collection refuses a test that uses a kernel, a cluster or another process-starting fixture (or a fixture
+    built on one) unless it is marked slow, so `make check` (-m "not slow") starts nothing."""
+    import conftest
+
+    items = [
+        _Item("a.py::uses_kernel", ["workdir", "kernel"], slow=False),
+        _Item("a.py::uses_cluster_through_ray_kernel", ["ray_kernel", "cluster", "workdir"], slow=False),
+        _Item("a.py::marked", ["kernel"], slow=True),
+        _Item("a.py::pure", ["tmp_path"], slow=False),
+    ]
+    assert conftest.unmarked_slow(items) == ["a.py::uses_kernel", "a.py::uses_cluster_through_ray_kernel"]
