@@ -21,7 +21,7 @@ from .errors import (
 )
 from .job import JobResult, JobStatus, RankResult, RankState
 from .launch import ray_init
-from .launch.session import Placeholder, Ref
+from .launch.rank.session import Placeholder, Ref
 from .payload import PayloadSizeWarning
 from .stopping import should_stop
 from .sweep import sweep

@@ -25,7 +25,7 @@ from typing import Any
 from . import ledger, payload, sessions
 from .errors import AirMagicError, ConfigurationError, JobCancelledError
 from .job import JobResult, JobSpec, JobStatus, RankState
-from .launch.rundir import RunDir
+from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"

@@ -3,7 +3,7 @@ from it (`DistributedCall.from_run_dir`) after a kernel restart. The one owner o
 
 The record says what the call was (name, front door, ranks, accelerator type), how it ended, when, its MLflow
 run, each rank's state and exit code, and its error in one line; the ranks' logs, results and error records
-beside it (launch/rundir.py) give the rest. Not for: running anything again.
+beside it (launch/files/rundir.py) give the rest. Not for: running anything again.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from .errors import AirMagicError, JobCancelledError, RankFailedError
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
-from .launch.rank_files import outcome
-from .launch.rundir import RunDir
+from .launch.files.rank_files import outcome
+from .launch.files.rundir import RunDir
 
 #: The record's file name in the run directory.
 RECORD = "call.json"

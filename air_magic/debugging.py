@@ -1,7 +1,7 @@
 """Debuggers of ranks, as the notebook serves them: prompts answered in the cell, attaching, post-mortems.
 
 A rank stopped at `breakpoint()` waits at a prompt written to the call's run
-directory (launch/debug_channel.py, launch/rank_debugger.py). `DebugServer`
+directory (launch/files/debug_channel.py, launch/rank/debugger.py). `DebugServer`
 is what the runner's wait loop asks, in a foreground call: it prints what the
 rank's debugger printed and asks for the next command with `input()`, which in
 a Jupyter kernel is the standard input request of the running cell. Prompts of
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ConfigurationError
-from .launch import debug_channel
-from .launch.debug_channel import Prompt
-from .launch.rundir import RunDir, runs_root
+from .launch.files import debug_channel
+from .launch.files.debug_channel import Prompt
+from .launch.files.rundir import RunDir, runs_root
 
 #: Seconds a rank being stepped keeps the turn after an answer, before another rank's prompt is served.
 FOCUS = 2.0

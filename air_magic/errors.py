@@ -1,6 +1,6 @@
 """The exception tree users see, and the small helpers that word failures.
 
-How an exception crosses from a rank to the notebook is launch/errorfile.py.
+How an exception crosses from a rank to the notebook is launch/files/errorfile.py.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class JobSpec:
     num_nodes: int = 1
     #: Times the whole world may start again after a rank fails (raises, dies, is killed, loses its node).
     max_restarts: int = 0
-    #: A session's name: the call runs in that session's hot ranks and namespace (launch/session.py).
+    #: A session's name: the call runs in that session's hot ranks and namespace (launch/rank/session.py).
     session: str | None = None
     #: The ranks of the session that run the call; None: every rank.
     ranks: tuple[int, ...] | None = None

@@ -4,7 +4,7 @@ A module the notebook imported from a file that no installed distribution
 provides and that lies outside site-packages and the standard library (a
 `helpers.py` beside the notebook, a package folder on a `sys.path` entry of
 the user's) is the notebook's own: it travels with every call, pickled by
-value (payload.py) and as code a rank imports by name (launch/carried.py).
+value (payload.py) and as code a rank imports by name (launch/rank/carried.py).
 This module finds those modules and reads their code as the notebook
 imported it (`remember`, after every cell and at every call; again after
 `importlib.reload`), so that a rank runs what the notebook runs even when the
@@ -24,7 +24,7 @@ import sysconfig
 from functools import lru_cache
 from types import ModuleType
 
-from .launch.carried import Carried, Module
+from .launch.rank.carried import Carried, Module
 
 
 @lru_cache(maxsize=1)

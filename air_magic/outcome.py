@@ -5,7 +5,7 @@ only reads what an attempt left behind (each rank's `RankOutcome`, exit code
 and log, how the runner stopped it) and says what the call returns or raises:
 the first failing rank's own exception with the other failures noted, a
 `WorkerDiedError` with the tail of a rank's log, a timeout or cancel naming
-where each rank was (launch/stack_dumps.py), a full disk said as such, or
+where each rank was (launch/files/stack_dumps.py), a full disk said as such, or
 every rank's return value rebuilt here with a warning for large ones.
 `AttemptOutcome` is the runner's base class: it holds no state of its own.
 """
@@ -33,8 +33,8 @@ from .errors import (
 )
 from .job import JobResult, JobSpec, StopReason
 from .launch import protocol as p
-from .launch.rundir import RunDir
-from .launch.stack_dumps import where_ranks_were
+from .launch.files.rundir import RunDir
+from .launch.files.stack_dumps import where_ranks_were
 from .payload import _user_stacklevel as user_stacklevel
 
 #: Characters of an earlier attempt's failure kept in the note of the call's error.

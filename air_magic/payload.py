@@ -7,7 +7,7 @@ package folder on a `sys.path` entry outside site-packages and the standard
 library) travel by value too, so a rank runs the notebook's copy even on a
 node where that file is missing or older, and their code travels beside the
 call so that an `import` of one on a rank finds the notebook's copy
-(notebook_code.py, launch/carried.py); installed packages and the standard
+(notebook_code.py, launch/rank/carried.py); installed packages and the standard
 library are imported by name on the rank. When something does not
 pickle, this module finds which argument or global is to blame and says so,
 before any worker starts. It does not start processes or read results.
@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 
 from .errors import SerializationError
-from .launch.carried import pack
+from .launch.rank.carried import pack
 from .notebook_code import carried_modules, notebook_modules
 
 #: Payloads above this many bytes get a PayloadSizeWarning.
@@ -181,7 +181,7 @@ def serialize(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
 
     Notebook modules (see `notebook_modules`) go by value; if one of them holds something that cannot
     be pickled, the call falls back to importing them by name on the ranks. Either way their code travels
-    too (`carried_modules`, launch/carried.py), so an `import` of one of them on a rank finds the notebook's copy.
+    too (`carried_modules`, launch/rank/carried.py), so an `import` of one of them on a rank finds the notebook's copy.
     """
     call = (target, args, kwargs, cell_sources(target))
     try:

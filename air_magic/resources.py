@@ -21,7 +21,7 @@ NVML is read here and CUDA is never initialized. Without nvidia-ml-py, a
 driver, or a GPU call, only CPU and memory are sampled. The ranks of a call
 across several nodes (Ray) are processes of other machines: each is sampled
 on its node (CPU and memory) and its figures arrive with its output
-(launch/rank_files.py's usage file); their GPUs are not read yet. Sampling
+(launch/files/rank_files.py's usage file); their GPUs are not read yet. Sampling
 never blocks the call: it runs on its own thread and
 `psutil.cpu_percent(interval=None)` does not sleep.
 
@@ -41,8 +41,8 @@ from typing import Any
 import psutil
 
 from .job import JobResult, JobSpec
-from .launch.rank_files import read_usage
-from .launch.rundir import RunDir
+from .launch.files.rank_files import read_usage
+from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
 
 #: Seconds between two samples.

@@ -42,11 +42,13 @@ from .errors import (
     annotate,
 )
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
-from .launch import flight_recorder, launcher_for, session, used
+from .launch import launcher_for, used
 from .launch import protocol as p
 from .launch.env import cpu_launch_env
+from .launch.files import flight_recorder
+from .launch.files.rundir import RunDir, attempt_marker
 from .launch.interface import JobHandle, Launcher
-from .launch.rundir import RunDir, attempt_marker
+from .launch.rank import session
 from .launch.stopper import STOP_GRACE
 from .listeners import Listener, RunContext
 from .outcome import AttemptOutcome

@@ -1,6 +1,6 @@
 """Sessions as the notebook sees them: which exist, what their ranks hold, how each ended, and the calls on them.
 
-The state itself lives on the ranks (launch/session.py) and the processes in
+The state itself lives on the ranks (launch/rank/session.py) and the processes in
 the launcher's hot ranks (launch/local/pool.py, launch/ray/hot.py); this module keeps the
 notebook's record of each session, so that a cell asking for another world
 under a session's name is refused before anything starts, an end is never
@@ -27,7 +27,7 @@ from . import launch, ledger, runner
 from .errors import ConfigurationError, annotate
 from .job import JobResult, JobSpec
 from .launch.interface import ENDED_BY_USER
-from .launch.session import Pull, Push, Reset, SessionOp
+from .launch.rank.session import Pull, Push, Reset, SessionOp
 from .listeners import Listener
 
 #: The session of `--session` given without a name.
@@ -361,7 +361,7 @@ def with_session(spec: JobSpec, name: str | None, ranks: tuple[int, ...] | None)
 def post_mortem(session: str, rank: int | None = None) -> None:
     """Open the debugger on the error that `rank` of `session` keeps (default: the rank that raised first)."""
     from .debugging import NOT_IN_SESSION
-    from .launch.rank_debugger import LastError, PostMortem
+    from .launch.rank.debugger import LastError, PostMortem
 
     alive = live()
     if session not in alive:

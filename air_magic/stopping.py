@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from . import envvars
-from .launch.rundir import RunDir
+from .launch.files.rundir import RunDir
 
 #: A rank looks at the flag's file at most this often, in seconds; between two looks it answers from memory.
 CHECK_EVERY = 0.05

@@ -25,7 +25,8 @@ for name in ("air_magic", "air_magic.launch"):  # the modules alone, without the
     module.__path__ = [str(ROOT / name.replace(".", "/"))]
     sys.modules[name] = module
 
-from air_magic.launch import flight_recorder, stacks
+from air_magic.launch import stacks
+from air_magic.launch.files import flight_recorder
 
 RANK = """
 import os, sys, datetime, torch, torch.distributed as dist

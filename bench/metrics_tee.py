@@ -70,7 +70,7 @@ out["tee_alone_metrics4_us"] = [time_loop(fake.log_metrics, True) for _ in range
 os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"] = run_dir
 mlflow.flush_async_logging()
 from pathlib import Path
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files.rundir import RunDir
 lines = sum(1 for _ in open(RunDir(Path(run_dir)).chart_metrics(0)))
 out["lines_written"] = lines
 print(json.dumps(out))

@@ -8,8 +8,8 @@ import time
 import cloudpickle
 
 from air_magic.launch import protocol as p
+from air_magic.launch.files.rundir import RunDir
 from air_magic.launch.interface import JobHandle, Launcher
-from air_magic.launch.rundir import RunDir
 
 WORLD = 2
 

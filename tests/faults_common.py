@@ -15,7 +15,7 @@ from helpers import leftover_processes
 
 from air_magic import distributed, runner
 from air_magic.job import JobResult, RankState
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files.rundir import RunDir
 from air_magic.listeners import Listener, RunContext
 
 _LOGS_IN = re.compile(r"air_magic: .* logs in (\S+)")

@@ -224,7 +224,8 @@ def test_what_ray_ranks_log_to_mlflow_and_use_reaches_the_panel_and_the_record(c
             "from air_magic.display.charts import MetricsTail, charts_text\n"
             "run = max(Path(os.environ['AIR_MAGIC_RUNS_DIR']).iterdir(), key=lambda p: p.stat().st_mtime)\n"
             "tail = MetricsTail(run, 2)\ntail.poll()\nprint(charts_text(tail))\n"
-            "from air_magic.launch.rank_files import read_usage\nfrom air_magic.launch.rundir import RunDir\n"
+            "from air_magic.launch.files.rank_files import read_usage\n"
+            "from air_magic.launch.files.rundir import RunDir\n"
             "used = [read_usage(RunDir(run).usage(r), fresh=600) for r in range(2)]\n"
             "print('USED', [u is not None and u[1] > 10 * 2**20 for u in used])\n"
         ).check()

@@ -25,7 +25,7 @@ from air_magic.errors import (
     JobCancelledError,
 )
 from air_magic.job import JobStatus, RankState
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files.rundir import RunDir
 
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 

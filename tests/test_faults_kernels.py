@@ -16,7 +16,7 @@ from faults_common import (
 )
 from helpers import Kernel, leftover_processes, reported
 
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files.rundir import RunDir
 
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 

@@ -23,7 +23,7 @@ from air_magic.errors import (
     RunDirectoryFullError,
 )
 from air_magic.job import JobStatus
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files.rundir import RunDir
 
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
@@ -168,7 +168,7 @@ def test_a_rank_that_fails_on_a_full_disk_still_reports_its_own_exception(tiny_d
 def test_an_error_record_too_long_for_its_reserve_keeps_the_end_of_its_traceback(tmp_path):
     """A huge message and traceback still fit the space set aside: the record stays readable and keeps where it
     failed."""
-    from air_magic.launch.errorfile import read_error_file, write_error_file
+    from air_magic.launch.files.errorfile import read_error_file, write_error_file
 
     run = RunDir(tmp_path)
     run.reserve_error_record(0)

@@ -239,7 +239,7 @@ except Exception as exc:
     report = reported(out.stdout)
     assert report["type"] == "DistributedTimeoutError", report
     assert "rank 0: in read_batches (" in report["message"], report["message"]
-    from air_magic.launch.stack_dumps import parse
+    from air_magic.launch.files.stack_dumps import parse
 
     dumps = parse((_run_dir(report["message"]) / "rank-0.log").read_text())
     worker = [d for d in dumps if not d.of_rank]

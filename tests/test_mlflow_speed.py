@@ -298,7 +298,7 @@ def test_worker_side_modules_import_no_mlflow_ipython_or_widgets():
     """A rank that imports the hook, the chart writer and the worker has no mlflow, IPython or ipywidgets."""
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-        "import air_magic.tracking.hook, air_magic.tracking.tee, air_magic.launch.worker; "
+        "import air_magic.tracking.hook, air_magic.tracking.tee, air_magic.launch.rank.worker; "
         "print(sorted(m for m in ('mlflow', 'IPython', 'ipywidgets') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

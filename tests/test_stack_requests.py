@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from air_magic.launch import stacks
-from air_magic.launch.stack_dumps import parse
+from air_magic.launch.files.stack_dumps import parse
 from air_magic.launch.stacks import STOPPING
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 _PROBE = """
 import tempfile, weakref, torch
-from air_magic.launch.worker import _skip_teardown_finalizers
+from air_magic.launch.rank.worker import _skip_teardown_finalizers
 kept = tempfile.TemporaryDirectory()
 registry = weakref.finalize._registry
 torch_libs = [f for f, info in registry.items() if info.func is torch.library._del_library]

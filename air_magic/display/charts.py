@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from ..launch.rundir import RunDir
+from ..launch.files.rundir import RunDir
 from ..tracking.tee import decode
 
 #: Points kept per metric and rank; past that every other point is dropped (the newest is always kept).

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..job import RankState
-from ..launch.rundir import RunDir
+from ..launch.files.rundir import RunDir
 from ..listeners import Listener
 from ..resources import ResourceSampler
 from . import display_mode, in_widget_kernel

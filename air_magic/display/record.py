@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
-from ..launch.stack_dumps import Dump
+from ..launch.files.stack_dumps import Dump
 from ..launch.stacks import STOPPING
 from ..resources import Peak, peak_text
 from .charts import MetricsTail, charts_html, charts_text

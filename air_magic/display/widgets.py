@@ -38,8 +38,8 @@ import ipywidgets as w
 from IPython.display import display
 
 from ..job import JobResult, JobSpec, RankState
-from ..launch.rundir import attempt_marker
-from ..launch.stack_dumps import Dump, StackScanner
+from ..launch.files.rundir import attempt_marker
+from ..launch.files.stack_dumps import Dump, StackScanner
 from ..listeners import Listener, RunContext
 from ..phase import Phase
 from ..resources import ResourceSampler, header_text, peak_text, usage_text

@@ -1,15 +1,24 @@
-"""The process boundary: where ranks run, behind one Launcher interface.
+"""The process boundary: where ranks run, behind one Launcher interface, laid out by the process each part runs in.
 
-interface.py  the Launcher and JobHandle the runner talks to
-come_back.py  how a session's call is asked to come back before its ranks are stopped (every launcher)
-protocol.py   the typed requests and events that cross the boundary
-rundir.py     the run directory: its layout and privacy (the only place its paths are built)
-env.py        the torchrun variables of a rank, for every launcher
-boot.py       how air_magic's own processes start (boot line, package location, internal-error exit code)
-stopper.py    stopping process trees (SIGTERM, grace, SIGKILL) for every helper
-local/        the local launcher: one supervisor process per kernel, ranks on this machine
-rendezvous.py worker.py errorfile.py session.py   what runs in the store and rank processes, either launcher
-ray/          the Ray launcher: ranks as Ray actors on several machines (imports Ray only when used)
+In the notebook:
+  interface.py  the Launcher and JobHandle the runner talks to (this module picks one: `launcher_for`)
+  local/launcher.py, ray/  the launchers' notebook side (Ray's whole launcher runs in the notebook)
+In the helper (one supervisor process per kernel, local calls only):
+  local/        supervisor loop, preload cache, hot pools, spawning (everything but local/launcher.py)
+  rendezvous.py the rendezvous store's own small process
+In a rank (forked by the helper, spawned fresh, or a Ray actor):
+  rank/         worker (runs a call), session namespace, carried notebook code, the rank's debugger
+The run directory's formats (one module per file kind; every reader and writer uses it):
+  files/        rundir (every path), rank_files (logs, usage, metrics), errorfile, stack_dumps,
+                debug_channel, flight_recorder
+Shared by every process:
+  keeper.py     the rules of kept worlds (hot, session, spare) that local/pool.py and ray/hot.py adapt
+  protocol.py   the typed requests and events that cross a process
+  env.py        the torchrun variables of a rank, for every launcher
+  boot.py       how air_magic's own processes start (boot line, package location, internal-error exit code)
+  come_back.py  how a session's call is asked to come back before its ranks are stopped
+  stacks.py     asking a rank where it is (the rank installs the handler, the helper or actor asks)
+  stopper.py    stopping process trees (SIGTERM, grace, SIGKILL)
 
 This module is the one door to the launchers: nothing outside launch/ imports local/ or ray/.
 It picks the launcher of a call (`launcher_for`) and resolves the call's shape where that launcher

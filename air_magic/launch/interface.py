@@ -13,8 +13,8 @@ import queue
 from abc import ABC, abstractmethod
 
 from ..phase import Phase
+from .files.rundir import RunDir
 from .protocol import Event, JobRequest
-from .rundir import RunDir
 
 #: Why a session ended when its user ended it (`%distributed_session --end`).
 ENDED_BY_USER = "%distributed_session --end ended it"
@@ -76,7 +76,7 @@ class Launcher(ABC):
     #: one it lacks, before anything starts. "keep_alive": hot ranks kept between calls; "warm": ranks
     #: forked from a warm helper (`warm=`); "session": calls of a named session share hot ranks that keep a
     #: namespace and outlive a user error (JobRequest.session); "debug": a rank's `breakpoint()` is answered from
-    #: the notebook through the run directory (launch/debug_channel.py).
+    #: the notebook through the run directory (launch/files/debug_channel.py).
     supports: frozenset[str] = frozenset()
 
     def prepare(self) -> Phase | None:

@@ -52,7 +52,7 @@ class JobRequest:
     #: take beyond the first (TORCHELASTIC_MAX_RESTARTS). Each attempt is a job of its own.
     restart_count: int = 0
     max_restarts: int = 0
-    #: A session's name: the ranks keep a namespace between calls (launch/session.py) and outlive a call that
+    #: A session's name: the ranks keep a namespace between calls (launch/rank/session.py) and outlive a call that
     #: raised; None for a call that is a whole program.
     session: str | None = None
     #: The ranks of a session that run this call (the others run nothing); None: every rank.

@@ -37,7 +37,7 @@ from types import ModuleType
 from typing import Any
 
 from ..envvars import INTERNAL_RUN_DIR, MLFLOW_RELAY, MLFLOW_RUN_ID
-from ..launch.rundir import RunDir
+from ..launch.files.rundir import RunDir
 from . import _compat
 from .tee import TeeWriter
 

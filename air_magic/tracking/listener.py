@@ -261,7 +261,7 @@ class MlflowTracker(Listener):
         """Log to the run what relayed ranks wrote to their metrics files since the last time."""
         from mlflow.entities import Metric, Param, RunTag
 
-        from ..launch.rundir import RunDir
+        from ..launch.files.rundir import RunDir
         from .relay import decode_batch, read_batches
 
         assert self.run_id is not None and self._ctx is not None

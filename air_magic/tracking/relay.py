@@ -33,7 +33,7 @@ from mlflow.entities import LifecycleStage, Run, RunData, RunInfo, RunStatus
 from mlflow.store.tracking.abstract_store import AbstractStore
 
 from ..envvars import INTERNAL_RUN_DIR
-from ..launch.rundir import RunDir
+from ..launch.files.rundir import RunDir
 from . import _compat
 
 SCHEME = "air-magic-relay"

@@ -97,7 +97,7 @@ def local_ui(store_uri: str, jupyter_base: str | None) -> LocalUI:
             listener.listen(128)
             port = int(listener.getsockname()[1])
             prefix = absolute_proxy_path(jupyter_base, port) if jupyter_base is not None else ""
-            from ..launch.rundir import helper_log
+            from ..launch.files.rundir import helper_log
 
             log_path = helper_log("mlflow-ui", os.getpid(), port)
             cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store_uri, "--workers", "1"]

@@ -15,8 +15,9 @@ import pytest
 from air_magic import envvars
 from air_magic.debugging import DebugServer
 from air_magic.errors import DebuggerQuit
-from air_magic.launch import debug_channel, rank_debugger
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files import debug_channel
+from air_magic.launch.files.rundir import RunDir
+from air_magic.launch.rank import debugger as rank_debugger
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from air_magic.launch import flight_recorder as fr
+from air_magic.launch.files import flight_recorder as fr
 
 
 def _entry(seq: int, name: str = "all_reduce", state: str = "completed", pg: tuple[str, str] = ("0", "default_pg")):

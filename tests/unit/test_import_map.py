@@ -98,6 +98,28 @@ def test_the_ray_launcher_does_not_import_the_local_one():
     assert _crossings(("launch.ray",), ("launch.local",)) == []
 
 
+def test_a_rank_imports_nothing_of_the_notebooks_or_the_helpers_side():
+    """launch/rank/ (what runs in a rank) reaches no launcher, no launcher interface, no helper and no keeper."""
+    notebook_or_helper = ("launch.local", "launch.ray", "launch.interface", "launch.keeper", "launch.rendezvous")
+    assert _crossings(("launch.rank",), notebook_or_helper) == []
+
+
+def test_the_run_directorys_formats_start_nothing_and_know_no_process():
+    """launch/files/ (the run directory's formats) imports no launcher, rank, keeper or process stopper."""
+    processes = ("launch.local", "launch.ray", "launch.rank", "launch.interface", "launch.keeper", "launch.stopper")
+    assert _crossings(("launch.files",), processes) == []
+
+
+def test_the_walls_of_the_layout_see_real_imports():
+    """Each layout wall reads imports that exist (a wall that reads nothing guards nothing)."""
+    assert "air_magic.launch.rank.worker imports air_magic.launch.files.rundir" in _crossings(
+        ("launch.rank",), ("launch.files",)
+    )
+    assert "air_magic.launch.local.pool imports air_magic.launch.keeper" in _crossings(
+        ("launch.local",), ("launch.keeper",)
+    )
+
+
 def test_only_launch_imports_a_launcher():
     """Outside launch/, a launcher is reached through `air_magic.launch` (launcher_for, check_shape, ...)."""
     assert _crossings(("",), ("launch.local", "launch.ray"), unless=("launch",)) == []

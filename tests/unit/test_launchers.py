@@ -12,9 +12,9 @@ from air_magic.display.starting import waiting_for
 from air_magic.errors import ConfigurationError
 from air_magic.job import JobSpec
 from air_magic.launch import protocol as p
+from air_magic.launch.files.rundir import RunDir
 from air_magic.launch.interface import JobHandle, Launcher
 from air_magic.launch.local import LocalLauncher
-from air_magic.launch.rundir import RunDir
 from air_magic.runner import check_supported
 
 

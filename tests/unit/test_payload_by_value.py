@@ -10,8 +10,8 @@ import cloudpickle
 import pytest
 
 from air_magic import payload
-from air_magic.launch import carried
-from air_magic.launch.carried import load_call
+from air_magic.launch.rank import carried
+from air_magic.launch.rank.carried import load_call
 
 
 @pytest.fixture(autouse=True)

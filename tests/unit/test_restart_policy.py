@@ -14,7 +14,7 @@ from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, JobCancelledError, WorkerDiedError
 from air_magic.job import JobResult, JobSpec, JobStatus, RankState, StopReason
-from air_magic.launch.rundir import ERROR_RESERVE, RunDir
+from air_magic.launch.files.rundir import ERROR_RESERVE, RunDir
 from air_magic.listeners import Listener, RunContext
 
 

@@ -9,8 +9,8 @@ import cloudpickle
 import pytest
 
 from air_magic.cell import CellProgram
-from air_magic.launch import session
 from air_magic.launch.local.pool import Pool
+from air_magic.launch.rank import session
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,8 @@ import os
 import threading
 from pathlib import Path
 
-from air_magic.launch import stack_dumps, stacks
-from air_magic.launch.stack_dumps import StackScanner, parse, where_ranks_were
+from air_magic.launch.files import stack_dumps
+from air_magic.launch.files.stack_dumps import StackScanner, parse, where_ranks_were
 from air_magic.launch.stacks import STOPPING
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import pytest
 
 from air_magic import envvars, stopping
 from air_magic.launch import stacks
-from air_magic.launch.stack_dumps import parse
+from air_magic.launch.files.stack_dumps import parse
 
 
 @pytest.fixture

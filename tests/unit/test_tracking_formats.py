@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from air_magic.jupyter import absolute_proxy_path, jupyter_base_url
-from air_magic.launch.rundir import RunDir
+from air_magic.launch.files.rundir import RunDir
 from air_magic.tracking import _compat, tee
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import protocol as p
-from ..rundir import RunDir
+from ..files.rundir import RunDir
 
 
 class Inbox:

@@ -25,9 +25,9 @@ from ...errors import AirMagicError, describe_returncode
 from ...phase import Phase
 from .. import protocol as p
 from ..boot import PACKAGE_PARENT, boot_command, warm_default
+from ..files.rank_files import LogTail, outcome
+from ..files.rundir import RunDir, helper_log, write_private
 from ..interface import ENDED_BY_USER, JobHandle, Launcher, drain
-from ..rank_files import LogTail, outcome
-from ..rundir import RunDir, helper_log, write_private
 from ..stopper import STOP_GRACE, close_by_eof
 
 #: The supervisor's module: its command line names it.

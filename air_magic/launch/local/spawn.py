@@ -20,8 +20,8 @@ from pathlib import Path
 
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR, PACKAGE_PARENT, boot_command
+from ..rank.worker import DONE_FD_ENV
 from ..rendezvous import STORE_FD
-from ..worker import DONE_FD_ENV
 from .preload import Preloaded
 
 #: The descriptor a spawned worker's done pipe arrives on.
@@ -90,11 +90,11 @@ class Spawner:
         if not msg.fork:
             args, fds = [msg.run_dir, str(rank)], ({DONE_FD: done} if done is not None else None)
             return spawn(
-                msg.executable, "air_magic.launch.worker", args, env, log=log, fds=fds, parent=msg.package_parent
+                msg.executable, "air_magic.launch.rank.worker", args, env, log=log, fds=fds, parent=msg.package_parent
             )
 
         def body() -> int:
-            from ..worker import run_forked
+            from ..rank.worker import run_forked
 
             for fd in close:
                 try:

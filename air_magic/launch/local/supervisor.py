@@ -55,8 +55,8 @@ from ...errors import describe_returncode
 from .. import protocol as p
 from ..come_back import COME_BACK, Interrupt
 from ..env import loopback_sockets, torchrun_env
+from ..files.rundir import RunDir
 from ..keeper import SessionBusy
-from ..rundir import RunDir
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
 from .inbox import Inbox
 from .jobs import Job

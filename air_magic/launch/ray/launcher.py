@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from .. import protocol as p
+from ..files.rundir import RunDir
 from ..interface import ENDED_BY_USER, Launcher
-from ..rundir import RunDir
 from .cluster import require_connected, spares_off
 from .hot import HotWorld
 from .pump import RayJob

@@ -29,9 +29,9 @@ from typing import Any
 from ...errors import WorkerDiedError
 from .. import protocol as p
 from ..boot import INTERNAL_ERROR
+from ..files.rundir import RunDir
 from ..interface import JobHandle, drain
 from ..keeper import SessionBusy
-from ..rundir import RunDir
 from . import spares
 from .cluster import alive_nodes
 from .ending import SessionCall

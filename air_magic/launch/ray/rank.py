@@ -45,8 +45,8 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from air_magic.launch.files.rundir import RunDir
     from air_magic.launch.protocol import ActorPlace, RankCall, RankFiles, RankReport
-    from air_magic.launch.rundir import RunDir
 
 _CHUNK = 1 << 20
 #: Seconds between two samples of what the rank uses (sent with its output).
@@ -100,7 +100,7 @@ class RankActor:
         import dataclasses
 
         from air_magic.envvars import INTERNAL_RUN_DIR
-        from air_magic.launch.rundir import RunDir, write_private
+        from air_magic.launch.files.rundir import RunDir, write_private
 
         if not self.done.is_set() and self.calls:
             raise RuntimeError("this rank's actor is still running a call")
@@ -128,8 +128,8 @@ class RankActor:
         return os.getpid()
 
     def _run(self, hot: bool, call: int) -> None:
-        from air_magic.launch import worker
         from air_magic.launch.boot import INTERNAL_ERROR
+        from air_magic.launch.rank import worker
 
         assert self.scratch is not None
         code, kept = INTERNAL_ERROR, False
@@ -165,7 +165,7 @@ class RankActor:
 
     def _tidy(self, call: int) -> None:
         if self.calls == call:
-            from air_magic.launch import worker
+            from air_magic.launch.rank import worker
 
             worker.tidy()
 
@@ -227,7 +227,7 @@ class RankActor:
 
     def interrupt(self) -> bool:
         """KeyboardInterrupt in the session call running now (session.interrupt_call); False if none runs."""
-        from air_magic.launch import session
+        from air_magic.launch.rank import session
 
         return not self.done.is_set() and session.interrupt_call()
 

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 from .. import protocol as p
-from ..rank_files import LogTail, outcome, write_usage
-from ..rundir import RunDir, write_private
+from ..files.rank_files import LogTail, outcome, write_usage
+from ..files.rundir import RunDir, write_private
 
 
 class Received:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from .. import protocol as p
-from ..rundir import RunDir
+from ..files.rundir import RunDir
 from . import packages, spares
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming

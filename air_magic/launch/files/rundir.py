@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..envvars import RUNS_DIR
-from ..errors import AirMagicError, ConfigurationError
+from ...envvars import RUNS_DIR
+from ...errors import AirMagicError, ConfigurationError
 
 #: Bytes set aside per rank for its error record: room for a long traceback.
 ERROR_RESERVE = 64 << 10
@@ -220,7 +220,7 @@ class RunDir:
     @property
     def flight_recorder(self) -> Path:
         """Where NCCL's flight recorder writes each rank's dump, and keeps the pipe that asks for one
-        (launch/flight_recorder.py)."""
+        (launch/files/flight_recorder.py)."""
         return self.path / "flight_recorder"
 
     @property

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from . import protocol as p
+from .. import protocol as p
 from .errorfile import read_error_file
 from .rundir import RunDir
 

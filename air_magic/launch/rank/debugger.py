@@ -33,16 +33,16 @@ import time
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-from .. import envvars
-from ..errors import DebuggerQuit
-from . import debug_channel
-from .rundir import RunDir
+from ... import envvars
+from ...errors import DebuggerQuit
+from ..files import debug_channel
+from ..files.rundir import RunDir
 from .session import Namespace, Reset, SessionOp
 
 #: Modules whose frames stepping never stops in.
 SKIP = ("air_magic", "air_magic.*")
 #: air_magic's modules that call the user's code: the debugger's stack starts below their last frame.
-CALLERS = frozenset({"air_magic.launch.worker", "air_magic.launch.session", "air_magic.cell", __name__})
+CALLERS = frozenset({"air_magic.launch.rank.worker", "air_magic.launch.rank.session", "air_magic.cell", __name__})
 #: What a command line to a pdb prompt is answered with when it ends the rank's debugging for now.
 ENDS = frozenset({"c", "cont", "continue", "q", "quit", "exit", "EOF"})
 

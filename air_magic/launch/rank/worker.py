@@ -22,18 +22,19 @@ import weakref
 from pathlib import Path
 from types import ModuleType
 
-from .. import envvars, portable
-from ..errors import SerializationError
-from . import rank_debugger, session
+from ... import envvars, portable
+from ...errors import SerializationError
+from ..files.errorfile import write_error_file
+from ..files.rundir import RunDir
+from ..protocol import HotCall, JobFile, decode
+from ..stacks import install as answer_stack_requests
+from ..stacks import pause as ignore_stack_requests
+from ..stopper import die_with_parent
+from . import debugger as rank_debugger
+from . import session
 from .carried import load_call
-from .errorfile import write_error_file
-from .protocol import HotCall, JobFile, decode
-from .rundir import RunDir
-from .stacks import install as answer_stack_requests
-from .stacks import pause as ignore_stack_requests
-from .stopper import die_with_parent
 
-#: False after a session call whose error leaves the rank unusable (launch/session.py::ends_session).
+#: False after a session call whose error leaves the rank unusable (launch/rank/session.py::ends_session).
 session_kept = False
 #: A hot rank idle this long after a call collects garbage and empties the CUDA cache.
 TIDY_AFTER = 0.2

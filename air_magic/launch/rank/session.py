@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import portable
+from ... import portable
 
 #: A session cell's last value pickled above this many bytes stays on the rank (as `_`) and a placeholder comes back.
 RESULT_LIMIT = 64 * 2**20

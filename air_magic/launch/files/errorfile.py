@@ -14,8 +14,8 @@ from pathlib import Path
 
 import cloudpickle
 
-from .. import portable
-from ..errors import RankFailedError, RemoteTraceback
+from ... import portable
+from ...errors import RankFailedError, RemoteTraceback
 from .rundir import write_private
 
 
