@@ -5,6 +5,9 @@ defaults users set in `ipython_kernel_config.py` (traitlets config on
 `DistributedMagics`), and registration. The cell becomes a `CellProgram`
 (cell.py) and takes the same path as the decorator: `Settings(...).spec(...)`
 then `runner.run(spec)`.
+
+Over 300 lines because it is the one module of IPython glue: every magic's options and help are declared here,
+the logic lives elsewhere.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ never blocks the call: it runs on its own thread and
 `psutil.cpu_percent(interval=None)` does not sleep.
 
 Imports neither ipywidgets nor mlflow: the display and the tracking read it.
+
+Over 300 lines because sampling CPU, memory and GPU use of a process tree, and the GPU's own readings, is one
+concern with many small parts.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ of that attempt is stopped and the launcher is asked for a new job, the same
 call with the next TORCHELASTIC_RESTART_COUNT, in the same run directory
 (`RunDir.begin_attempt`). Cancel, Ctrl-C, the timeout (which covers every
 attempt) and an attempt in which no rank started are never restarted.
+
+Over 300 lines because it is the one policy of a call (start, watch, timeout, cancel, stop, debug prompts,
+restart, collect), kept in one place on purpose.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ silent (said when it is seen, and again in the `NameError` of a name the lost
 ranks held), and `%distributed_session` answers without asking a busy rank.
 It also runs the calls that act on a session itself (push, pull, reset) and
 ends sessions. Both front doors go through `run`. No IPython here (magics.py).
+
+Over 300 lines because the notebook's side of every session operation (refuse, record, push, pull, reset, end,
+post-mortem) shares one record.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ publishes exactly its live pins. What live pins may hold is the reader's budget
 (`cache_need`): the caller checks it fits the cap before reading.
 
 Not for local sources: those are read in place and never enter the cache.
+
+Over 300 lines because a byte cap shared safely by several processes needs its locking, eviction and recovery
+together.
 """
 
 from __future__ import annotations

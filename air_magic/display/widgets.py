@@ -26,6 +26,9 @@ process starts, with its phase saying what it waits for. When the call ends,
 the panel's output is replaced by a static record (display/record.py) that
 needs no kernel and no widget state, so the saved notebook keeps it. While a
 call runs, display/busy.py keeps the kernel reading `busy`.
+
+Over 300 lines because it is the one module that imports ipywidgets, so the whole panel (tabs, buttons, charts,
+record) lives here.
 """
 
 from __future__ import annotations

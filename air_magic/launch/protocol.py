@@ -10,6 +10,8 @@ What each launcher guarantees, in event order, for one job:
 `RankExited` per rank (with its `RankOutcome`: the pickled result or the
 exception), then `JobGone` once every process of the job is gone.
 `LaunchFailed` and `LauncherDied` say why a job could not run or ended early.
+
+Over 300 lines because every message that crosses a process lives here by design, each a small dataclass.
 """
 
 from __future__ import annotations

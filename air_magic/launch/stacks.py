@@ -19,6 +19,9 @@ served at once. This module owns that format; stack_dumps.py reads it back.
 A rank's own process also gets its native frames, from py-spy (`native_stacks`),
 written into the same dump: where in C, C++ or CUDA code each thread waits.
 NCCL's flight recorder (flight_recorder.py) says which collective each rank is in.
+
+Over 300 lines because asking for stacks has three parts that must agree on one format: the rank's handler, the
+request, and py-spy's native frames.
 """
 
 from __future__ import annotations

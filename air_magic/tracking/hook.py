@@ -21,6 +21,9 @@ so a rank's `import mlflow` and first `log_metric` cost milliseconds).
 With AIR_MAGIC_MLFLOW_RELAY set (a rank on another machine than a local
 store), it also registers the relay store (relay.py) that the rank's
 tracking URI names.
+
+Over 300 lines because it is the only MLflow code that runs in a rank, and each logging entry point it wraps
+needs its own few lines.
 """
 
 from __future__ import annotations

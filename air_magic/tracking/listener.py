@@ -25,6 +25,9 @@ a second while they run and once more at the end.
 
 Runs in the notebook process only. The ranks get environment variables and
 the hook module (hook.py), which imports mlflow only if their code does.
+
+Over 300 lines because one run's life (create, nest, log settings and artifacts, end with the call's status) is
+one listener's job.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ log file in the run directory, the loss-free record; the job handle tails
 those files into `RankOutput` events and reads each rank's result or error
 file into its `RankExited`. When the kernel dies, the supervisor reads
 end-of-file on stdin and stops every worker it has.
+
+Over 300 lines because the client of the helper, its restarts when stale, and each job's handle share one pipe
+and its reader.
 """
 
 from __future__ import annotations

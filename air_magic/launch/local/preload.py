@@ -14,6 +14,8 @@ whose ranks need it (the supervisor's inbox.py decides): a call whose code names
 what a pending preparation brings (the hook's PRELOADS, e.g. "mlflow") has it finished
 first (`needed_by`), so its ranks, and every later call's, find it done instead of
 each importing it themselves.
+
+Over 300 lines because the warm helper's cache and its staleness checks must agree line by line.
 """
 
 from __future__ import annotations

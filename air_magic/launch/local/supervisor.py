@@ -36,6 +36,9 @@ of its work lives beside it:
   kernel is gone: every job is stopped and the supervisor exits.
 
 Policy (when to stop a job) belongs to the runner; this process carries it out.
+
+Over 300 lines because the helper's single-threaded loop must see every job, pipe and child in one place to stay
+fork-safe.
 """
 
 from __future__ import annotations

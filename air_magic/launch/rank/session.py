@@ -18,6 +18,9 @@ while the user's code runs there (`interruptible`).
 
 Runs in the worker (both launchers' ranks) and is imported by the notebook for
 `Ref` and `Placeholder`; it imports no IPython and no torch.
+
+Over 300 lines because a session's rules on the rank (what a cell may read, what wins, what ends it, what a call
+leaves) are one concern and read best together.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ listener's way in, such as the MLflow hook). Its stdout and stderr are
 already the rank's log file when it starts (the supervisor points file
 descriptors 1 and 2 at it), so C and CUDA writes land there too. Results and
 exceptions are pickled with every tensor on the CPU (portable.py).
+
+Over 300 lines because a rank's one job (run a call, leave its outcome) has fresh, forked and hot variants that
+share every step.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ air_magic on `sys.path` when that directory exists on the node: a cluster
 on the notebook's machine (or one sharing its filesystem) runs the
 notebook's own air_magic; other machines need air_magic installed, the
 same version, as for any library used with Ray.
+
+Over 300 lines because one actor class carries a rank's whole life on Ray (start, call, poll, stacks, stop,
+session), which Ray gives no finer seam for.
 """
 
 from __future__ import annotations
