@@ -105,15 +105,7 @@ class Settings:
         if self.session is not None:
             sessions.check_name(self.session)
         if self.ranks is not None:
-            ranks = self.ranks
-            if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
-                raise ConfigurationError(f"ranks must be rank numbers such as (0,) or (0, 2), got {ranks!r}.")
-            object.__setattr__(self, "ranks", tuple(sorted(set(ranks))))
-            if self.session is None:
-                raise ConfigurationError(
-                    "ranks= runs a call on some ranks of a session, and no session is named: "
-                    "add session='NAME' (or --session [NAME] to %%distributed)."
-                )
+            object.__setattr__(self, "ranks", sessions.check_ranks(self.ranks, self.session))
 
     def resolve(self) -> tuple[int, str]:
         """Ranks per node and accelerator type (raises ConfigurationError if they don't fit).

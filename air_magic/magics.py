@@ -89,13 +89,11 @@ def _restarts(text: str) -> int:
 
 
 def _ranks(text: str) -> tuple[int, ...]:
+    """The text of --ranks as rank numbers; whether they fit a session is Settings' check (sessions.check_ranks)."""
     try:
-        ranks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+        return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected rank numbers such as 0 or 0,2, got {text!r}") from None
-    if not ranks or min(ranks) < 0:
-        raise argparse.ArgumentTypeError(f"expected rank numbers such as 0 or 0,2, got {text!r}")
-    return ranks
 
 
 def _session_name(text: str) -> str:
@@ -337,10 +335,6 @@ class DistributedMagics(Magics):
         shell = self.shell
         assert shell is not None, "DistributedMagics is registered with a shell"
         args = parse_argstring(self.distributed, line)
-        if args.ranks is not None and args.session is None:
-            raise UsageError(
-                "--ranks runs a cell on some ranks of a session, and this cell names none: add --session [NAME]."
-            )
         settings = self._settings(args)
         first_line = f"%%distributed {line}".rstrip()
         filename, number = _cell_file(shell, f"{first_line}\n{cell}")

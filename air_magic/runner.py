@@ -92,6 +92,8 @@ class _Run(AttemptOutcome):
         self.recorder_asked: tuple[float, set[int], float] | None = None
         #: Answers a rank's breakpoint() from this cell (a foreground call: the notebook's main thread).
         self.debugger = DebugServer(self.run_dir.path, spec.world_size)
+        #: Seconds a person spent at a rank's debugger prompt: the timeout waits for them.
+        self.paused = 0.0
         self.attempt = 0
         self.reset_attempt()
 
@@ -238,15 +240,13 @@ class _Run(AttemptOutcome):
 
     def wait(self) -> None:
         assert self.handle is not None
-        deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
         while True:
             for event in self.handle.next_events(_POLL):
                 if self.on_event(event) or (self.handle.ends_in_background and self.all_returned()):
                     return
             self.notify("poll")
             if self.stop_reason is None:
-                paused = self.debugger.serve()  # a person at a rank's prompt: the timeout waits too
-                deadline = None if deadline is None else deadline + paused
+                self.paused += self.debugger.serve()  # a person at a rank's prompt: the timeout waits too
             if self.ctx.take_stacks_request():
                 self.handle.dump_stacks()
                 if self.spec.uses_gpu:
@@ -255,7 +255,7 @@ class _Run(AttemptOutcome):
             self.forward_stop()
             if self.ctx.cancelled:
                 self.stop(StopReason.CANCELLED)
-            if deadline is not None and time.monotonic() > deadline:
+            if self.past_deadline():
                 self.stop(StopReason.TIMEOUT)
 
     def dump_recorder(self, wait: bool) -> None:
@@ -344,6 +344,11 @@ class _Run(AttemptOutcome):
             self.debugger.close()
         return self.finish(error)
 
+    def past_deadline(self) -> bool:
+        """The call's timeout (one for every attempt, from the call's start) is over, time at a prompt aside."""
+        timeout = self.spec.timeout
+        return timeout is not None and time.monotonic() > self.ctx.started_at + timeout + self.paused
+
     def run_attempt(self, request: p.JobRequest) -> None:
         """Start every rank of one attempt and follow it until all its processes are gone."""
         self.handle = self.launcher.start(request, self.run_dir)
@@ -352,7 +357,6 @@ class _Run(AttemptOutcome):
 
     def restartable(self, error: BaseException | None) -> bool:
         """A rank of this attempt failed after it started, and the call may and can start its world again."""
-        deadline = None if self.spec.timeout is None else self.ctx.started_at + self.spec.timeout
         return (
             error is not None
             and self.attempt < self.spec.max_restarts
@@ -361,7 +365,7 @@ class _Run(AttemptOutcome):
             and not (self.stop_reason is not None and self.stop_reason.by_caller)
             and not self.ctx.cancelled
             and not isinstance(error, RunDirectoryFullError)
-            and (deadline is None or time.monotonic() < deadline)
+            and not self.past_deadline()
         )
 
     def begin_attempt(self, error: BaseException) -> None:

@@ -279,7 +279,9 @@ def _on_session(name: str, op: SessionOp, ranks: tuple[int, ...] | None, what: s
 
 def push(name: str, values: dict[str, Any], ranks: tuple[int, ...] | None = None) -> None:
     """Send notebook values into session `name` (every rank, or `ranks`), under the same names."""
-    _on_session(name, Push(values), ranks, "push " + ", ".join(sorted(values)))
+    _on_session(
+        name, Push(values), None if ranks is None else check_ranks(ranks, name), "push " + ", ".join(sorted(values))
+    )
 
 
 def pull(name: str, variable: str, rank: int | None = None) -> Any:
@@ -349,16 +351,29 @@ def table() -> str:
     return "\n".join(lines + kept)
 
 
+def check_ranks(ranks: object, session: str | None) -> tuple[int, ...]:
+    """Rank numbers of a session call (`ranks=` or `--ranks`), sorted and once each; checked here for both doors."""
+    if (
+        isinstance(ranks, (str, bytes))
+        or not isinstance(ranks, (tuple, list, set, frozenset))
+        or not ranks
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+    ):
+        raise ConfigurationError(f"ranks must be rank numbers such as (0,) or 0,2, got {ranks!r}.")
+    if session is None:
+        raise ConfigurationError(
+            "ranks=/--ranks runs a call on some ranks of a session, and no session is named: "
+            "add session='NAME' (or --session [NAME] to %%distributed)."
+        )
+    return tuple(sorted(set(ranks)))
+
+
 def with_session(spec: JobSpec, name: str | None, ranks: tuple[int, ...] | None) -> JobSpec:
-    """`spec` as a call of session `name` (its idle time defaulting to DEFAULT_IDLE)."""
+    """`spec` as a call of session `name` (its idle time defaulting to DEFAULT_IDLE); `name` and `ranks` come
+    checked from the front door's Settings."""
     if name is None:
-        if ranks is not None:
-            raise ConfigurationError(
-                "ranks=/--ranks runs a call on some ranks of a session, and this call names none: "
-                "add --session [NAME] (or session=...)."
-            )
         return spec
-    return dataclasses.replace(spec, session=check_name(name), ranks=ranks, keep_alive=spec.keep_alive or DEFAULT_IDLE)
+    return dataclasses.replace(spec, session=name, ranks=ranks, keep_alive=spec.keep_alive or DEFAULT_IDLE)
 
 
 def post_mortem(session: str, rank: int | None = None) -> None:

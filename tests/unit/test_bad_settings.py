@@ -23,7 +23,25 @@ BAD_SETTINGS = [
     ({"timeout": -1}, "timeout must be more than 0 seconds"),
     ({"timeout": "1h"}, "timeout must be a number of seconds"),
     ({"timeout": float("nan")}, "timeout must be more than 0 seconds"),
+    ({"session": "two words"}, "a session name is a word"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"ranks": (0,), "session": None}, "no session is named"),
+        ({"ranks": (), "session": "s"}, "ranks must be rank numbers"),
+        ({"ranks": (-1,), "session": "s"}, "ranks must be rank numbers"),
+        ({"ranks": "0,1", "session": "s"}, "ranks must be rank numbers"),
+    ],
+)
+def test_ranks_are_checked_once_at_the_door_and_carried_sorted(changes, said):
+    """ranks of a session call (both doors build Settings) come out sorted and once each; bad ones name the fix."""
+    train = distributed(2, "CPU", session="s")(len)
+    assert train.with_overrides(ranks=[2, 0, 2]).settings.ranks == (0, 2)
+    with pytest.raises(ConfigurationError, match=said):
+        train.with_overrides(**changes)
 
 
 def test_bad_settings_are_clear_errors_and_start_nothing(tmp_path, monkeypatch):
