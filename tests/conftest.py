@@ -72,6 +72,20 @@ def unmarked_slow(items: list[pytest.Item]) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def loaded_kernel(kernel):
+    """The module's kernel with air_magic loaded."""
+    kernel.execute("%load_ext air_magic").check()
+    return kernel
+
+
+@pytest.fixture
+def releases_hot_ranks(loaded_kernel):
+    """The test ends with its hot ranks and sessions gone (the leak check would see them otherwise)."""
+    yield
+    loaded_kernel.execute("%distributed_release")
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes(request):
     """Fail any test that leaves a worker, a worker's child, or an orphaned supervisor behind."""

@@ -12,24 +12,10 @@ from helpers import distributed_cell as cell
 
 from air_magic.stopping import request_stop
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("releases_hot_ranks")]
 
 #: Two CPU ranks, no MLflow run.
 CPU = "--gpus 2 --accelerator-type CPU --no-mlflow"
-
-
-@pytest.fixture(scope="module")
-def stop_kernel(kernel):
-    """The module's kernel with air_magic loaded."""
-    kernel.execute("%load_ext air_magic").check()
-    return kernel
-
-
-@pytest.fixture(autouse=True)
-def released(stop_kernel):
-    """Every test ends with its sessions' ranks gone (the leak check would see them otherwise)."""
-    yield
-    stop_kernel.execute("%distributed_release")
 
 
 def _run_dir_printing(runs: Path, text: str, after: float, rank: int = 0, limit: float = 90) -> Path:
@@ -44,16 +30,16 @@ def _run_dir_printing(runs: Path, text: str, after: float, rank: int = 0, limit:
     raise AssertionError(f"no rank printed {text!r} within {limit} s")
 
 
-def test_a_stop_ends_a_session_loop_at_the_same_step_on_both_ranks_and_keeps_the_session(stop_kernel, workdir):
+def test_a_stop_ends_a_session_loop_at_the_same_step_on_both_ranks_and_keeps_the_session(loaded_kernel, workdir):
     """Stop asked while a session cell's loop runs: both ranks leave the loop at the same step, the cell returns
     normally, and the next cell of the session finds what the first left."""
     cell(
-        stop_kernel,
+        loaded_kernel,
         f"--session stopping {CPU}",
         "import torch.distributed as dist\ndist.init_process_group('gloo')\nNone",
     ).check()
     started = time.time() - 1
-    msg = stop_kernel.send(
+    msg = loaded_kernel.send(
         f"""%%distributed --session stopping {CPU}
 import time
 from air_magic import should_stop
@@ -69,10 +55,10 @@ stopped_at
     )
     run_dir = _run_dir_printing(workdir / "runs", "step 3", started)
     assert request_stop(run_dir)
-    result = stop_kernel.collect(msg, timeout=120).check()
+    result = loaded_kernel.collect(msg, timeout=120).check()
     steps = values(result)
     assert steps[0] is not None and steps[0] == steps[1] and 3 <= steps[0] < 599, steps
-    kept = values(cell(stop_kernel, f"--session stopping {CPU}", "(stopped_at, dist.is_initialized())"))
+    kept = values(cell(loaded_kernel, f"--session stopping {CPU}", "(stopped_at, dist.is_initialized())"))
     assert kept == [(steps[0], True)] * 2
 
 
@@ -93,10 +79,10 @@ def ask_at_3(step):
 """
 
 
-def test_the_hugging_face_callback_ends_trainer_train_at_the_same_step_on_both_ranks(stop_kernel):
+def test_the_hugging_face_callback_ends_trainer_train_at_the_same_step_on_both_ranks(loaded_kernel):
     """transformers.Trainer with TrainerStopCallback: a Stop at step 3 ends train() at one step on both ranks."""
     out = cell(
-        stop_kernel,
+        loaded_kernel,
         CPU,
         _ASK_AT_3
         + """
@@ -127,10 +113,10 @@ trainer.state.global_step
     _same_step_from(3, values(out))
 
 
-def test_the_lightning_callback_ends_fit_at_the_same_step_on_both_ranks(stop_kernel):
+def test_the_lightning_callback_ends_fit_at_the_same_step_on_both_ranks(loaded_kernel):
     """A Lightning Trainer (ddp, 2 CPU ranks) with LightningStopCallback: a Stop at step 3 ends fit() there."""
     out = cell(
-        stop_kernel,
+        loaded_kernel,
         CPU,
         _ASK_AT_3
         + """
@@ -179,14 +165,14 @@ hang.distributed()
 """
 
 
-def test_a_hung_ranks_stacks_reach_its_native_frames(stop_kernel, workdir):
+def test_a_hung_ranks_stacks_reach_its_native_frames(loaded_kernel, workdir):
     """Ctrl-C while rank 1 waits in gloo's all_reduce: the stacks in its log go on below Python, into libtorch."""
     started = time.time() - 1
-    msg = stop_kernel.send(HANG)
+    msg = loaded_kernel.send(HANG)
     run_dir = _run_dir_printing(workdir / "runs", "waiting in all_reduce", started, rank=1, limit=240)
     time.sleep(1.0)  # inside the collective
-    stop_kernel.interrupt()
-    stop_kernel.collect(msg, timeout=180)
+    loaded_kernel.interrupt()
+    loaded_kernel.collect(msg, timeout=180)
     log = (run_dir / "rank-1.log").read_text()
     refused = re.search(r"air_magic: no native stacks of pid \d+: (.*)", log)
     if refused and "ptrace" in refused[1]:
