@@ -28,6 +28,7 @@ from typing import Any
 from . import ledger, payload, sessions
 from .errors import AirMagicError, ConfigurationError, JobCancelledError
 from .job import JobResult, JobSpec, JobStatus, RankState
+from .launch.files import debug_channel
 from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
 
@@ -302,6 +303,9 @@ def table() -> str:
         gpus = ",".join(units) if units else "-"
         when = time.strftime("%H:%M:%S", time.localtime(call.started))
         status = call.status + (f" (for {call.waiting_for})" if call.status == WAITING else "")
+        if call.status == RUNNING and call.ctx is not None:
+            note = debug_channel.waiting_note(set(debug_channel.waiting(call.ctx.run_dir, call.spec.world_size)))
+            status += f" · {note}" if note else ""
         lines.append(
             f"{call.id:<3} {call.spec.name[:25]:<25} {status:<10} {call.spec.world_size:<6} {gpus:<9} {when}  "
             f"{call.elapsed:>6.0f} s  {call.link or '-'}"

@@ -77,11 +77,13 @@ def test_a_cell_stops_at_torch_breakpoint_and_at_pdb_set_trace_on_two_ranks_one_
 def test_a_background_calls_waiting_rank_is_attached_to_from_another_cell(debug_kernel):
     """The rank of a spawned call waits at its prompt (its wait file says so); %distributed_debug attaches to it."""
     debug_kernel.execute(
-        "import time\nfrom air_magic.launch import debug_channel\nh = stepped.spawn(5)\n"
+        "import time\nfrom air_magic.launch.files import debug_channel\nh = stepped.spawn(5)\n"
         "while not debug_channel.waiting(h.run_dir, 2) and not h.done():\n    time.sleep(0.1)\n"
         "print(sorted(debug_channel.waiting(h.run_dir, 2)))",
         timeout=180,
     ).check()
+    listed = debug_kernel.execute("%distributed_calls").check()
+    assert "rank 1 at a breakpoint (%distributed_debug --rank 1)" in listed.stdout, listed.stdout
     out = debug_kernel.execute("%distributed_debug --rank 1", answers=["p x", "c"], timeout=60).check()
     assert out.prompts == ["(Pdb rank 1) "] * 2 and "15\n" in out.stdout
     assert debug_kernel.execute("print(h.result(timeout=120))", timeout=180).check().stdout.strip() == "[10, 30]"

@@ -41,6 +41,7 @@ import ipywidgets as w
 from IPython.display import display
 
 from ..job import JobResult, JobSpec, RankState
+from ..launch.files import debug_channel
 from ..launch.files.rundir import attempt_marker
 from ..launch.files.stack_dumps import Dump, StackScanner
 from ..listeners import Listener, RunContext
@@ -78,7 +79,9 @@ _STACK_STYLE = (
 )
 
 
-def _title(rank: int, state: RankState, quiet: float | None = None) -> str:
+def _title(rank: int, state: RankState, quiet: float | None = None, at_prompt: bool = False) -> str:
+    if at_prompt and state == RankState.RUNNING:
+        return f"rank {rank}: at a breakpoint"
     if quiet is not None and state == RankState.RUNNING:
         return f"rank {rank}: {state.value} · quiet {quiet:.0f} s"
     return f"rank {rank}: {state.value}"
@@ -148,6 +151,7 @@ class Panel(Listener):
         self.phase = "starting"  # the status line's words
         self.awaiting_ranks = True  # no rank of this attempt runs yet (and the call is not ending)
         self.waiting = False  # the status line says what the start waits for (waiting_for), so phases update it
+        self.at_prompt: set[int] = set()  # ranks waiting at a debugger prompt (a background call's: attach to them)
 
     # -- runner hooks ------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
@@ -214,13 +218,23 @@ class Panel(Listener):
         self.dumps[rank] = sorted(kept.values(), key=lambda d: not d.of_rank)
         self.stacks_dirty = True
 
+    def _mark_prompts(self) -> None:
+        """Say which ranks wait at a debugger prompt, in their tabs and the status line."""
+        assert self.ctx is not None
+        at_prompt = set(debug_channel.waiting(self.ctx.run_dir, len(self.states)))
+        if at_prompt != self.at_prompt:
+            for rank in at_prompt ^ self.at_prompt:
+                self.tabs.set_title(rank, _title(rank, self.states[rank], self.quiet[rank], rank in at_prompt))
+            self.at_prompt = at_prompt
+            self._show_status()
+
     def _mark_quiet(self, now: float) -> None:
         for rank, state in enumerate(self.states):
             silent = now - self.last_output[rank]
             quiet = silent if state == RankState.RUNNING and silent >= QUIET else None
             if (quiet is None) != (self.quiet[rank] is None) or (quiet or 0) // 10 != (self.quiet[rank] or 0) // 10:
                 self.quiet[rank] = quiet
-                self.tabs.set_title(rank, _title(rank, state, quiet))
+                self.tabs.set_title(rank, _title(rank, state, quiet, rank in self.at_prompt))
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -252,6 +266,7 @@ class Panel(Listener):
         elif now - self.last_clock >= CLOCK:
             self._show_status()
             self._mark_quiet(now)
+            self._mark_prompts()
         if self.resources is not None and now - self.last_usage >= USAGE:
             self.last_usage = now
             self._show_usage()
@@ -460,8 +475,12 @@ class Panel(Listener):
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
             f"{'' if spec.session is None else f' · session {html.escape(spec.session)}'}"
             f' · <span class="air-magic-phase">{phase}</span>{self._attempt_html()}'
-            f" · {elapsed:.0f} s{self.usage_header}</div>"
+            f" · {elapsed:.0f} s{self.usage_header}{self._prompt_html()}</div>"
         )
+
+    def _prompt_html(self) -> str:
+        note = debug_channel.waiting_note(self.at_prompt)
+        return f' · <span class="air-magic-breakpoint">{html.escape(note)}</span>' if note else ""
 
     def _show_usage(self) -> None:
         """Redraw each rank's usage line and the header's figure from the sampler's newest sample."""

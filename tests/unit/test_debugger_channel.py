@@ -138,3 +138,9 @@ def test_a_function_pickled_by_value_gets_its_real_file_back():
     nested = [c for c in copy.__code__.co_consts if hasattr(c, "co_filename")]
     assert nested and all(c.co_filename == "/notebook/cell-1.py" for c in nested)
     assert copy() == 1
+
+
+def test_the_note_of_ranks_at_a_prompt_names_them_and_the_magic_that_attaches():
+    """A panel and %distributed_calls say which ranks wait at a breakpoint, and how to attach to the first."""
+    assert debug_channel.waiting_note(set()) == ""
+    assert debug_channel.waiting_note({3, 1}) == "rank 1, 3 at a breakpoint (%distributed_debug --rank 1)"

@@ -99,6 +99,15 @@ def waiting(run_dir: Path, world_size: int) -> dict[int, Prompt]:
     return found
 
 
+def waiting_note(ranks: set[int] | list[int]) -> str:
+    """What a panel or a listing says of ranks at a debugger prompt, with the magic that attaches to one."""
+    if not ranks:
+        return ""
+    first = min(ranks)
+    which = ", ".join(map(str, sorted(ranks)))
+    return f"rank {which} at a breakpoint (%distributed_debug --rank {first})"
+
+
 def read_prompt(run_dir: RunDir, rank: int) -> Prompt | None:
     try:
         data = json.loads(run_dir.debug_wait(rank).read_text())
