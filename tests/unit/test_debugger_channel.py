@@ -4,6 +4,7 @@ stands for the rank, a DebugServer with scripted answers for the person."""
 from __future__ import annotations
 
 import bdb
+import os
 import pdb  # noqa: T100 - the debugger under test
 import threading
 import time
@@ -144,3 +145,16 @@ def test_the_note_of_ranks_at_a_prompt_names_them_and_the_magic_that_attaches():
     """A panel and %distributed_calls say which ranks wait at a breakpoint, and how to attach to the first."""
     assert debug_channel.waiting_note(set()) == ""
     assert debug_channel.waiting_note({3, 1}) == "rank 1, 3 at a breakpoint (%distributed_debug --rank 1)"
+
+
+def test_a_served_rank_drops_rays_driver_breakpoint_hook_inherited_from_the_notebook(tmp_path, monkeypatch):
+    """A notebook that ran ray.init() leaves PYTHONBREAKPOINT naming Ray's driver hook; a local rank whose
+    prompts the notebook serves uses its own debugger instead (a user's PYTHONBREAKPOINT=0 is kept)."""
+    monkeypatch.setenv(envvars.DEBUG_SERVED, "1")
+    monkeypatch.setenv("PYTHONBREAKPOINT", "ray.util.rpdb._driver_set_trace")
+    monkeypatch.setattr(pdb, "Pdb", pdb.Pdb)
+    rank_debugger.install(RunDir(tmp_path), 0)
+    assert "PYTHONBREAKPOINT" not in os.environ
+    monkeypatch.setenv("PYTHONBREAKPOINT", "0")
+    rank_debugger.install(RunDir(tmp_path), 0)
+    assert os.environ["PYTHONBREAKPOINT"] == "0"

@@ -69,6 +69,9 @@ def install(run_dir: RunDir, rank: int) -> None:
     state.run_dir, state.rank, state.interrupted = run_dir, rank, False
     state.served = os.environ.get(envvars.DEBUG_SERVED) == "1"
     pdb.Pdb = RankPdb  # type: ignore[misc]
+    if state.served and os.environ.get("PYTHONBREAKPOINT", "").startswith("ray.util."):
+        # Ray's driver hook, inherited from a notebook that ran ray.init(): it fails outside a Ray worker
+        del os.environ["PYTHONBREAKPOINT"]
     if sys.gettrace() is not None and isinstance(getattr(sys.gettrace(), "__self__", None), bdb.Bdb):
         sys.settrace(None)  # a debugger left tracing by the last call of a hot rank
 
