@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,6 +32,12 @@ import pytest
 from helpers import ROOT, process_env
 
 CHROMIUM = "/usr/bin/chromium"
+#: The marks of a test module that drives JupyterLab in headless Chromium.
+BROWSER_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.browser,
+    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs Debian's chromium (make browser)"),
+]
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import re
-import shutil
 import time
 
-import pytest
-from lab import CHROMIUM, Notebook, browser_page, write_notebook
+from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.browser,
-    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs Debian's chromium (make browser)"),
-]
+pytestmark = BROWSER_MARKS
 
 
 def _cells(flag: str) -> list[str]:

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 
 import psutil
 import pytest
 from helpers import ROOT, execute_headless
-from lab import CHROMIUM, Notebook, browser_page, write_notebook
+from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.browser,
-    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs Debian's chromium (make browser)"),
-]
+pytestmark = BROWSER_MARKS
 
 CELLS = [
     "from air_magic import distributed",

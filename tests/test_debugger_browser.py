@@ -3,16 +3,10 @@ typed `c` finishes the call."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from lab import CHROMIUM, Notebook, browser_page, write_notebook
+from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.browser,
-    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs Debian's chromium (make browser)"),
-]
+pytestmark = BROWSER_MARKS
 
 CELLS = [
     "from air_magic import distributed",
