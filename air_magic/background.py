@@ -8,7 +8,7 @@ from the ledger (ledger.py): a call whose units are held by others is `waiting` 
 
 This module keeps the kernel's calls (`calls()`, `%distributed_calls`); each call's record on disk, and the
 handle rebuilt from it after a kernel restart, are call_record.py. Drawing a call's panel again is
-display/follow.py. No IPython here (magics.py).
+display/follow.py. No IPython here (magics/calls.py).
 
 Over 300 lines because one handle answers everything users ask of a call that outlives its cell (status, result,
 logs, panel, stop, rebuilding from disk); the registry beside it is a few lines.

@@ -6,7 +6,7 @@ are kept); on each rank it compiles the source under the cell's own file
 name, with line numbers as the notebook shows them, runs it, and returns the
 value of the last expression (like IPython's Out[n]).
 
-It is not for IPython glue (that is magics.py) and it imports no IPython,
+It is not for IPython glue (that is magics/) and it imports no IPython,
 so a worker that runs a cell carries only what the user's code imports.
 """
 

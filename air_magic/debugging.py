@@ -12,7 +12,7 @@ timeout does not count it.
 
 `attach(run_dir, rank)` does the same from another cell, for a call whose
 runner cannot ask (a background call); `sessions.post_mortem(session, rank)` opens the
-debugger on the error a session's rank kept. `%distributed_debug` (magics.py)
+debugger on the error a session's rank kept. `%distributed_debug` (magics/debug.py)
 is the IPython door to both. No IPython here: `input()` is whatever the
 process has (the kernel's, a terminal's).
 """

@@ -7,7 +7,7 @@ under a session's name is refused before anything starts, an end is never
 silent (said when it is seen, and again in the `NameError` of a name the lost
 ranks held), and `%distributed_session` answers without asking a busy rank.
 It also runs the calls that act on a session itself (push, pull, reset) and
-ends sessions. Both front doors go through `run`. No IPython here (magics.py).
+ends sessions. Both front doors go through `run`. No IPython here (magics/).
 
 Over 300 lines because the notebook's side of every session operation (refuse, record, push, pull, reset, end,
 post-mortem) shares one record.

@@ -120,6 +120,13 @@ def test_the_walls_of_the_layout_see_real_imports():
     )
 
 
+def test_only_load_ext_imports_the_magics():
+    """magics/ (the IPython glue, split by topic) is reached only from `air_magic/__init__.py` (`%load_ext`); the
+    plain modules below it never import it back."""
+    assert set(_crossings(("",), ("magics",), unless=("magics",))) == {"air_magic imports air_magic.magics"}
+    assert "air_magic.magics imports air_magic.magics.execution" in _crossings(("magics",), ("magics.execution",))
+
+
 def test_only_launch_imports_a_launcher():
     """Outside launch/, a launcher is reached through `air_magic.launch` (launcher_for, check_shape, ...)."""
     assert _crossings(("",), ("launch.local", "launch.ray"), unless=("launch",)) == []
