@@ -3,16 +3,26 @@
 The runner (runner.py) decides when to start, stop and restart; this module
 only reads what an attempt left behind (each rank's `RankOutcome`, exit code
 and log, how the runner stopped it) and says what the call returns or raises:
-the first failing rank's own exception with the other failures noted, a
+the root cause's own exception with the other failures noted after it, a
 `WorkerDiedError` with the tail of a rank's log, a timeout or cancel naming
 where each rank was (launch/files/stack_dumps.py), a full disk said as such, or
 every rank's return value rebuilt here with a warning for large ones.
 `AttemptOutcome` is the runner's base class: it holds no state of its own.
+
+The root cause is judged from what each failed rank left, not from which end
+was seen first (torch elastic takes the first failure in time; here a rank
+SIGKILLed is often reaped after its peer's gloo "Connection reset by peer" was
+written): a rank that died (a signal, an exit without an exception) or raised
+in its own code comes before a rank whose error was raised inside
+torch.distributed, which a peer's end causes. `stop_grace` lets the runner
+wait a moment for the others' ends while every failure seen is of that kind.
 """
 
 from __future__ import annotations
 
+import enum
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -41,8 +51,43 @@ from .payload import _user_stacklevel as user_stacklevel
 FAILURE_LINE_CHARS = 300
 #: With less free space than this under the run directory, a failed write is put down to a full disk.
 DISK_FULL_BYTES = 1 << 20
+#: After a rank's error raised inside a collective, how long its peers' ends are awaited before they are stopped:
+#: the peer whose death caused it (SIGKILL, the OOM killer) is reaped a moment after.
+PEER_GRACE = 2.0
 #: A rank's pickled return value above this many MiB gets a ResultSizeWarning; $AIR_MAGIC_LARGE_RESULT_MIB overrides.
 LARGE_RESULT_MIB = 256
+
+
+class Blame(enum.IntEnum):
+    """How likely a failed rank is the cause of its attempt's end, most likely first."""
+
+    #: It died (a signal, an exit without an exception) or raised in its own code.
+    CAUSE = 0
+    #: It raised inside torch.distributed: a peer's end is the likely cause (gloo's "Connection reset by peer").
+    COLLECTIVE = 1
+
+
+#: The file of a frame inside torch.distributed, as a formatted traceback names it.
+_DISTRIBUTED_FRAME = re.compile(r'File "[^"]*[/\\]torch[/\\]distributed[/\\][^"]*"')
+_ANY_FRAME = re.compile(r'File "[^"]*"')
+#: What collectives say when a peer went away, for an error whose traceback did not come back.
+_PEER_GONE = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|NCCL (communicator|error)|ProcessGroupNCCL|"
+    r"ProcessGroupGloo|DistBackendError|DistNetworkError|Socket Timeout|Timed out waiting",
+    re.IGNORECASE,
+)
+
+
+def raised_in_collective(error: BaseException) -> bool:
+    """The error came from inside torch.distributed: its type is torch's, or its innermost frame is there (the
+    rank's formatted traceback is its `__cause__`), or, with no traceback, its message is a collective's."""
+    if type(error).__module__.startswith("torch.distributed"):
+        return True
+    text = getattr(error.__cause__, "text", None)
+    if isinstance(text, str):
+        frames = _ANY_FRAME.findall(text)
+        return bool(frames) and _DISTRIBUTED_FRAME.fullmatch(frames[-1]) is not None
+    return _PEER_GONE.search(str(error)) is not None
 
 
 def human_seconds(seconds: float) -> str:
@@ -77,7 +122,7 @@ class AttemptOutcome:
         """One line for how this attempt ended: its first failed rank and what it raised or how it died."""
         if not self.failures:
             return one_line(AirMagicError(self.launch_error)) if self.launch_error else one_line(error)
-        rank = min(self.failures, key=self.failed_at)
+        rank = self.root_cause()
         raised = self.outcomes.get(rank, p.RankOutcome()).error
         if raised is None:
             return f"rank {rank} {describe_returncode(self.result.ranks[rank].returncode or 0)}"
@@ -92,6 +137,24 @@ class AttemptOutcome:
             f"air_magic started every rank again {len(lines)} time(s) (max_restarts={self.spec.max_restarts}); "
             f"this is attempt {self.attempt + 1}. The earlier attempts ended with:\n" + "\n".join(lines)
         )
+
+    def blame(self, rank: int) -> Blame:
+        """What a failed rank left says of it: the cause, or a collective that a peer's end broke."""
+        raised = self.outcomes.get(rank, p.RankOutcome()).error
+        return Blame.COLLECTIVE if raised is not None and raised_in_collective(raised) else Blame.CAUSE
+
+    def by_blame(self) -> list[int]:
+        """The failed ranks, root cause first: a death or a user error before a collective's error, then by time."""
+        return sorted(self.failures, key=lambda rank: (self.blame(rank), self.failed_at(rank)))
+
+    def root_cause(self) -> int:
+        return self.by_blame()[0]
+
+    def stop_grace(self) -> float:
+        """After a failure: how long to let the other ranks end by themselves before they are stopped. While every
+        failure is a collective's error, PEER_GRACE (its cause may be a peer whose end is not seen yet); else 0."""
+        only_collectives = all(self.blame(rank) == Blame.COLLECTIVE for rank in self.failures)
+        return PEER_GRACE if self.failures and only_collectives else 0.0
 
     def failed_at(self, rank: int) -> float:
         """When a rank failed: when it recorded its error, else when its exit was seen."""
@@ -129,7 +192,7 @@ class AttemptOutcome:
             "kept there."
         )
         if self.failures:
-            error.__cause__ = self.rank_error(min(self.failures, key=self.failed_at))
+            error.__cause__ = self.rank_error(self.root_cause())
         return error
 
     def outcome_error(self) -> BaseException | None:
@@ -152,9 +215,9 @@ class AttemptOutcome:
         if full is not None:
             return full
         if self.failures:
-            # The rank that failed first is the cause; peers that lost it fail a moment later (gloo's
-            # "Connection closed by peer") and may even exit sooner, so order by when each failed.
-            ranks = sorted(self.failures, key=self.failed_at)
+            # A death or a user error is the cause; peers that lost that rank fail inside a collective (gloo's
+            # "Connection closed by peer"), and may be seen sooner, so they come after it whatever the times.
+            ranks = self.by_blame()
             first = self.rank_error(ranks[0])
             others = [f"rank {r}: {self.rank_error(r)!r}".splitlines()[0] for r in ranks[1:]]
             if others:

@@ -73,12 +73,14 @@ __all__ = ["STOP_GRACE", "default_listeners", "run"]
 class _Run(AttemptOutcome):
     """State of one call between launch and result; the attempt-level fields are reset by `begin_attempt`."""
 
-    def __init__(self, spec: JobSpec, listeners: list[Listener], launcher: Launcher) -> None:
+    def __init__(
+        self, spec: JobSpec, listeners: list[Listener], launcher: Launcher, run_dir: RunDir | None = None
+    ) -> None:
         self.spec = spec
         self.listeners = listeners
         self.launcher = launcher
         self.blob = payload.serialize(spec.target, spec.args, spec.kwargs)  # fails before anything starts
-        self.run_dir = RunDir.create(spec.name, spec.world_size)
+        self.run_dir = run_dir or RunDir.create(spec.name, spec.world_size)
         self.logs = self.run_dir.logs(spec.world_size)
         self.ctx = RunContext(spec, self.run_dir.path, self.logs)
         self.result = JobResult(
@@ -103,6 +105,7 @@ class _Run(AttemptOutcome):
         self.stop_reason: StopReason | None = None
         self.failures: list[int] = []  # ranks in the order their exits were seen
         self.exited_at: dict[int, float] = {}  # rank -> wall time its exit was seen
+        self.stop_due: float | None = None  # a failure's stop waits for the peers' ends until then (stop_grace)
         self.launch_error: str | None = None
         self.handle: JobHandle | None = None
         self.started: set[int] = set()  # ranks of this attempt that started
@@ -191,6 +194,14 @@ class _Run(AttemptOutcome):
             if self.handle is not None:
                 self.handle.stop(reason.value, STOP_GRACE, self.interrupt_after(reason))
 
+    def stop_after_failure(self) -> None:
+        """A rank failed: stop the others now, or, while only collectives failed, after `stop_grace` (in `wait`)."""
+        grace = self.stop_grace()
+        if not grace:
+            self.stop(StopReason.RANK_FAILED)
+        elif self.stop_due is None:
+            self.stop_due = time.monotonic() + grace
+
     def interrupt_after(self, reason: StopReason) -> float | None:
         """A session's ranks are asked to come back (KeyboardInterrupt) before they are stopped: after how long."""
         if self.spec.session is None or reason == StopReason.LAUNCH_FAILED:
@@ -220,7 +231,7 @@ class _Run(AttemptOutcome):
             elif self.stop_reason is None or event.outcome.error is not None:
                 self.failures.append(rank)
                 self.set_state(rank, RankState.FAILED)
-                self.stop(StopReason.RANK_FAILED)
+                self.stop_after_failure()
             else:
                 self.set_state(rank, RankState.STOPPED)
         elif isinstance(event, p.LaunchFailed):
@@ -257,6 +268,8 @@ class _Run(AttemptOutcome):
                 self.stop(StopReason.CANCELLED)
             if self.past_deadline():
                 self.stop(StopReason.TIMEOUT)
+            if self.stop_due is not None and time.monotonic() >= self.stop_due:
+                self.stop(StopReason.RANK_FAILED)
 
     def dump_recorder(self, wait: bool) -> None:
         """Ask each GPU rank for a dump of NCCL's flight recorder; `wait`: until they come (RECORDER_WAIT at most),
@@ -501,17 +514,27 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
             if isinstance(tracker, MlflowTracker):
                 sampler.sinks.append(tracker.log_system_metrics)
     listeners.append(make_display(spec, sampler))
+    from .call_record import LiveRecord
+
+    listeners.append(LiveRecord(listeners))  # the call's record on disk, live, for every process of this user
     return listeners
 
 
-def run(spec: JobSpec, listeners: list[Listener] | None = None, launcher: Launcher | None = None) -> JobResult:
+def run(
+    spec: JobSpec,
+    listeners: list[Listener] | None = None,
+    launcher: Launcher | None = None,
+    run_dir: RunDir | None = None,
+) -> JobResult:
     """Run `spec` on its ranks and return every rank's outcome; a failed call's exception is in `.error`.
 
     Without a `launcher`: this node's local launcher, or the Ray launcher when the spec spans several nodes.
+    `run_dir`: a run directory made already (RunDir.create), for a call whose id was given out before it started
+    (a detached call's, detached.py); else one is made here.
     """
     if launcher is None:
         launcher = launcher_for(spec.num_nodes)
     check_supported(spec, launcher)
     used(launcher)
     chosen = default_listeners(spec) if listeners is None else listeners
-    return _Run(spec, chosen, launcher).execute()
+    return _Run(spec, chosen, launcher, run_dir).execute()

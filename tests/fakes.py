@@ -7,6 +7,7 @@ import time
 
 import cloudpickle
 
+from air_magic.errors import RemoteTraceback
 from air_magic.launch import protocol as p
 from air_magic.launch.files.rundir import RunDir
 from air_magic.launch.interface import JobHandle, Launcher
@@ -18,14 +19,27 @@ class Diverged(Exception):
     """The exception a scripted rank raises."""
 
 
+def peer_gone_error() -> RuntimeError:
+    """What rank 0 records when its peer dies while it waits in barrier(): gloo's error, from inside torch."""
+    error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:5")
+    error.__cause__ = RemoteTraceback(
+        'Traceback (most recent call last):\n  File "/work/f.py", line 4, in f\n    dist.barrier()\n'
+        '  File "/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 4811, in barrier\n'
+        "    work.wait()\nRuntimeError: Connection closed by peer\n"
+    )
+    return error
+
+
 class ScriptedJob(JobHandle):
     """One attempt whose ranks do what `plan` says: "ok", "die" (rank 1 SIGKILLed), "raise" (rank 0), "hang",
-    "launch failed" (before any rank starts)."""
+    "launch failed" (before any rank starts), "peer died" (rank 0's barrier() fails for its peer, rank 1, whose
+    SIGKILL is seen one poll later)."""
 
     def __init__(self, request: p.JobRequest, plan: str) -> None:
         self.job, self.attempt = request.job_id, request.restart_count
         self.pending: list[p.Event] = []
         self.running = set(range(WORLD))
+        self.dies_late: int | None = None
         if plan == "launch failed":
             self.pending += [p.LaunchFailed(self.job, "no room"), p.JobGone(self.job)]
             self.running.clear()
@@ -41,6 +55,9 @@ class ScriptedJob(JobHandle):
             self.exit(
                 0, 1, p.RankOutcome(error=Diverged(f"loss is nan in attempt {self.attempt}"), error_at=time.time())
             )
+        elif plan == "peer died":
+            self.exit(0, 1, p.RankOutcome(error=peer_gone_error(), error_at=time.time() - 1))
+            self.dies_late = 1
 
     def exit(self, rank: int, code: int, outcome: p.RankOutcome) -> None:
         self.running.discard(rank)
@@ -50,6 +67,9 @@ class ScriptedJob(JobHandle):
 
     def next_events(self, timeout: float) -> list[p.Event]:
         out, self.pending = self.pending, []
+        if not out and self.dies_late in self.running:
+            self.exit(self.dies_late, -signal.SIGKILL, p.RankOutcome())  # killed before any stop reached it
+            out, self.pending = self.pending, []
         if not out:
             time.sleep(min(timeout, 0.01))
         return out
