@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .accelerators import AcceleratorType, GPUType
+from .attached import attach
 from .background import DistributedCall
 from .decorator import distributed
 from .errors import (
@@ -50,6 +51,7 @@ __all__ = [
     "SerializationError",
     "WorkerDiedError",
     "__version__",
+    "attach",
     "distributed",
     "load_ipython_extension",
     "ray_init",

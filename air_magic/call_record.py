@@ -1,24 +1,259 @@
-"""`call.json`: a background call's record in its run directory, written when it ends, and the handle rebuilt
-from it (`DistributedCall.from_run_dir`) after a kernel restart. The one owner of that format.
+"""`call.json`: a call's record in its run directory, live while it runs and final when it ends, and the handle
+rebuilt from it (`DistributedCall.from_run_dir`) after a kernel restart. The one owner of that format.
 
-The record says what the call was (name, front door, ranks, accelerator type), how it ended, when, its MLflow
+The record says what the call was (name, front door, ranks, accelerator type), its status, when, its MLflow
 run, each rank's state and exit code, and its error in one line; the ranks' logs, results and error records
-beside it (launch/files/rundir.py) give the rest. Not for: running anything again.
+beside it (launch/files/rundir.py) give the rest. While the call is live the record also names its owner
+process (pid, kind: kernel, cli or detached), which holds a lock on `owner.lock` as long as it lives: a
+reader in any process (`load`, `all_records`) sees a call whose owner died as failed, never running forever.
+`LiveRecord` is the listener that keeps the record and honours a cancel asked from another process (the
+`cancel` file, `request_cancel`). Not for: running anything again.
+
+Over 300 lines because the one format has its writer (live and final), its readers (one call, every call of
+the machine, a rebuilt handle) and its control file together.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from .errors import AirMagicError, JobCancelledError, RankFailedError
 from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
 from .launch.files.rank_files import outcome
-from .launch.files.rundir import RunDir
+from .launch.files.rundir import RunDir, runs_root, write_private
+from .leases import ROLE
+from .listeners import Listener, RunContext
 
 #: The record's file name in the run directory.
 RECORD = "call.json"
+#: A call's statuses, as its handle says them.
+WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
+LIVE = (WAITING, RUNNING)
+#: Seconds between two looks of a live call's owner at its cancel file.
+_CANCEL_LOOK = 0.2
+
+
+# -- writing --------------------------------------------------------------------------------------------
+def _save(path: Path, changes: dict[str, Any]) -> dict[str, Any]:
+    """Merge `changes` into the record of run directory `path` (written whole, then renamed: never half read)."""
+    record = read(path) or {}
+    record.update(changes)
+    tmp = path / f".{RECORD}.{os.getpid()}.tmp"
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+        write_private(tmp, json.dumps(record).encode())
+        tmp.replace(path / RECORD)
+    return record
+
+
+def hold_owner(path: Path) -> int | None:
+    """This process owns the call of run directory `path`: lock its `owner.lock` (the descriptor to keep open)."""
+    try:
+        fd = os.open(RunDir(path).owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def release_owner(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def begin(path: Path, spec: JobSpec, status: str, **more: Any) -> int | None:
+    """Write the live record of a call that starts (or waits) in run directory `path`, owned by this process;
+    the owner lock's descriptor, which the caller keeps open until `end`."""
+    fd = hold_owner(path)
+    _save(
+        path,
+        {
+            "id": path.name,
+            "name": spec.name,
+            "origin": spec.origin,
+            "world_size": spec.world_size,
+            "accelerator_type": spec.accelerator_type,
+            "num_nodes": spec.num_nodes,
+            "status": status,
+            "started": time.time(),
+            "ended": None,
+            "owner": {"pid": os.getpid(), "role": ROLE["name"], "host": socket.gethostname()},
+            **more,
+        },
+    )
+    return fd
+
+
+def status_of(result: JobResult | None, error: BaseException | None) -> str:
+    if result is not None and result.status == JobStatus.FINISHED and error is None:
+        return FINISHED
+    return CANCELLED if isinstance(error, JobCancelledError) else FAILED
+
+
+def end(path: Path, result: JobResult | None, error: BaseException | None, **more: Any) -> None:
+    """Write the final record of the call of run directory `path`."""
+    _save(
+        path,
+        {
+            "status": status_of(result, error),
+            "ended": time.time(),
+            "elapsed": result.elapsed if result is not None else None,
+            "returncodes": [r.returncode for r in result.ranks] if result is not None else [],
+            "states": [r.state.value for r in result.ranks] if result is not None else [],
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            **more,
+        },
+    )
+
+
+def request_cancel(path: Path) -> bool:
+    """Ask the owner of the call in run directory `path` (any process of this user) to cancel it."""
+    try:
+        write_private(RunDir(path).cancel_flag, f"{time.time():.3f}\n".encode())
+    except FileExistsError:
+        return False
+    return True
+
+
+def cancel_requested(path: Path) -> bool:
+    return RunDir(path).cancel_flag.exists()
+
+
+class LiveRecord(Listener):
+    """Keeps a call's record live in its run directory (status, owner, MLflow run) and final at its end, and
+    cancels the call when another process asks (`request_cancel`). One per call (runner.default_listeners)."""
+
+    def __init__(self, listeners: list[Listener]) -> None:
+        self.listeners = listeners
+        self.ctx: RunContext | None = None
+        self.fd: int | None = None
+        self.run_id: str | None = None
+        self.looked_at = 0.0
+
+    def on_start(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        if (read(ctx.run_dir) or {}).get("owner", {}).get("pid") == os.getpid():  # begun here (a detached call)
+            self.fd = hold_owner(ctx.run_dir)
+            _save(ctx.run_dir, {"status": RUNNING, "waiting_for": ""})
+        else:
+            self.fd = begin(ctx.run_dir, ctx.spec, RUNNING)
+
+    def poll(self) -> None:
+        ctx = self.ctx
+        if ctx is None:
+            return
+        now = time.monotonic()
+        if now - self.looked_at < _CANCEL_LOOK:
+            return
+        self.looked_at = now
+        if not ctx.cancelled and cancel_requested(ctx.run_dir):
+            ctx.cancel()
+        if self.run_id is None:
+            run_id = next((getattr(x, "run_id", None) for x in self.listeners if getattr(x, "run_id", None)), None)
+            if run_id:
+                self.run_id = str(run_id)
+                _save(ctx.run_dir, {"run_id": self.run_id, "link": ctx.links.get("mlflow")})
+
+    def on_end(self, result: JobResult) -> None:
+        if self.ctx is None:
+            return
+        run_id = next((getattr(x, "run_id", None) for x in self.listeners if getattr(x, "run_id", None)), None)
+        end(self.ctx.run_dir, result, result.error, run_id=run_id, link=self.ctx.links.get("mlflow"))
+        release_owner(self.fd)
+        self.fd = None
+
+
+# -- reading --------------------------------------------------------------------------------------------
+def read(path: Path) -> dict[str, Any] | None:
+    """The record as written, or None (no record, or not readable)."""
+    try:
+        record = json.loads((path / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def owner_alive(path: Path, record: dict[str, Any]) -> bool:
+    """The process that owns the live call of `path` still runs (its lock on owner.lock is held)."""
+    lock = RunDir(path).owner_lock
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        pid = (record.get("owner") or {}).get("pid")
+        if not isinstance(pid, int):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """The record of run directory `path` with its status as it is now: a live call whose owner process is gone
+    reads failed, naming that process."""
+    record = read(path)
+    if record is None:
+        return None
+    record["id"], record["run_dir"] = path.name, str(path)
+    if record.get("status") in LIVE and not owner_alive(path, record):
+        owner = record.get("owner") or {}
+        record["status"] = FAILED
+        record["error"] = record.get("error") or (
+            f"OwnerGone: its {owner.get('role', 'owner')} process (pid {owner.get('pid')}) ended before the call did"
+        )
+    return record
+
+
+def all_records(root: Path | None = None) -> list[dict[str, Any]]:
+    """Every call of this user on the machine that left a record (in every process's run directories), oldest
+    first."""
+    root = root or runs_root()
+    found = []
+    for path in root.iterdir():
+        if path.is_dir() and not path.name.startswith(".") and (path / RECORD).exists():
+            record = load(path)
+            if record is not None:
+                found.append(record)
+    return sorted(found, key=lambda r: (r.get("started") or 0, r["id"]))
+
+
+def find_dir(call_id: str, root: Path | None = None) -> Path:
+    """The run directory of call `call_id`: its directory name, a unique prefix of it, or its path."""
+    root = root or runs_root()
+    given = Path(call_id)
+    if given.is_absolute() and (given / RECORD).exists():
+        return given
+    names = [p.name for p in root.iterdir() if p.is_dir() and (p / RECORD).exists()]
+    if call_id in names:
+        return root / call_id
+    matches = [n for n in names if n.startswith(call_id)]
+    if len(matches) == 1:
+        return root / matches[0]
+    if not matches:
+        raise AirMagicError(f"no call {call_id!r} on this machine (under {root}); `air-magic list` shows them.")
+    raise AirMagicError(f"{call_id!r} names {len(matches)} calls ({', '.join(sorted(matches)[:5])}); give more of it.")
 
 
 def write(call: Any) -> None:
@@ -28,6 +263,7 @@ def write(call: Any) -> None:
     result = call.result_
     record = {
         "id": call.id,
+        "number": call.id,
         "name": call.spec.name,
         "origin": call.spec.origin,
         "world_size": call.spec.world_size,
@@ -42,10 +278,7 @@ def write(call: Any) -> None:
         "states": [r.state.value for r in result.ranks] if result is not None else [],
         "error": None if call.error is None else f"{type(call.error).__name__}: {call.error}",
     }
-    try:
-        (call.ctx.run_dir / RECORD).write_text(json.dumps(record))
-    except OSError:
-        pass
+    _save(call.ctx.run_dir, record)
 
 
 def _gone(*args: Any, **kwargs: Any) -> None:
@@ -56,10 +289,10 @@ def _gone(*args: Any, **kwargs: Any) -> None:
 def rebuild(cls: Any, path: Path) -> Any:
     """An ended call's handle (of class `cls`, background.DistributedCall) from its run directory: status, record,
     logs, exit codes, results or error."""
-    try:
-        record = json.loads((path / RECORD).read_text())
-    except (OSError, ValueError) as exc:
-        raise AirMagicError(f"{path} holds no air_magic call record ({RECORD}): {exc}") from None
+    record = load(path)
+    if record is None:
+        raise AirMagicError(f"{path} holds no air_magic call record ({RECORD}) that can be read") from None
+    record["id"] = record.get("number", record["id"])
     spec = JobSpec(
         target=_gone,
         args=(),
@@ -72,15 +305,18 @@ def rebuild(cls: Any, path: Path) -> Any:
     )
     call = cls(spec, listeners=[])
     call.id, call.status, call._record, call._run_dir = record["id"], record["status"], record, path
-    call.started, call.ended = record["started"], record["ended"]
+    call.started, call.ended = record.get("started") or 0.0, record.get("ended")
     run_dir = RunDir(path)
+    states, codes = record.get("states") or [], record.get("returncodes") or []
+    if not states:  # its owner died before it ended: no rank left a state
+        states, codes = ["stopped"] * record["world_size"], [None] * record["world_size"]
     ranks = [
         RankResult(r, RankState(state), returncode=code, log_path=run_dir.log(r))
-        for r, (state, code) in enumerate(zip(record["states"], record["returncodes"], strict=False))
+        for r, (state, code) in enumerate(zip(states, codes, strict=False))
     ]
     finished = record["status"] == "finished"
     status = JobStatus.FINISHED if finished else JobStatus.FAILED if record["status"] == "failed" else JobStatus.KILLED
-    result = JobResult(spec, path, ranks, status=status, elapsed=record["elapsed"])
+    result = JobResult(spec, path, ranks, status=status, elapsed=record.get("elapsed") or 0.0)
     if record["status"] == "cancelled":
         result.error = JobCancelledError(f"{spec.name} was cancelled. Logs of every rank are in {path}.")
     elif not finished:

@@ -88,6 +88,8 @@ class Settings:
     ranks: tuple[int, ...] | None = None
     #: A call whose GPUs (or CPU slots) other calls hold waits for them; False: it fails at once instead.
     wait: bool = True
+    #: The call runs in a process of its own that outlives the kernel (detached.py); `air_magic.attach` finds it.
+    detach: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
@@ -102,6 +104,8 @@ class Settings:
             )
         if not isinstance(self.mlflow, bool):
             raise ConfigurationError(f"mlflow must be True or False, got {self.mlflow!r}.")
+        if not isinstance(self.detach, bool):
+            raise ConfigurationError(f"detach must be True or False, got {self.detach!r}.")
         if self.session is not None:
             sessions.check_name(self.session)
         if self.ranks is not None:
@@ -181,6 +185,8 @@ class DistributedFunction(Generic[P, R]):
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Like `.distributed`, but return the whole JobResult (run directory, exit codes, timing)."""
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
+        if self.settings.detach:
+            return self.spawn(*args, **kwargs).job().raise_for_status()
         return sessions.run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> DistributedCall:
@@ -192,6 +198,10 @@ class DistributedFunction(Generic[P, R]):
         from .background import spawn
 
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
+        if self.settings.detach:
+            from .attached import spawn_detached
+
+            return spawn_detached(self.settings.spec(self._func, args, kwargs, name))
         return spawn(self.settings.spec(self._func, args, kwargs, name), wait=self.settings.wait)
 
     def with_overrides(self, **changes: Any) -> DistributedFunction[P, R]:
@@ -233,6 +243,7 @@ def distributed(
     max_restarts: int = 0,
     session: str | None = None,
     wait: bool = True,
+    detach: bool = False,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
 
@@ -255,6 +266,8 @@ def distributed(
         keeps the session. See the sessions page of the docs.
     wait: a call whose GPUs (CPU worker slots, on CPU) other calls of this kernel hold waits for them; False: it
         fails at once instead. See the background calls page of the docs.
+    detach: `.spawn()` runs the call in a process of its own that outlives this kernel (its SIGKILL, a restart);
+        `air_magic.attach(handle.id)` in any kernel finds it again. See the command line and detached runs page.
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
@@ -269,6 +282,7 @@ def distributed(
         max_restarts=max_restarts,
         session=session,
         wait=wait,
+        detach=detach,
         **given,
     )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration

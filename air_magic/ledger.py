@@ -7,6 +7,12 @@ served, and can say what it waits for (`why_waiting`). The same rule holds for C
 `$AIR_MAGIC_CPU_SLOTS` of them (default: the machine's core count); a CPU call asking for more slots than
 exist runs once every slot is free, as an oversubscribed call always has.
 
+The ledger of `node()` is machine-wide: each unit it hands out is also leased (leases.py) by a lock the OS
+frees when this process ends, so kernels, command-line runs and detached calls of this user on the machine
+never share a unit, and a call waiting for one held elsewhere names that holder (kernel, cli or detached, and
+its call). The line of waiting calls is this process's; between processes, the first to find units free
+takes them.
+
 `Ledger` is a plain object (tests/unit/test_ledger.py): `take(holder, n, kind)` / `give_back(holder)`,
 `holders()`. `node()` is the one ledger of this process. `Claim` is how a call uses it: take now or wait,
 then hand the call's spec its GPUs (`CUDA_VISIBLE_DEVICES`). Not for: starting or stopping processes.
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from .envvars import CPU_SLOTS
 from .errors import ConfigurationError, JobCancelledError
 from .job import JobSpec
+from .leases import Lease, Leases
 
 GPU = "GPU"
 CPU = "CPU"
@@ -43,9 +50,12 @@ class Hold:
 class Ledger:
     """GPUs and CPU slots of one node, and who holds them; thread-safe."""
 
-    def __init__(self, gpus: list[str], cpu_slots: int) -> None:
+    def __init__(self, gpus: list[str], cpu_slots: int, leases: Leases | None = None) -> None:
         self.units = {GPU: list(gpus), CPU: [str(i) for i in range(max(1, cpu_slots))]}
         self._held: dict[str, Hold] = {}
+        #: Machine-wide: the lock files of this user's processes (None: this process alone, as in unit tests).
+        self.leases = leases
+        self._leased: dict[str, list[Lease]] = {}
         self._queue: list[str] = []  # holders waiting, oldest first
         self._changed = threading.Condition()
 
@@ -90,7 +100,14 @@ class Ledger:
             want = min(n, self.total(kind)) if kind == CPU else n
             if len(free) < want:
                 return None
-            self._held[holder] = Hold(kind, tuple(free[:want]), label or holder)
+            units = tuple(free[:want])
+            if self.leases is not None:
+                leased = self.leases.lease_all(kind, free, want, label or holder)
+                if leased is None:
+                    return None  # held by another process of this user on the machine
+                self._leased[holder] = leased
+                units = tuple(lease.unit for lease in leased)
+            self._held[holder] = Hold(kind, units, label or holder)
             if holder in self._queue:
                 self._queue.remove(holder)
             self._changed.notify_all()
@@ -127,13 +144,26 @@ class Ledger:
         """`holder`'s units are free again (nothing if it holds none)."""
         with self._changed:
             self._held.pop(holder, None)
+            if self.leases is not None:
+                self.leases.release(self._leased.pop(holder, []))
             self._changed.notify_all()
+
+    def elsewhere(self, kind: str) -> dict[str, str]:
+        """Units free in this process that another process holds: unit -> who ("call 2 (train) (cli pid 7)")."""
+        if self.leases is None:
+            return {}
+        with self._changed:
+            free = self._free(kind)
+        found = {unit: self.leases.holder(kind, unit) for unit in free}
+        return {unit: who for unit, who in found.items() if who is not None}
 
     def why_waiting(self, n: int, kind: str) -> str:
         """'2 CPU slot(s); 0 of 2 free, held by call 1 (train)': what a call of `n` units waits for."""
+        elsewhere = self.elsewhere(kind)
         with self._changed:
-            free = len(self._free(kind))
-            who = ", ".join(h.label for h in self._held.values() if h.kind == kind) or "calls ahead in line"
+            free = len(self._free(kind)) - len(elsewhere)
+            here = [h.label for h in self._held.values() if h.kind == kind]
+        who = ", ".join(dict.fromkeys([*here, *elsewhere.values()])) or "calls ahead in line"
         unit = "GPU(s)" if kind == GPU else "CPU slot(s)"
         return f"{n} {unit}; {free} of {self.total(kind)} free, held by {who}"
 
@@ -168,11 +198,14 @@ _node_lock = threading.Lock()
 
 
 def node() -> Ledger:
-    """The one ledger of this process (made at first use from the node's GPUs and $AIR_MAGIC_CPU_SLOTS)."""
+    """The one ledger of this process (made at first use from the node's GPUs and $AIR_MAGIC_CPU_SLOTS), its units
+    leased machine-wide."""
     global _node
     with _node_lock:
         if _node is None:
-            _node = Ledger(_visible_gpus(), cpu_slots())
+            from .leases import lease_dir
+
+            _node = Ledger(_visible_gpus(), cpu_slots(), Leases(lease_dir()))
         return _node
 
 

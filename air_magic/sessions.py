@@ -211,11 +211,17 @@ def without_held(target: Any, held: set[str]) -> Any:
     return copy
 
 
-def run(spec: JobSpec, listeners: list[Listener] | None = None, claim: ledger.Claim | None = None) -> JobResult:
+def run(
+    spec: JobSpec,
+    listeners: list[Listener] | None = None,
+    claim: ledger.Claim | None = None,
+    run_dir: Any = None,
+) -> JobResult:
     """Run a call through the runner, holding its GPUs or CPU slots in the ledger (waiting for them first if another
     call holds them); for a session's call, check it first and record what it left.
 
-    `listeners` replace the default ones and `claim` is the call's place in the ledger (a background call's).
+    `listeners` replace the default ones and `claim` is the call's place in the ledger (a background call's);
+    `run_dir` a run directory made before the call started (runner.run).
     """
     if spec.session is not None:
         before(spec)
@@ -229,11 +235,11 @@ def run(spec: JobSpec, listeners: list[Listener] | None = None, claim: ledger.Cl
     with claim.held(spec, on_wait=lambda why: print(f"air_magic: {name} waits for {why}", file=sys.stderr)) as held:
         session = held.session
         if session is None:
-            return runner.run(held, listeners)
+            return runner.run(held, listeners, run_dir=run_dir)
         held = dataclasses.replace(held, target=without_held(held.target, held_names(session)))
         _busy[session] = held.name
         try:
-            result = runner.run(held, listeners)
+            result = runner.run(held, listeners, run_dir=run_dir)
         finally:
             _busy.pop(session, None)
         if result.session_end is None:

@@ -218,6 +218,26 @@ class RunDir:
         return True
 
     @property
+    def cancel_flag(self) -> Path:
+        """The file another process of this user leaves to cancel the call (call_record.py); its owner polls for it."""
+        return self.path / "cancel"
+
+    @property
+    def owner_lock(self) -> Path:
+        """The lock its owner process holds while the call is live (call_record.py): free once that process is gone."""
+        return self.path / "owner.lock"
+
+    @property
+    def owner_log(self) -> Path:
+        """A detached call's owner process writes its own output here (detached.py)."""
+        return self.path / "owner.log"
+
+    @property
+    def detached_call(self) -> Path:
+        """What a detached call's owner process runs: the call and its settings, pickled (detached.py)."""
+        return self.path / "detached.pkl"
+
+    @property
     def flight_recorder(self) -> Path:
         """Where NCCL's flight recorder writes each rank's dump, and keeps the pipe that asks for one
         (launch/files/flight_recorder.py)."""

@@ -1,0 +1,168 @@
+"""A call of another process, reached through its run directory: `air_magic.attach(ID)` and `%distributed_attach`.
+
+`AttachedCall` is a `DistributedCall` that reads the call's record and files instead of running it: its
+status follows the live record (call_record.py), `result()` waits for the final one and reads each rank's
+value or error from the run directory, `cancel()` leaves the cancel request the owner polls, `stop()` the
+Stop flag, and `show()` draws the live panel with every line the ranks wrote so far (display/follow.py),
+fed by a thread that follows the files. Any kernel of the same user may attach: the call's owner may be a
+detached call's process, a command-line run or another kernel. `machine_table()` is
+`%distributed_calls --all`: every call of this user on the machine. Not for: running a call (detached.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import call_record
+from .background import DistributedCall
+from .job import JobSpec, RankState
+from .launch.files.rundir import RunDir
+from .listeners import RunContext
+
+#: Seconds between two looks at an attached call's record.
+_LOOK = 0.2
+
+
+def _gone(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("this call runs in another process; it cannot run again from here")
+
+
+class AttachedCall(DistributedCall):
+    """The handle of a call that another process owns, following its run directory."""
+
+    def __init__(self, path: Path) -> None:
+        record = call_record.load(path)
+        if record is None:
+            raise call_record.AirMagicError(f"{path} holds no air_magic call record")
+        spec = JobSpec(
+            target=_gone,
+            args=(),
+            kwargs={},
+            name=record["name"],
+            world_size=record["world_size"],
+            accelerator_type=record["accelerator_type"],
+            timeout=None,
+            origin=record.get("origin", "function"),
+            num_nodes=record.get("num_nodes", 1),
+        )
+        super().__init__(spec, listeners=[])
+        self.id = path.name  # type: ignore[assignment]
+        self._run_dir, self._record = path, record
+        self.started = record.get("started") or time.time()
+        self.status = record["status"]
+        self.waiting_for = record.get("waiting_for") or ""
+        self.ctx = RunContext(spec, path, RunDir(path).logs(spec.world_size))
+        if record.get("link"):
+            self.ctx.links["mlflow"] = record["link"]
+        for rank in range(spec.world_size):
+            self.watch.states[rank] = RankState.RUNNING if self.status == call_record.RUNNING else RankState.PENDING
+        self._cancel_sent = False
+        self._follow()
+        threading.Thread(target=self._follow_loop, name=f"air_magic-attached-{path.name}", daemon=True).start()
+
+    def _follow(self) -> bool:
+        """Read the record once; True when the call has ended (its result is then set)."""
+        record = call_record.load(self.run_dir) or self._record
+        self._record = record
+        if self.ctx is not None and self.ctx.cancelled and not self._cancel_sent:
+            self.cancel()
+        if record.get("status") == call_record.RUNNING and self.status != call_record.RUNNING:
+            for rank in range(self.spec.world_size):
+                self.watch.on_rank_state(rank, RankState.RUNNING)
+        self.status, self.waiting_for = record["status"], record.get("waiting_for") or ""
+        if record.get("link") and self.ctx is not None:
+            self.ctx.links["mlflow"] = record["link"]
+        if self.status in call_record.LIVE:
+            return False
+        ended = call_record.rebuild(DistributedCall, self.run_dir)
+        self.result_, self.error, self.ended = ended.result_, ended.error, record.get("ended") or time.time()
+        return True
+
+    def _follow_loop(self) -> None:
+        while not self._done.is_set():
+            try:
+                ended = self._follow()
+            except Exception:  # noqa: BLE001 - a record half written is read again at the next look
+                ended = False
+            self.watch.poll()
+            if ended:
+                assert self.result_ is not None
+                self.watch.on_end(self.result_)
+                self._done.set()
+                return
+            time.sleep(_LOOK)
+
+    def cancel(self) -> None:
+        """Ask the call's owner (whatever process it is) to stop every rank; `.result()` then raises
+        JobCancelledError."""
+        self._cancel_sent = True
+        call_record.request_cancel(self.run_dir)
+
+    @property
+    def run_dir(self) -> Path:
+        assert self._run_dir is not None
+        return self._run_dir
+
+    @property
+    def run_id(self) -> str | None:
+        return self._record.get("run_id")
+
+    def __repr__(self) -> str:
+        return f"<DistributedCall {self.id} {self.spec.name}: {self.status}>"
+
+
+def spawn_detached(spec: JobSpec) -> DistributedCall:
+    """`detach=True`, `%%distributed --detach`: start `spec` in an owner process of its own (detached.py), with this
+    kernel's MLflow store and experiment, and return its handle."""
+    import sys
+
+    from . import detached
+
+    env: dict[str, str] = {}
+    experiment_id = None
+    if "mlflow" in sys.modules and spec.mlflow:
+        from .tracking import _compat
+
+        mlflow = sys.modules["mlflow"]
+        env["MLFLOW_TRACKING_URI"] = str(mlflow.get_tracking_uri())
+        experiment_id = _compat.active_experiment_id()
+    path = detached.start(spec, experiment_id=experiment_id, env=env)
+    return AttachedCall(path)
+
+
+def attach(call_id: str, show: bool = True) -> DistributedCall:
+    """The handle of call `call_id` (its id, a unique prefix of it, or its run directory), which any process of
+    this user on this machine may run: a detached call, a command-line run or another kernel's call.
+
+    In a notebook its live panel is drawn here, with every line so far (`show=False`: not). `.result()`,
+    `.cancel()`, `.stop()`, `.logs(rank)` and `.show()` work as on the handle of a call started here.
+    """
+    call = AttachedCall(call_record.find_dir(str(call_id)))
+    if show:
+        try:
+            from IPython import get_ipython
+        except ImportError:  # pragma: no cover - IPython is a dependency
+            return call
+        if get_ipython() is not None:
+            call.show()
+    return call
+
+
+def machine_table() -> str:
+    """`%distributed_calls --all`: one line per call of this user on the machine, oldest first."""
+    records = call_record.all_records()
+    if not records:
+        return "No air_magic call on this machine yet."
+    lines = ["id                                  call                 status     ranks  owner        started"]
+    for r in records:
+        owner = r.get("owner") or {}
+        who = f"{owner.get('role', '-')} {owner.get('pid', '')}".strip()
+        when = time.strftime("%m-%d %H:%M:%S", time.localtime(r.get("started") or 0))
+        lines.append(
+            f"{r['id'][:35]:<35} {str(r.get('name'))[:20]:<20} {r.get('status', '?'):<10} "
+            f"{r.get('world_size', '?')!s:<6} {who:<12} {when}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""Detached calls: a call owned by a process of its own, which outlives the kernel or command line that started it.
+
+`start(spec)` (from `detach=True`, `%%distributed --detach` or `air-magic run`) checks the call pickles, makes
+its run directory (whose name is the call's id), writes into it what to run (`detached.pkl`: the payload the
+ranks would get, the job's settings, sys.path, working directory, MLflow experiment) and starts
+`python -m air_magic.detached RUN_DIR` in a new session with its output in `owner.log`, so the death of its
+starter (a kernel's SIGKILL, a restart, a closed terminal) does not reach it. It returns the run directory
+once the owner holds the call (its live record names it).
+
+The owner process (`main`) is an owner like a kernel, with the same code: it takes the call's GPUs or CPU
+slots in the machine-wide ledger (waiting, and saying for what, in its record), runs the call through
+`sessions.run` and the runner with the default listeners (MLflow run, live record, text display), and leaves
+the final record; the ranks' results are in the run directory for any process to read
+(call_record.py, attached.py). A cancel asked from any process (the `cancel` file) or a SIGTERM cancels the
+call; if the owner is killed, its helper and ranks go with it, as a kernel's do. Not for: reading or
+showing a call from another process (attached.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import call_record, leases, payload
+from .errors import AirMagicError
+from .job import JobSpec
+from .launch.files.rundir import RunDir, write_private
+
+#: Seconds `start` waits for the owner process to take its call.
+READY_WAIT = 120.0
+
+
+def _gone(*args: Any, **kwargs: Any) -> None:  # what the pickled settings carry in place of the call
+    raise AirMagicError("a detached call's settings were run without its call")
+
+
+def start(
+    spec: JobSpec,
+    role: str = "detached",
+    experiment_name: str | None = None,
+    parent_run_id: str | None = None,
+    experiment_id: str | None = None,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Path:
+    """Start `spec` in an owner process of its own; its run directory (`.name` is the call's id) once it runs there.
+
+    `role` names the owner to waiting calls ("detached" from a notebook, "cli" from the command line); `env`
+    adds to this process's environment, which the owner (and so the ranks) inherit.
+    """
+    blob = payload.serialize(spec.target, spec.args, spec.kwargs)  # fails here, before anything starts
+    if spec.session is not None:
+        raise AirMagicError("a call in a session cannot be detached: its ranks belong to this kernel's session.")
+    run = RunDir.create(spec.name, spec.world_size)
+    settings = dataclasses.replace(spec, target=_gone, args=(), kwargs={})
+    workdir = cwd or os.getcwd()
+    hand_off: dict[str, Any] = {
+        "blob": blob,
+        "spec": settings,
+        "sys_path": list(sys.path),
+        "cwd": workdir,
+        "role": role,
+        "experiment_name": experiment_name,
+        "parent_run_id": parent_run_id,
+        "experiment_id": experiment_id,
+    }
+    write_private(run.detached_call, pickle.dumps(hand_off))
+    with open(run.owner_log, "ab") as log:
+        os.chmod(run.owner_log, 0o600)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "air_magic.detached", str(run.path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # the starter's end (a kernel's SIGKILL, a closed terminal) never reaches it
+        )
+    deadline = time.monotonic() + READY_WAIT
+    while time.monotonic() < deadline:
+        record = call_record.read(run.path) or {}
+        if (record.get("owner") or {}).get("pid") == proc.pid:
+            return run.path
+        if proc.poll() is not None:
+            tail = run.owner_log.read_text(errors="replace")[-2000:]
+            raise AirMagicError(f"the detached call's owner process ended at once (exit {proc.returncode}):\n{tail}")
+        time.sleep(0.05)
+    raise AirMagicError(f"the detached call's owner process did not start within {READY_WAIT:g} s; see {run.owner_log}")
+
+
+def _listeners(spec: JobSpec, hand_off: dict[str, Any]) -> list[Any]:
+    from .runner import default_listeners
+
+    experiment_id = hand_off["experiment_id"]
+    if hand_off["experiment_name"] and spec.mlflow:
+        import mlflow
+
+        experiment_id = mlflow.set_experiment(hand_off["experiment_name"]).experiment_id
+    listeners = default_listeners(spec)
+    for listener in listeners:
+        capture = getattr(listener, "capture", None)
+        if callable(capture) and (experiment_id or hand_off["parent_run_id"]):
+            capture(hand_off["parent_run_id"], experiment_id)
+    return listeners
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The owner process of one detached call: run it, record how it ended; 0 if it finished."""
+    from . import ledger, sessions
+    from .launch.rank.carried import load_call
+
+    path = Path((argv or sys.argv[1:])[0])
+    run = RunDir(path)
+    hand_off = pickle.loads(run.detached_call.read_bytes())
+    leases.set_role(hand_off["role"])
+    sys.path[:] = hand_off["sys_path"]
+    os.chdir(hand_off["cwd"])
+    target, args, kwargs, _ = load_call(hand_off["blob"])
+    spec: JobSpec = dataclasses.replace(hand_off["spec"], target=target, args=args, kwargs=kwargs)
+    signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    owner = call_record.begin(path, spec, call_record.WAITING, waiting_for="")
+    claim = None
+    try:
+        claim = ledger.Claim(spec, f"call {path.name}", f"call {path.name} ({spec.name})")
+        if not claim.try_now():
+            why = claim.why_waiting()
+            print(f"air_magic: {spec.name} waits for {why}", flush=True)
+            call_record._save(path, {"waiting_for": why})
+            claim.wait(cancelled=lambda: call_record.cancel_requested(path))
+        result = sessions.run(spec, _listeners(spec, hand_off), claim, run_dir=run)
+        error = result.error
+    except BaseException as exc:  # noqa: BLE001 - recorded as the call's end
+        if claim is not None:
+            claim.release()
+        result, error = None, exc
+        call_record.end(path, None, exc)
+    record = call_record.read(path) or {}
+    if record.get("status") in call_record.LIVE:  # the runner never started it: say how it ended
+        call_record.end(path, result, error)
+    call_record.release_owner(owner)
+    run.detached_call.unlink(missing_ok=True)
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
