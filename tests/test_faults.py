@@ -79,13 +79,15 @@ def test_collective_that_never_completes_is_stopped_by_the_timeout(fault_kernel)
     before = procs()
     out = fault_kernel.execute(
         """
-@distributed(2, timeout=10, mlflow=False)  # room for the ranks to print first, even on a busy machine
+@distributed(2, timeout=15, mlflow=False)
 def stuck():
     import os, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
+    # Printed before the rendezvous, which waits for the other rank: on a busy machine a late second rank must not
+    # keep the first from printing before the timeout.
     for i in range(3):
         print(f"rank {rank} step {i}", flush=True)
+    dist.init_process_group("gloo")
     if rank == 0:
         dist.all_reduce(torch.ones(1))
     time.sleep(3600)
@@ -95,7 +97,7 @@ report(error, ended)
         timeout=90,
     ).check()
     rep = reported(out.stdout)
-    assert rep["type"] == "DistributedTimeoutError" and "timeout of 10 s" in rep["message"]
+    assert rep["type"] == "DistributedTimeoutError" and "timeout of 15 s" in rep["message"]
     (run_dir,) = run_dirs(out.stdout)
     assert_nothing_left(before)
     assert_nothing_lost(run_dir, {0: steps(0), 1: steps(1)}, out.stdout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 
@@ -75,12 +76,16 @@ def _joins_late() -> int:
 
 
 class _KillsTheStore(Recorder):
-    """Kills whatever listens on the job's MASTER_PORT (the store) as soon as a rank names the port."""
+    """Kills whatever listens on the job's MASTER_PORT (the store) once both ranks have named the port: waiting for
+    both, not the first, is what lets the test check that neither rank's line is lost, however late a busy machine
+    starts the second rank."""
 
     def on_output(self, rank: int, text: str) -> None:
         super().on_output(rank, text)
-        if self.cancelled_at is None and "will join on" in text:
-            port = int(text.split("will join on ")[1].split()[0])
+        said = {r: "".join(pieces) for r, pieces in self.text.items()}
+        named = [r for r, seen in said.items() if re.search(r"will join on \d+\s", seen)]
+        if self.cancelled_at is None and sorted(named) == [0, 1]:
+            port = int(re.search(r"will join on (\d+)\s", said[0]).group(1))
             for conn in psutil.net_connections("tcp"):
                 if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
                     os.kill(conn.pid, 9)
