@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -47,22 +47,33 @@ class Hold:
     label: str
 
 
+@dataclass(frozen=True)
+class Kept:
+    """The holder of the GPUs a session keeps from its first call until it ends (`release_session`)."""
+
+    session: str
+
+
+#: Who holds units: a call (its key, such as "call 3"), or a session keeping them between its calls (`Kept`).
+Holder = Hashable
+
+
 class Ledger:
     """GPUs and CPU slots of one node, and who holds them; thread-safe."""
 
     def __init__(self, gpus: list[str], cpu_slots: int, leases: Leases | None = None) -> None:
         self.units = {GPU: list(gpus), CPU: [str(i) for i in range(max(1, cpu_slots))]}
-        self._held: dict[str, Hold] = {}
+        self._held: dict[Holder, Hold] = {}
         #: Machine-wide: the lock files of this user's processes (None: this process alone, as in unit tests).
         self.leases = leases
-        self._leased: dict[str, list[Lease]] = {}
-        self._queue: list[str] = []  # holders waiting, oldest first
+        self._leased: dict[Holder, list[Lease]] = {}
+        self._queue: list[Holder] = []  # holders waiting, oldest first
         self._changed = threading.Condition()
 
     def total(self, kind: str) -> int:
         return len(self.units[kind])
 
-    def holders(self) -> dict[str, Hold]:
+    def holders(self) -> dict[Holder, Hold]:
         with self._changed:
             return dict(self._held)
 
@@ -82,7 +93,9 @@ class Ledger:
                 f"{self.total(GPU)} (num_accelerators= or --gpus)."
             )
 
-    def take(self, holder: str, n: int, kind: str, label: str = "", *, queued: bool = False) -> tuple[str, ...] | None:
+    def take(
+        self, holder: Holder, n: int, kind: str, label: str = "", *, queued: bool = False
+    ) -> tuple[str, ...] | None:
         """`n` units for `holder` if free now (the ones it holds already, if it holds some), else None.
 
         A CPU call asking for more slots than exist gets every slot once all are free. With `queued`, the holder
@@ -102,12 +115,12 @@ class Ledger:
                 return None
             units = tuple(free[:want])
             if self.leases is not None:
-                leased = self.leases.lease_all(kind, free, want, label or holder)
+                leased = self.leases.lease_all(kind, free, want, label or str(holder))
                 if leased is None:
                     return None  # held by another process of this user on the machine
                 self._leased[holder] = leased
                 units = tuple(lease.unit for lease in leased)
-            self._held[holder] = Hold(kind, units, label or holder)
+            self._held[holder] = Hold(kind, units, label or str(holder))
             if holder in self._queue:
                 self._queue.remove(holder)
             self._changed.notify_all()
@@ -115,7 +128,7 @@ class Ledger:
 
     def wait_take(
         self,
-        holder: str,
+        holder: Holder,
         n: int,
         kind: str,
         label: str = "",
@@ -131,7 +144,7 @@ class Ledger:
                 if units is not None:
                     return units
                 if cancelled():
-                    raise JobCancelledError(f"{label or holder} was cancelled while it waited for {n} {kind}(s).")
+                    raise JobCancelledError(f"{label or str(holder)} was cancelled while it waited for {n} {kind}(s).")
                 with self._changed:
                     self._changed.wait(_WAIT_STEP)
         finally:
@@ -140,7 +153,7 @@ class Ledger:
                     self._queue.remove(holder)
                 self._changed.notify_all()
 
-    def give_back(self, holder: str) -> None:
+    def give_back(self, holder: Holder) -> None:
         """`holder`'s units are free again (nothing if it holds none)."""
         with self._changed:
             self._held.pop(holder, None)
@@ -221,7 +234,7 @@ class Claim:
 
     def __init__(self, spec: JobSpec, holder: str, label: str) -> None:
         self.spec = spec
-        self.holder = f"session:{spec.session}" if spec.session is not None and spec.uses_gpu else holder
+        self.holder: Holder = Kept(spec.session) if spec.session is not None and spec.uses_gpu else holder
         self.label = label if spec.session is None else f"session {spec.session!r} ({label})"
         self.applies = spec.num_nodes == 1
         self.units: tuple[str, ...] | None = None
@@ -243,8 +256,8 @@ class Claim:
             self.units = node().wait_take(self.holder, self.spec.world_size, kind_of(self.spec), self.label, cancelled)
 
     def keep(self) -> None:
-        """A session's GPUs stay held after the call, until the session ends (`node().give_back("session:NAME")`)."""
-        self.kept = self.holder.startswith("session:")
+        """A session's GPUs stay held after the call, until the session ends (`release_session`)."""
+        self.kept = isinstance(self.holder, Kept)
 
     def release(self) -> None:
         if self.applies and not self.kept:
@@ -272,4 +285,4 @@ class Claim:
 def release_session(name: str) -> None:
     """Session `name` ended: the GPUs it kept are free again."""
     if _node is not None:
-        _node.give_back(f"session:{name}")
+        _node.give_back(Kept(name))
