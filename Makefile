@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	else $(PY) -m pip install -q 'uv>=0.9,<1' torch==2.13.0; fi
 	$(UV) pip install -q --python $(PY) -e '.[test,docs]'
 	DS_BUILD_OPS=0 $(UV) pip install -q --python $(PY) --no-build-isolation 'deepspeed>=0.16'
+	@# A build of an op killed midway leaves a lock that later builds wait on forever: removed when no process holds it.
+	$(PY) -m air_magic.launch.rank.extension_locks
 	@# Without GPUs, DeepSpeed's first init_distributed compiles its CPU communication op (once per machine): built
 	@# here, not inside the DeepSpeed demo's test, where two busy cores took longer than the cell's time limit.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -c 'from deepspeed.accelerator import get_accelerator as g; \

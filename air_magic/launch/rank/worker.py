@@ -36,6 +36,7 @@ from ..stopper import die_with_parent
 from . import debugger as rank_debugger
 from . import session
 from .carried import load_call
+from .extension_locks import report_stale as clear_stale_build_locks
 
 #: False after a session call whose error leaves the rank unusable (launch/rank/session.py::ends_session).
 session_kept = False
@@ -144,6 +145,7 @@ def run(path: Path, rank: int) -> int:
     global session_kept
     session_kept = spec.session is not None
     hold_destroyed_groups()
+    clear_stale_build_locks()  # a torch extension build killed midway leaves a lock later builds wait on
     rank_debugger.install(run_dir, rank)  # breakpoint() prompts in the notebook's cell (rank_debugger.py)
     try:
         _install_hooks(spec.hooks)
