@@ -135,7 +135,7 @@ class DistributedCall:
             sessions._busy[self.spec.session] = self._busy_word
         self.status = WAITING if self.waiting_for else RUNNING
         if self.waiting_for:
-            print(f"air_magic: call {self.id} ({self.spec.name}) waits for {self.waiting_for}", file=sys.stderr)
+            print(f"air_magic: call {self.id} ({self.spec.name}) waits for {self.waiting_for}", file=sys.stdout)
             self._say_waiting()
         _calls[self.id] = self
         context = contextvars.copy_context()

@@ -232,7 +232,7 @@ def run(
             )
     claim = claim or ledger.Claim(spec, uuid.uuid4().hex, spec.name)
     name = spec.name
-    with claim.held(spec, on_wait=lambda why: print(f"air_magic: {name} waits for {why}", file=sys.stderr)) as held:
+    with claim.held(spec, on_wait=lambda why: print(f"air_magic: {name} waits for {why}", file=sys.stdout)) as held:
         session = held.session
         if session is None:
             return runner.run(held, listeners, run_dir=run_dir)

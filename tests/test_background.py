@@ -81,10 +81,12 @@ def test_two_calls_at_once_get_disjoint_slots_and_a_third_waits_for_them(bg_kern
     """With 4 CPU slots, two 2-rank calls run at once on their own slots; a third is waiting (and says for what)
     until one ends, then runs."""
     flag = str(workdir / "go-3")
-    bg_kernel.execute(
+    spawned = bg_kernel.execute(
         f"a = wait_for.spawn({flag!r})\nb = wait_for.spawn({flag!r})\nc3 = wait_for.spawn({flag!r})\n"
         "until(lambda: 'working' in a.logs(1) and 'working' in b.logs(1))"
     ).check()
+    # The notice is normal output: Jupyter draws stderr like an error.
+    assert "waits for 2 CPU slot(s)" in spawned.stdout and "waits for" not in spawned.stderr
     out = bg_kernel.execute("print(a.claim.units, b.claim.units, c3.status, c3.waiting_for)").check()
     assert "waiting" in out.stdout and "held by call" in out.stdout
     assert "waiting" in bg_kernel.execute("%distributed_calls").check().stdout
@@ -93,6 +95,26 @@ def test_two_calls_at_once_get_disjoint_slots_and_a_third_waits_for_them(bg_kern
     (workdir / "go-3").touch()
     out = bg_kernel.execute("print(a.result(), b.result(), c3.result(), c3.status)").check()
     assert out.stdout.strip() == "[0, 1] [0, 1] [0, 1] finished"
+
+
+def test_a_foreground_call_waiting_for_slots_says_so_on_stdout(bg_kernel, workdir):
+    """A foreground call whose CPU slots two background calls hold prints what it waits for as normal output (not
+    stderr, which Jupyter draws red), then runs once they end."""
+    flag = str(workdir / "go-fg")
+    bg_kernel.execute(
+        f"a = wait_for.spawn({flag!r})\nb = wait_for.spawn({flag!r})\n"
+        "until(lambda: 'working' in a.logs(1) and 'working' in b.logs(1))"
+    ).check()
+    out = bg_kernel.execute(
+        "import threading, air_magic.ledger as ledger_module\n"
+        "def free_when_waiting():\n"
+        "    until(lambda: bool(ledger_module.node()._queue))  # the foreground call is in the waiting line\n"
+        f"    pathlib.Path({flag!r}).touch()\n"
+        "threading.Thread(target=free_when_waiting, daemon=True).start()\n"
+        f"print('VALUES', wait_for.distributed({flag!r}), a.result(), b.result())"
+    ).check()
+    assert "waits for 2 CPU slot(s)" in out.stdout and "waits for" not in out.stderr
+    assert "VALUES [0, 1] [0, 1] [0, 1]" in out.stdout
 
 
 def test_distributed_show_in_a_new_cell_shows_lines_written_before_it(bg_kernel, workdir):
