@@ -15,14 +15,16 @@ from .errors import (
     DistributedTimeoutError,
     JobCancelledError,
     RankFailedError,
+    RankHungError,
     ResultSizeWarning,
     RunDirectoryFullError,
     SerializationError,
     WorkerDiedError,
 )
-from .job import JobResult, JobStatus, RankResult, RankState
+from .job import Alert, JobResult, JobStatus, RankResult, RankState
 from .launch import ray_init
 from .launch.rank.session import Placeholder, Ref
+from .launch.rank.steps import step
 from .payload import PayloadSizeWarning
 from .stopping import should_stop
 from .sweep import sweep
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceleratorType",
     "AirMagicError",
+    "Alert",
     "ConfigurationError",
     "DebuggerQuit",
     "DistributedCall",
@@ -43,6 +46,7 @@ __all__ = [
     "PayloadSizeWarning",
     "Placeholder",
     "RankFailedError",
+    "RankHungError",
     "RankResult",
     "RankState",
     "Ref",
@@ -56,6 +60,7 @@ __all__ = [
     "load_ipython_extension",
     "ray_init",
     "should_stop",
+    "step",
     "sweep",
     "unload_ipython_extension",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import ledger, payload, sessions
 from .errors import AirMagicError, ConfigurationError, JobCancelledError
-from .job import JobResult, JobSpec, JobStatus, RankState
+from .job import Alert, JobResult, JobSpec, JobStatus, RankState
 from .launch.files import debug_channel
 from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
@@ -311,3 +311,10 @@ def table() -> str:
             f"{call.elapsed:>6.0f} s  {call.link or '-'}"
         )
     return "\n".join(lines)
+    @property
+    def alerts(self) -> list[Alert]:
+        """What the watch of the call saw so far: stragglers and hangs, oldest first (docs/watching.md)."""
+        if self.result_ is not None:
+            return list(self.result_.alerts)
+        return list(self.ctx.alerts) if self.ctx is not None else []
+

@@ -2,6 +2,8 @@
 
 `Settings` is shared with the %%distributed magic, so both doors validate
 the same way and build the same job description.
+
+Over 300 lines because every option of a call is documented and checked here, once for both doors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 from . import accelerators, launch, sessions
 from .errors import ConfigurationError
 from .job import JobResult, JobSpec
+from .watching import check_watch
 
 if TYPE_CHECKING:
     from .background import DistributedCall
@@ -88,12 +91,16 @@ class Settings:
     ranks: tuple[int, ...] | None = None
     #: A call whose GPUs (or CPU slots) other calls hold waits for them; False: it fails at once instead.
     wait: bool = True
+    #: Watch the call for stragglers and hangs (docs/watching.md); `on_hang`: "report", "stop" or "restart".
+    watch: bool = True
+    on_hang: str = "report"
     #: The call runs in a process of its own that outlives the kernel (detached.py); `air_magic.attach` finds it.
     detach: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         check_max_restarts(self.max_restarts)
+        check_watch(self.watch, self.on_hang, self.max_restarts)
         object.__setattr__(self, "keep_alive", check_keep_alive(self.keep_alive))
         if self.num_accelerators is not None:
             accelerators._check_count(self.num_accelerators, "num_accelerators")
@@ -143,6 +150,8 @@ class Settings:
             keep_alive=self.keep_alive,
             num_nodes=self.num_nodes,
             max_restarts=self.max_restarts,
+            watch=self.watch,
+            on_hang=self.on_hang,
         )
         return sessions.with_session(spec, self.session, self.ranks)
 
@@ -187,7 +196,9 @@ class DistributedFunction(Generic[P, R]):
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         if self.settings.detach:
             return self.spawn(*args, **kwargs).job().raise_for_status()
-        return sessions.run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
+        from .background import run
+
+        return run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> DistributedCall:
         """Start the call in the background and return its handle at once; the kernel is free while it runs.
@@ -243,6 +254,8 @@ def distributed(
     max_restarts: int = 0,
     session: str | None = None,
     wait: bool = True,
+    watch: bool = True,
+    on_hang: str = "report",
     detach: bool = False,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
@@ -266,6 +279,9 @@ def distributed(
         keeps the session. See the sessions page of the docs.
     wait: a call whose GPUs (CPU worker slots, on CPU) other calls of this kernel hold waits for them; False: it
         fails at once instead. See the background calls page of the docs.
+    watch: each rank's input, compute and collective time per step; a straggler or hung rank named (see the
+        watching page of the docs); False: off. on_hang: after a hang, "report" (default: the call goes on),
+        "stop" (RankHungError) or "restart" (every rank starts again, within max_restarts).
     detach: `.spawn()` runs the call in a process of its own that outlives this kernel (its SIGKILL, a restart);
         `air_magic.attach(handle.id)` in any kernel finds it again. See the command line and detached runs page.
     """
@@ -282,6 +298,8 @@ def distributed(
         max_restarts=max_restarts,
         session=session,
         wait=wait,
+        watch=watch,
+        on_hang=on_hang,
         detach=detach,
         **given,
     )

@@ -24,7 +24,10 @@ LARGE_RESULT_MIB = "AIR_MAGIC_LARGE_RESULT_MIB"
 #: CPU worker slots of this node that calls running at once share (ledger.py); default: the core count.
 CPU_SLOTS = "AIR_MAGIC_CPU_SLOTS"
 
-USER_FACING = (RUNS_DIR, WARM, PRELOAD, DISPLAY, FORCE_CPU, LARGE_RESULT_MIB, CPU_SLOTS)
+#: Seconds of no progress from which a watched call names a hung rank, at least (default 30; docs/watching.md).
+HANG_AFTER = "AIR_MAGIC_HANG_AFTER"
+
+USER_FACING = (RUNS_DIR, WARM, PRELOAD, DISPLAY, FORCE_CPU, LARGE_RESULT_MIB, CPU_SLOTS, HANG_AFTER)
 
 # -- set by air_magic for its own processes (internal: not for users, may change) -----------------------------
 #: In a rank: the call's run directory on the rank's machine (the Ray scratch directory on another node).
@@ -47,6 +50,9 @@ MLFLOW_RELAY = "AIR_MAGIC_MLFLOW_RELAY"
 #: In a rank ("1"): a `breakpoint()` there is answered from the notebook through the run directory (debug_channel.py).
 DEBUG_SERVED = "AIR_MAGIC_INTERNAL_DEBUG_SERVED"
 
+#: In a rank ("1"): the call is watched: the rank keeps its step times (launch/rank/steps.py).
+WATCH = "AIR_MAGIC_INTERNAL_WATCH"
+
 INTERNAL = (
     INTERNAL_RUN_DIR,
     JOB,
@@ -57,4 +63,5 @@ INTERNAL = (
     MLFLOW_RUN_ID,
     MLFLOW_RELAY,
     DEBUG_SERVED,
+    WATCH,
 )

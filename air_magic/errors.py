@@ -35,6 +35,10 @@ class DistributedTimeoutError(AirMagicError, TimeoutError):
     """The call ran longer than its `timeout`; every worker was stopped."""
 
 
+class RankHungError(AirMagicError):
+    """A rank made no progress while others waited for it in a collective, and the call's `on_hang` stopped it."""
+
+
 class RunDirectoryFullError(AirMagicError, OSError):
     """The disk holding the run directory filled up; the ranks could not write their logs or results."""
 

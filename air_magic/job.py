@@ -48,6 +48,27 @@ class JobStatus(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Alert:
+    """What the watch of a call saw (docs/watching.md): a straggling rank, or a hung one."""
+
+    #: "straggler" or "hang".
+    kind: str
+    rank: int
+    #: A straggler's: "input" or "compute"; a hang's: "no progress".
+    cause: str
+    #: The line the call's output and panel show.
+    message: str
+    #: When it was raised (time.time()).
+    time: float
+    #: A straggler's lag per step, a hang's seconds without progress.
+    seconds: float = 0.0
+
+
+#: What `on_hang=` may say: report the hang and go on, stop the call, or start its world again (max_restarts).
+ON_HANG = ("report", "stop", "restart")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """What to run and where: built by a front door, consumed by the runner."""
 
@@ -73,6 +94,9 @@ class JobSpec:
     session: str | None = None
     #: The ranks of the session that run the call; None: every rank.
     ranks: tuple[int, ...] | None = None
+    #: The call is watched for stragglers and hangs (watching/); `on_hang`: what a hang leads to (ON_HANG).
+    watch: bool = True
+    on_hang: str = "report"
 
     @property
     def uses_gpu(self) -> bool:
@@ -119,6 +143,8 @@ class JobResult:
     session_end: str | None = None
     #: A session's call that restarted (max_restarts): why; the ranks from before, and what they held, are gone.
     session_restarted: str | None = None
+    #: What the watch saw: stragglers and hangs, oldest first (docs/watching.md).
+    alerts: list[Alert] = field(default_factory=list)
 
     @property
     def values(self) -> list[Any]:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .job import JobResult, JobSpec, RankState
+from .job import Alert, JobResult, JobSpec, RankState
 from .phase import Phase
 
 
@@ -38,6 +38,11 @@ class RunContext:
     collectives: str | None = None
     #: A Stop was asked for (the ranks' `should_stop()` says so from their next look).
     stop_requested: bool = False
+    #: What the watch of the call saw so far (watching/), oldest first.
+    alerts: list[Alert] = field(default_factory=list)
+    #: rank -> its recent steps on average, in seconds: "input", "compute", "collective", "step"; and "steps" done.
+    step_times: dict[int, dict[str, float]] = field(default_factory=dict)
+    _hang: Alert | None = None
     _cancel: threading.Event = field(default_factory=threading.Event)
     _stacks: threading.Event = field(default_factory=threading.Event)
 
@@ -48,6 +53,15 @@ class RunContext:
     def ask_stacks(self) -> None:
         """Ask the runner to have every rank write its stacks to its log, stopping nothing; safe from any thread."""
         self._stacks.set()
+
+    def act_on_hang(self, alert: Alert) -> None:
+        """Ask the runner to act on a hang as the call's `on_hang` says ("stop", "restart"); safe from any thread."""
+        self._hang = alert
+
+    def take_hang(self) -> Alert | None:
+        """The hang to act on, once (the runner's side)."""
+        hang, self._hang = self._hang, None
+        return hang
 
     def take_stacks_request(self) -> bool:
         """True once after each `ask_stacks` (the runner's side)."""

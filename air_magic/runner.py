@@ -41,10 +41,11 @@ from .errors import (
     AirMagicError,
     ConfigurationError,
     ListenerWarning,
+    RankHungError,
     RunDirectoryFullError,
     annotate,
 )
-from .job import JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
+from .job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
 from .launch import launcher_for, used
 from .launch import protocol as p
 from .launch.env import cpu_launch_env
@@ -106,6 +107,7 @@ class _Run(AttemptOutcome):
         self.failures: list[int] = []  # ranks in the order their exits were seen
         self.exited_at: dict[int, float] = {}  # rank -> wall time its exit was seen
         self.stop_due: float | None = None  # a failure's stop waits for the peers' ends until then (stop_grace)
+        self.hung: Alert | None = None  # a hang the watch found, which the call's on_hang stops for
         self.launch_error: str | None = None
         self.handle: JobHandle | None = None
         self.started: set[int] = set()  # ranks of this attempt that started
@@ -263,6 +265,10 @@ class _Run(AttemptOutcome):
                 if self.spec.uses_gpu:
                     self.dump_recorder(wait=False)
             self.read_recorder()
+            hang = self.ctx.take_hang()  # on_hang="stop" or "restart" (watching/)
+            if hang is not None and self.stop_reason is None:
+                self.hung = hang
+                self.stop(StopReason.RANK_FAILED)
             self.forward_stop()
             if self.ctx.cancelled:
                 self.stop(StopReason.CANCELLED)
@@ -374,7 +380,7 @@ class _Run(AttemptOutcome):
             error is not None
             and self.attempt < self.spec.max_restarts
             and bool(self.started)  # what failed before any rank ran (placement, a full disk) would fail again
-            and bool(self.failures or self.launch_error)  # not a rank that returned a value that cannot be read
+            and bool(self.failures or self.launch_error or self.hung)  # not a rank whose value cannot be read
             and not (self.stop_reason is not None and self.stop_reason.by_caller)
             and not self.ctx.cancelled
             and not isinstance(error, RunDirectoryFullError)
@@ -402,6 +408,15 @@ class _Run(AttemptOutcome):
             self.set_state(rank.rank, RankState.PENDING)
         self.notify("on_attempt", self.attempt, why)
 
+    def outcome_error(self) -> BaseException | None:
+        """A hang the call stopped for (on_hang) is its error, unless a rank failed by itself meanwhile."""
+        if self.hung is not None and not self.failures and self.stop_reason == StopReason.RANK_FAILED:
+            return RankHungError(
+                f"{self.hung.message}. air_magic stopped every rank (on_hang={self.spec.on_hang!r}). "
+                f"Logs of every rank are in {self.run_dir.path}."
+            )
+        return super().outcome_error()
+
     # -- outcome -----------------------------------------------------------
     def finish(self, error: BaseException | None) -> JobResult:
         """`error`: the last attempt's, from outcome_error() (a full disk is judged as the ranks left it)."""
@@ -426,6 +441,7 @@ class _Run(AttemptOutcome):
         if self.spec.session is not None:
             self.unwrap_session_replies()
             if error is not None:
+        self.result.alerts = list(self.ctx.alerts)
                 annotate(error, self.session_note())
         self.result.error = error
         self.notify("on_end", self.result)
@@ -511,6 +527,12 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         tracker = make_tracker(spec)
         if tracker is not None:
             listeners.append(tracker)
+    if spec.watch:
+        from .watching.listener import Watcher
+
+        watcher = Watcher(spec)
+        listeners.insert(1, watcher)  # before tracking and the display, which show what it found
+        watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
             if isinstance(tracker, MlflowTracker):
                 sampler.sinks.append(tracker.log_system_metrics)
     listeners.append(make_display(spec, sampler))

@@ -31,6 +31,7 @@ class TextDisplay(Listener):
         )
         self.ctx = ctx
         self.link_shown = False
+        self.alerts_shown = 0
         self.show_link()
 
     def show_link(self) -> None:
@@ -41,6 +42,15 @@ class TextDisplay(Listener):
 
     def poll(self) -> None:
         self.show_link()  # the run is made in the background: print its link once it exists
+        self.show_alerts()
+
+    def show_alerts(self) -> None:
+        """One line per new alert of the watch (watching/): a straggler or a hung rank."""
+        alerts = self.ctx.alerts
+        for alert in alerts[self.alerts_shown :]:
+            self.out.write(f"air_magic: {alert.kind}: {alert.message}\n")
+            self.out.flush()
+        self.alerts_shown = len(alerts)
 
     def on_output(self, rank: int, text: str) -> None:
         text = self.partial.pop(rank, "") + text.replace("\r\n", "\n")
@@ -72,6 +82,7 @@ class TextDisplay(Listener):
         for rank in list(self.partial):
             self.flush_rank(rank)
         self.show_link()
+        self.show_alerts()
         attempts = f" after {result.attempts} attempts" if result.attempts > 1 else ""
         self.out.write(
             f"air_magic: {result.spec.name} {result.status.value.lower()}{attempts} in {result.elapsed:.1f} s\n"

@@ -194,6 +194,10 @@ class RunDir:
         """What a rank on another node uses, as sampled there and last received (rank_files.py)."""
         return self.path / f"rank-{rank}.usage"
 
+    def steps(self, rank: int) -> Path:
+        """The rank's step times and state now, rewritten about once a second while it is watched (step_times.py)."""
+        return self.path / f"rank-{rank}.steps.json"
+
     def debug_wait(self, rank: int) -> Path:
         """The rank's debugger waits for an answer: its output and prompt, as JSON (debug_channel.py)."""
         return self.path / f"debug-{rank}.wait"

@@ -34,7 +34,7 @@ from ..stacks import install as answer_stack_requests
 from ..stacks import pause as ignore_stack_requests
 from ..stopper import die_with_parent
 from . import debugger as rank_debugger
-from . import session
+from . import session, steps
 from .carried import load_call
 from .extension_locks import report_stale as clear_stale_build_locks
 
@@ -147,6 +147,8 @@ def run(path: Path, rank: int) -> int:
     hold_destroyed_groups()
     clear_stale_build_locks()  # a torch extension build killed midway leaves a lock later builds wait on
     rank_debugger.install(run_dir, rank)  # breakpoint() prompts in the notebook's cell (rank_debugger.py)
+    if os.environ.get(envvars.WATCH) == "1":
+        steps.start(run_dir.steps(rank), rank)  # step times and state for the notebook's watch (steps.py)
     try:
         _install_hooks(spec.hooks)
         target, args, kwargs, sources = load_call(run_dir.payload.read_bytes())  # notebook modules first
@@ -194,6 +196,7 @@ def run(path: Path, rank: int) -> int:
 
 def flush_hooks() -> None:
     """Let each hook module send what it still holds (e.g. MLflow's queued metrics) before the rank ends."""
+    steps.stop()
     for hook in _hooks:
         flush = getattr(hook, "flush", None)
         if flush is not None:
@@ -325,6 +328,7 @@ def keep_process_group() -> None:
 def end_call() -> None:
     """A hot rank's call is over: hooks send what they hold (metrics) and output is flushed, before it says so."""
     ignore_stack_requests()  # idle, it has no stack worth writing into the log of the call that ended
+    steps.stop()
     for hook in _hooks:
         reset = getattr(hook, "reset", None)
         if reset is not None:
