@@ -20,7 +20,7 @@ from .. import sessions
 from ..cell import CellProgram, ends_with_semicolon
 from ..decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_max_restarts, check_timeout
 from ..errors import ConfigurationError
-from ..job import JobResult
+from ..job import ON_HANG, JobResult
 from . import options
 from .options import DEFAULT, given
 
@@ -134,6 +134,8 @@ class DistributedMagics(Magics):
             session=args.session,
             ranks=args.ranks,
         )
+            watch=not args.no_watch,
+            on_hang=args.on_hang,
 
     @magic_arguments()
     @argument(
@@ -190,6 +192,19 @@ class DistributedMagics(Magics):
         "or c.DistributedMagics.default_max_restarts.",
     )
     @options.session_flag(
+    @argument(
+        "--no-watch",
+        action="store_true",
+        help="Do not watch this cell: no step times per rank, no straggler or hang named (see Watching a run).",
+    )
+    @argument(
+        "--on-hang",
+        dest="on_hang",
+        choices=ON_HANG,
+        default="report",
+        help="What a hung rank leads to: report (default: the cell goes on), stop (RankHungError), or restart "
+        "(every rank starts again, within --max-restarts).",
+    )
         "--session",
         "Run in session NAME (default: 'default'): the first such cell starts hot ranks, later ones run in the "
         "same processes and namespace, so what a cell assigns or imports is there for the next. Names the session "
