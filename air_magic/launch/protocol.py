@@ -349,3 +349,5 @@ class RankReport:
     charts: bytes = b""
     #: What the rank uses now, sampled on its node: CPU % (100 = one core) and resident bytes, with its children.
     usage: tuple[float, int] | None = None
+    #: The rank's step-times file (launch/files/step_times.py) whole, when it changed since the last poll.
+    steps: bytes | None = None

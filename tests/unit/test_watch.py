@@ -233,3 +233,15 @@ def test_watch_options_are_checked():
         Settings(on_hang="restart")
     with pytest.raises(ConfigurationError, match="watch must be True or False"):
         Settings(watch="yes")  # type: ignore[arg-type]
+
+
+def test_a_ray_ranks_step_file_is_kept_here_as_a_local_ranks(tmp_path):
+    """The bytes a Ray rank's poll brings back are its file under the same name in the run directory here."""
+    from air_magic.launch.files.rundir import RunDir
+    from air_magic.launch.protocol import RankReport
+    from air_magic.launch.ray.received import Received
+
+    run_dir = RunDir(tmp_path)
+    state = _state(1, [f.Step(0, 0.5, 0.1, 0.2)], calls=3)
+    Received(run_dir, 2).take(1, RankReport(b"", b"", steps=f.encode(state)))
+    assert f.read(run_dir.steps(1)) == state

@@ -139,10 +139,15 @@ def decode(data: bytes) -> RankSteps | None:
 
 def write(path: Path, state: RankSteps) -> None:
     """Replace the rank's file with `state`, whole (0600)."""
+    write_bytes(path, encode(state))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Replace the file with `data`, whole (0600): a rank's own write, or a copy a Ray rank sent."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, encode(state))
+        os.write(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -78,6 +78,7 @@ class RankActor:
         #: This process and its children as last sampled (cpu_percent measures from one reading to the next).
         self.procs: dict[int, Any] = {}
         self.sampled = 0.0
+        self.steps_seen = 0  # the modification time of the step-times file last sent
         self.preloading = threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True)
         self.preloading.start()
 
@@ -184,10 +185,22 @@ class RankActor:
             finished = self.done.is_set()
             data, metrics, charts = (_read(path, at) for path, at in zip(files, offsets))
             if finished and max(len(data), len(metrics), len(charts)) < _CHUNK:
-                return RankReport(data, metrics, self.outcome(), charts=charts)
+                return RankReport(data, metrics, self.outcome(), charts=charts, steps=self.steps())
             if data or metrics or charts or time.monotonic() >= deadline:
-                return RankReport(data, metrics, charts=charts, usage=self.usage())
+                return RankReport(data, metrics, charts=charts, usage=self.usage(), steps=self.steps())
             self.done.wait(_OUTPUT_EVERY)  # the end of the call wakes this at once
+
+    def steps(self) -> bytes | None:
+        """The rank's step-times file, when it changed since it was last sent (a few KiB, about once a second)."""
+        assert self.scratch is not None
+        try:
+            changed = self.scratch.steps(self.rank).stat().st_mtime_ns
+        except OSError:
+            return None
+        if changed == self.steps_seen:
+            return None
+        self.steps_seen = changed
+        return _read_all(self.scratch.steps(self.rank))
 
     def usage(self) -> tuple[float, int] | None:
         """CPU % and resident bytes of this rank (its process and every child), at most once a second."""

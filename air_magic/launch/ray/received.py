@@ -3,8 +3,8 @@
 Each actor's poll answers with the bytes its rank wrote since the offsets
 asked: its output (appended to `rank-N.log`, then read back into text by the
 same `LogTail` the local launcher uses), the MLflow lines its relay wrote (for
-the notebook's MLflow listener) and its chart lines (for the live charts and
-the record). At the end it sends its result and error files, which are
+the notebook's MLflow listener), its chart lines (for the live charts and
+the record) and its step-times file (for the watch). At the end it sends its result and error files, which are
 written here and read into the rank's outcome as a local rank's are
 (rank_files.outcome). This module asks Ray for nothing; the pump does.
 """
@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from .. import protocol as p
+from ..files import step_times
 from ..files.rank_files import LogTail, outcome, write_usage
 from ..files.rundir import RunDir, write_private
 
@@ -46,6 +47,8 @@ class Received:
                 _append(path, data)
         if report.usage is not None:
             write_usage(rd.usage(rank), report.usage)
+        if report.steps is not None:
+            step_times.write_bytes(rd.steps(rank), report.steps)
         return self.tails[rank].read_all() if report.output else []
 
     def rest(self, rank: int) -> list[str]:
