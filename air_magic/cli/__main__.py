@@ -1,0 +1,5 @@
+"""`python -m air_magic.cli`: the same as the `air-magic` console script."""
+
+from . import run
+
+run()
