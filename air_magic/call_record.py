@@ -292,7 +292,6 @@ def rebuild(cls: Any, path: Path) -> Any:
     record = load(path)
     if record is None:
         raise AirMagicError(f"{path} holds no air_magic call record ({RECORD}) that can be read") from None
-    record["id"] = record.get("number", record["id"])
     spec = JobSpec(
         target=_gone,
         args=(),
@@ -304,7 +303,9 @@ def rebuild(cls: Any, path: Path) -> Any:
         origin=record.get("origin", "function"),
     )
     call = cls(spec, listeners=[])
-    call.id, call.status, call._record, call._run_dir = record["id"], record["status"], record, path
+    call.id, call.status, call._record, call._run_dir = path.name, record["status"], record, path
+    if isinstance(record.get("number"), int) and hasattr(call, "number"):
+        call.number = record["number"]
     call.started, call.ended = record.get("started") or 0.0, record.get("ended")
     run_dir = RunDir(path)
     states, codes = record.get("states") or [], record.get("returncodes") or []
