@@ -44,6 +44,8 @@ from .detector import HANG_AFTER, Detector
 PERIOD = 1.0
 #: Seconds between two samples handed to the sinks (MLflow).
 LOG_EVERY = 5.0
+#: Seconds a hang's alert waits, at most, for the hung rank's stacks asked for ahead of it.
+STACKS_WAIT = 5.0
 
 Sink = Callable[[dict[str, float], int], None]
 
@@ -79,11 +81,26 @@ def metrics(summary: dict[int, dict[str, float]], lags: dict[int, float]) -> dic
     return out
 
 
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def _innermost_native(lines: list[str]) -> str:
+    """The first frame py-spy lists under the first thread (its main thread, innermost first), or ""."""
+    seen_thread = False
+    for line in lines:
+        if line.lstrip().startswith("Thread "):
+            seen_thread = True
+        elif seen_thread and line.strip():
+            return line.strip()
+    return ""
+
+
 def where_text(dump: Dump) -> str:
     """'in train (cell 4, line 12); native: ... ' from a rank's stacks."""
     frame = dump.user_frame()
     where = f"in {frame.where()}" if frame is not None else "in no user code"
-    native = next((line.strip() for line in dump.native if line.strip()), "")
+    native = _innermost_native(dump.native)
     return f"{where}{f' (innermost native frame: {native})' if native else ''}"
 
 
@@ -103,6 +120,7 @@ class Watcher(Listener):
         self.scanners = [StackScanner() for _ in range(spec.world_size)]
         self.dumps: dict[int, Dump] = {}
         self.asked: set[tuple[int, float]] = set()  # (rank, its last progress) whose stacks were asked for
+        self.held: list[tuple[Alert, float]] = []  # hang alerts waiting for their rank's stacks, until (monotonic)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -127,6 +145,7 @@ class Watcher(Listener):
         with self._lock:
             self.detector.reset()
             self.dumps.clear()
+            self.held = []
 
     def on_output(self, rank: int, text: str) -> None:
         _, dumps = self.scanners[rank].feed(text)
@@ -141,6 +160,9 @@ class Watcher(Listener):
         self._stop.set()
         self._thread.join(timeout=10)
         self.look()  # what the ranks wrote last (a straggler named at the very end still counts)
+        if self.ctx is not None:
+            self.ctx.alerts += [self._where(alert, self.dumps.get(alert.rank)) for alert, _ in self.held]
+            self.held = []
         result.alerts = list(self.ctx.alerts) if self.ctx is not None else []
         if self.sink_error is not None:
             warnings.warn(
@@ -183,13 +205,18 @@ class Watcher(Listener):
             if key not in self.asked:
                 self.asked.add(key)
                 ctx.ask_stacks()  # the runner asks the launcher; the stacks come back in the ranks' output
-        for alert in alerts:
-            if alert.kind == "hang":
-                alert = self._where(alert, dumps.get(alert.rank))
+        self.held += [(a, now + STACKS_WAIT) for a in alerts if a.kind == "hang"]
+        raised = [a for a in alerts if a.kind != "hang"]
+        for alert, until in list(self.held):
+            dump = dumps.get(alert.rank)
+            if (dump is not None and dump.clock >= _clock(alert.time - alert.seconds)) or now >= until:
+                self.held.remove((alert, until))
+                raised.append(self._where(alert, dump))
+        for alert in raised:
             ctx.alerts.append(alert)
             if alert.kind == "hang" and self.on_hang != "report":
                 ctx.act_on_hang(alert)
-        return alerts
+        return raised
 
     def _where(self, alert: Alert, dump: Dump | None) -> Alert:
         assert self.ctx is not None
