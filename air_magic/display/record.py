@@ -103,6 +103,12 @@ def record_bundle(
             '<div class="air-magic-record-attempts" style="color:#777;font-size:12px;margin-bottom:4px">'
             "earlier attempts ended with: " + "; ".join(html.escape(line) for line in earlier) + "</div>"
         )
+    if result.alerts:  # what the watch saw (watching/): stragglers and hangs
+        parts.append(
+            '<div class="air-magic-record-alerts" style="color:#b26a00;font-size:12px;margin-bottom:4px">'
+            + "".join(f"<div>⚠ {html.escape(a.message)}</div>" for a in result.alerts)
+            + "</div>"
+        )
     parts.append(charts_html(metrics))
     text = [
         f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}: {how}"
@@ -110,6 +116,7 @@ def record_bundle(
         + f" in {result.elapsed:.1f} s",
     ]
     text += [f"earlier {line}" for line in earlier]
+    text += [f"{alert.kind}: {alert.message}" for alert in result.alerts]
     if link:
         text.append(f"MLflow run: {link}")
     text.append(f"logs: {result.run_dir}")
