@@ -185,7 +185,7 @@ def _settles_busy(read, ended=lambda: False, within: float = 2.0) -> str:
 
 def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_charts(lab):
     """A kernel's first call: the panel shows at once, the kernel reads busy throughout (server and JupyterLab),
-    the header fits one line at 1280 px, metrics are charted live, and Cancel still works mid-cell."""
+    the header's status line shows whole at 1280 px, metrics are charted live, and Cancel still works mid-cell."""
     write_notebook(lab.root / "train.ipynb", TRAIN_CELLS)
     with browser_page(1280, 800) as page:
         nb = Notebook(page, lab, "train.ipynb")
@@ -215,12 +215,17 @@ def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_c
             server_states.append(_settles_busy(server_state))
             lab_states.append(_settles_busy(lab_state))
             time.sleep(0.1)
-        # the header: one line, short link text (the URL on hover), the button's label whole
-        header = cell.locator(".air-magic-header")
-        status = cell.locator(".air-magic-status .air-magic-phase")
-        line = status.evaluate("e => parseFloat(getComputedStyle(e).lineHeight) || 20")
-        assert _box(header)["height"] < 2 * line + 12, "the header wraps"
-        assert _box(status)["height"] < 1.5 * line, "the status wraps"
+        # the header: the status line whole on a row of its own (nothing cut off), the link (short text, the URL on
+        # hover) and the buttons in one row under it, each button's label whole
+        header, status = cell.locator(".air-magic-header"), cell.locator(".air-magic-status")
+        line = status.locator(".air-magic-phase").evaluate("e => parseFloat(getComputedStyle(e).lineHeight) || 20")
+        assert _box(status)["height"] < 1.5 * line, "the status wraps at 1280 px"
+        shown_whole = "e => { const d = e.firstElementChild; return d.scrollWidth <= d.clientWidth + 1; }"
+        assert status.evaluate(shown_whole), f"the status line is cut: {status.inner_text()!r}"
+        assert _box(status)["x"] + _box(status)["width"] <= _box(header)["x"] + _box(header)["width"] + 1
+        buttons = [_box(cell.locator(f".air-magic-panel button.{c}")) for c in ("air-magic-stop", "air-magic-cancel")]
+        assert abs(buttons[0]["y"] - buttons[1]["y"]) < 2, "the buttons are not in one row"
+        assert buttons[0]["y"] >= _box(status)["y"] + _box(status)["height"] - 1, "the buttons are not under the status"
         link = cell.locator(".air-magic-link a")
         assert re.fullmatch(r"run [0-9a-f]{8}", link.inner_text().strip()), link.inner_text()
         assert "/runs/" in link.get_attribute("title") and link.get_attribute("title") == link.get_attribute("href")

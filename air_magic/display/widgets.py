@@ -12,6 +12,7 @@ and only sets the call's cancel flag. What each rank uses (CPU, memory, its
 GPU) is read from the call's ResourceSampler (resources.py) once a second:
 a line at the top of each rank's tab, and the fullest GPU's memory (or the
 ranks' memory) in the header, coloured when it nears the limit.
+The header's buttons (Stacks, Stop, Cancel) come from one factory (`Panel._button`).
 The Stop click, the same way, only leaves the call's Stop flag (stopping.py),
 which the ranks' `should_stop()` reads: the call goes on to the end of its step.
 The Stacks click, the same way, only asks the runner for every rank's stacks.
@@ -72,6 +73,8 @@ _LOG_STYLE = (
     "padding:4px 6px;background:var(--jp-layout-color1,#fff)"
 )
 _NOWRAP = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis"
+#: The status line has a row of its own and wraps rather than cut what it says (a narrow notebook, a long name).
+_STATUS_STYLE = "white-space:normal;overflow-wrap:anywhere"
 _USAGE_STYLE = "font-size:12px;color:var(--jp-ui-font-color2,#616161);padding:2px 6px;" + _NOWRAP
 _STACK_STYLE = (
     "margin:0;padding:4px 6px;white-space:pre;overflow-x:auto;max-height:24em;overflow-y:auto;font-size:12px;"
@@ -115,6 +118,7 @@ class Panel(Listener):
     logs: list[w.HTML]
     status: w.HTML
     link: w.HTML
+    controls: w.HBox
     charts: w.HTML
     cancel_button: w.Button
     cancel_hint: w.HTML
@@ -345,44 +349,47 @@ class Panel(Listener):
             usage.add_class("air-magic-usage")
         pages = [w.VBox([usage, log]) for usage, log in zip(self.usages, self.logs)]
         self.tabs = w.Tab(children=pages, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
-        self.status = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0", overflow="hidden"))
+        self.status = w.HTML(layout=w.Layout(width="100%", margin="0"))  # no margin: as wide as the header
         self.status.add_class("air-magic-status")
-        self.link = w.HTML(layout=w.Layout(flex="0 0 auto"))
+        self.link = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0"))
         self.link.add_class("air-magic-link")
         # made before Cancel: a frontend lists buttons in the order they were made, Cancel stays the last
-        self.stacks_button = w.Button(
-            description="Stacks",
-            icon="search",
-            tooltip="Show where every rank is now, stopping nothing",
-            layout=w.Layout(width="auto", flex="0 0 auto"),
+        self.stacks_button = self._button(
+            "Stacks",
+            "search",
+            "Show where every rank is now, stopping nothing",
+            "air-magic-stacks-button",
+            self._stacks_now,
         )
-        self.stacks_button.add_class("air-magic-stacks-button")
-        self.stacks_button.on_click(self._stacks_clicked)
         self.stacks_view = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.collectives = None
-        self.stop_button = w.Button(
-            description="Stop",
-            icon="step-forward",
-            tooltip="Stop after this step: air_magic.should_stop() turns True on every rank, the call returns normally",
-            layout=w.Layout(width="auto", min_width="8.5em", flex="0 0 auto"),
+        self.stop_button = self._button(
+            "Stop",
+            "step-forward",
+            "Stop after this step: air_magic.should_stop() turns True on every rank, the call returns normally",
+            "air-magic-stop",
+            self._stop_now,
+            min_width="8.5em",
         )
-        self.stop_button.add_class("air-magic-stop")
-        self.stop_button.on_click(self._stop_clicked)
-        self.cancel_button = w.Button(
-            description="Cancel",
-            icon="stop",
-            button_style="danger",
-            tooltip="Stop every rank of this call",
-            # wide enough for "Cancelling…" with its icon, and never squeezed by the row
-            layout=w.Layout(width="auto", min_width="9.5em", flex="0 0 auto"),
+        # wide enough for "Cancelling…" with its icon
+        self.cancel_button = self._button(
+            "Cancel",
+            "stop",
+            "Stop every rank of this call",
+            "air-magic-cancel",
+            self._cancel_now,
+            min_width="9.5em",
+            style="danger",
         )
-        self.cancel_button.add_class("air-magic-cancel")
-        self.cancel_button.on_click(self._clicked)
         self.cancel_hint = w.HTML(layout=w.Layout(flex="0 1 auto"))
-        header = w.HBox(
-            [self.status, self.link, self.stacks_button, self.stop_button, self.cancel_button, self.cancel_hint],
-            layout=w.Layout(align_items="center", width="100%", flex_flow="row nowrap", grid_gap="8px"),
+        if self.cancel_button.layout.display == "none":
+            self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
+        # The status line above, the link and the buttons in a row below: each keeps its room at any width.
+        self.controls = w.HBox(
+            [self.link, self.stacks_button, self.stop_button, self.cancel_button, self.cancel_hint],
+            layout=w.Layout(align_items="center", width="100%", margin="0", flex_flow="row wrap", grid_gap="8px"),
         )
+        header = w.VBox([self.status, self.controls], layout=w.Layout(width="100%"))
         header.add_class("air-magic-header")
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.box = w.VBox([header, self.charts, self.stacks_view, self.tabs])
@@ -397,6 +404,7 @@ class Panel(Listener):
             *self.usages,
             *self.logs,
             self.status,
+            self.controls,
             self.link,
             self.stacks_button,
             self.stop_button,
@@ -404,15 +412,27 @@ class Panel(Listener):
             self.cancel_hint,
         ]
         for widget in self._widgets:
-            if widget not in (self.cancel_button, self.stacks_button, self.stop_button):
+            if widget not in (self.cancel_button, self.stacks_button, self.stop_button):  # routed by _button
                 keep_on_main_shell(widget)
-        if not keep_on_main_shell(self.stop_button, self._stop_now):
-            self.stop_button.layout.display = "none"  # a click would only arrive after the call
-        if not keep_on_main_shell(self.stacks_button, self._stacks_now):
-            self.stacks_button.layout.display = "none"  # a click would only arrive after the call
-        if not keep_on_main_shell(self.cancel_button, self._cancel_now):
-            self.cancel_button.layout.display = "none"
-            self.cancel_hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
+
+    @staticmethod
+    def _button(
+        label: str, icon: str, tooltip: str, css: str, now: Any, min_width: str | None = None, style: str = ""
+    ) -> w.Button:
+        """A header button whose click runs `now` on the kernel's shell-channel thread while the cell is busy
+        (cancel_route.py), so `now` only sets a flag; where clicks cannot come then, the button is not shown."""
+        button = w.Button(
+            description=label,
+            icon=icon,
+            tooltip=tooltip,
+            button_style=style,
+            layout=w.Layout(width="auto", min_width=min_width, flex="0 0 auto"),  # never squeezed by the row
+        )
+        button.add_class(css)
+        button.on_click(lambda _button: now())  # a click that comes once the cell is idle
+        if not keep_on_main_shell(button, now):
+            button.layout.display = "none"  # a click would only arrive after the call
+        return button
 
     def _cancel_now(self) -> None:
         # Runs on the kernel's shell-channel thread while the cell is busy: only set the flag;
@@ -420,17 +440,11 @@ class Panel(Listener):
         if self.ctx is not None:
             self.ctx.cancel()
 
-    def _clicked(self, _button: w.Button) -> None:
-        self._cancel_now()
-
     def _stop_now(self) -> None:
         # On the shell-channel thread, like a cancel: only leave the flag (one small file); the ranks read it.
         if self.ctx is not None:
             request_stop(self.ctx.run_dir)
             self.ctx.stop_requested = True
-
-    def _stop_clicked(self, _button: w.Button) -> None:
-        self._stop_now()
 
     def _show_stopping(self) -> None:
         self.stop_button.disabled = True
@@ -444,9 +458,6 @@ class Panel(Listener):
         # On the shell-channel thread, like a cancel: only ask; the stacks arrive as the ranks' output.
         if self.ctx is not None:
             self.ctx.ask_stacks()
-
-    def _stacks_clicked(self, _button: w.Button) -> None:
-        self._stacks_now()
 
     def _log_html(self, rank: int) -> str:
         tail = self.tails[rank]
@@ -470,7 +481,7 @@ class Panel(Listener):
         self.last_clock = time.monotonic()
         phase = html.escape(self.phase)
         self.status.value = (
-            f'<div style="{_NOWRAP}" '
+            f'<div style="{_STATUS_STYLE}" '
             f'title="{html.escape(spec.name, quote=True)} · {phase}{html.escape(self._attempt_text(), quote=True)}">'
             f"<b>{html.escape(spec.name)}</b> · {spec.world_size} rank(s) · {html.escape(spec.accelerator_type)}"
             f"{'' if spec.session is None else f' · session {html.escape(spec.session)}'}"

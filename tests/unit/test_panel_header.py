@@ -1,0 +1,64 @@
+"""The panel's header: the status line on a row of its own, wrapping rather than cut, and the link with the buttons
+(made by one factory) in a row under it, each button doing its one thing when clicked."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+from air_magic.display.widgets import Panel
+from air_magic.job import JobSpec
+from air_magic.listeners import RunContext
+
+
+def _started(tmp_path: Path, name: str = "f") -> Panel:
+    spec = JobSpec(
+        target=print, args=(), kwargs={}, name=name, world_size=2, accelerator_type="CPU", timeout=None, mlflow=True
+    )
+    ctx = RunContext(spec, tmp_path, [tmp_path / "rank-0.log", tmp_path / "rank-1.log"])
+    panel = Panel()
+    with contextlib.redirect_stdout(io.StringIO()):  # outside a kernel, display() prints
+        panel.on_start(ctx)
+    panel.handle = SimpleNamespace(update=lambda *args, **kwargs: None)
+    return panel
+
+
+def test_the_status_line_has_its_own_row_and_wraps_instead_of_being_cut(tmp_path):
+    """Row one: the status alone, full width, no ellipsis; row two: link, Stacks, Stop, Cancel, the hint."""
+    panel = _started(tmp_path, name="a_training_function_with_a_long_name_" * 4)
+    header = panel.box.children[0]
+    assert "air-magic-header" in header._dom_classes
+    status, controls = header.children
+    assert status is panel.status and status.layout.width == "100%"
+    assert "ellipsis" not in panel.status.value and "nowrap" not in panel.status.value.split(">")[0]
+    assert "white-space:normal" in panel.status.value
+    assert controls.children == (
+        panel.link,
+        panel.stacks_button,
+        panel.stop_button,
+        panel.cancel_button,
+        panel.cancel_hint,
+    )
+    assert controls.layout.flex_flow == "row wrap"
+
+
+def test_every_header_button_comes_from_the_factory_and_does_its_one_thing(tmp_path):
+    """Each button keeps its width and class; outside a kernel, where a click could not come while the cell runs,
+    none is shown and the hint names the interrupt button; a click sets only its own flag."""
+    panel = _started(tmp_path)
+    assert panel.ctx is not None
+    buttons = {"air-magic-stacks-button": panel.stacks_button, "air-magic-stop": panel.stop_button}
+    buttons["air-magic-cancel"] = panel.cancel_button
+    for css, button in buttons.items():
+        assert css in button._dom_classes and button.layout.flex == "0 0 auto"
+        assert button.layout.display == "none"
+    assert panel.cancel_button.button_style == "danger" and panel.cancel_button.layout.min_width == "9.5em"
+    assert "interrupt button" in panel.cancel_hint.value
+    panel.stacks_button.click()
+    assert panel.ctx.take_stacks_request() and not panel.ctx.cancelled and not panel.ctx.stop_requested
+    panel.stop_button.click()
+    assert panel.ctx.stop_requested and not panel.ctx.cancelled
+    panel.cancel_button.click()
+    assert panel.ctx.cancelled
