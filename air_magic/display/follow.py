@@ -10,12 +10,12 @@ far. Not for the first panel of a call (widgets.py, built by the runner's listen
 
 from __future__ import annotations
 
-import codecs
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..job import RankState
+from ..launch.files.rank_files import LogTail
 from ..launch.files.rundir import RunDir
 from ..listeners import Listener
 from ..resources import ResourceSampler
@@ -30,31 +30,21 @@ if TYPE_CHECKING:
 #: A background.DistributedCall (not imported: background.py imports this module to draw a call).
 DistributedCall = Any
 
-#: Bytes of a rank's log read at once.
-_CHUNK = 1 << 20
-
 
 class LogReader:
-    """Follows every rank's log of a run directory from its first byte, decoding UTF-8 across reads."""
+    """Follows every rank's log of a run directory from its first byte: a LogTail per rank."""
 
     def __init__(self, run_dir: Any, world_size: int) -> None:
-        self.paths = RunDir(run_dir).logs(world_size)
-        self.offsets = [0] * world_size
-        self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(world_size)]
+        self.tails = [LogTail(path, from_start=True) for path in RunDir(run_dir).logs(world_size)]
 
-    def read(self) -> dict[int, str]:
-        """rank -> text appended since the last read (ranks with nothing new left out)."""
+    def read(self, final: bool = False) -> dict[int, str]:
+        """rank -> text appended since the last read, at most a chunk a rank (ranks with nothing new left out);
+        `final`: the logs are complete (an unfinished UTF-8 sequence at the end is decoded as a replacement)."""
         out: dict[int, str] = {}
-        for rank, path in enumerate(self.paths):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[rank])
-                    data = f.read(_CHUNK)
-            except OSError:
-                continue
-            if data:
-                self.offsets[rank] += len(data)
-                out[rank] = self.decoders[rank].decode(data)
+        for rank, tail in enumerate(self.tails):
+            text = tail.read(final)
+            if text:
+                out[rank] = text
         return out
 
 
@@ -119,8 +109,10 @@ def record_of(call: DistributedCall) -> dict[str, str]:
     result = call.job()
     n = result.spec.world_size
     tails = [TailBuffer() for _ in range(n)]
-    for rank, text in LogReader(result.run_dir, n).read().items():
-        tails[rank].feed(text)
+    reader = LogReader(result.run_dir, n)
+    while texts := reader.read(final=True):  # a chunk at a time: a long log is not held whole
+        for rank, text in texts.items():
+            tails[rank].feed(text)
     metrics = MetricsTail(result.run_dir, n)
     metrics.poll()
     sampler = _sampler(call)

@@ -23,12 +23,13 @@ _READ_CHUNK = 1 << 20
 
 
 class LogTail:
-    """Follows one rank's log file from its end when made (what an earlier attempt wrote is not read again)."""
+    """Follows one rank's log file from its end when made (what an earlier attempt wrote is not read again), or,
+    `from_start`, from its first byte (a panel drawn again, a command line that follows a call)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, from_start: bool = False) -> None:
         self.path = path
         try:
-            self.offset = path.stat().st_size
+            self.offset = 0 if from_start else path.stat().st_size
         except OSError:
             self.offset = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
