@@ -6,18 +6,18 @@ background call has no Ctrl-C (its Cancel is `.cancel()` or the panel's button).
 of the spawning cell's context, so what its display writes goes to that cell. Its GPUs or CPU slots come
 from the ledger (ledger.py): a call whose units are held by others is `waiting` until they are free.
 
-This module keeps the kernel's calls (`calls()`, `%distributed_calls`); each call's record on disk, and the
-handle rebuilt from it after a kernel restart, are call_record.py. Drawing a call's panel again is
-display/follow.py. No IPython here (magics/calls.py).
+A foreground call has the same handle (`run`, the front doors' way in), finished when the cell returns.
+Every handle is in the process's table of calls (call_table.py), which finds it by id or number and lists it
+(`table()`, `%distributed_calls`); each call's record on disk, and the handle rebuilt from it after a kernel
+restart, are call_record.py. Drawing a call's panel again is display/follow.py. No IPython here (magics/calls.py).
 
 Over 300 lines because one handle answers everything users ask of a call that outlives its cell (status, result,
-logs, panel, stop, rebuilding from disk); the registry beside it is a few lines.
+logs, panel, stop, rebuilding from disk).
 """
 
 from __future__ import annotations
 
 import contextvars
-import itertools
 import sys
 import threading
 import time
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ledger, payload, sessions
+from .call_table import table as call_table
 from .errors import AirMagicError, ConfigurationError, JobCancelledError
 from .job import Alert, JobResult, JobSpec, JobStatus, RankState
 from .launch.files import debug_channel
@@ -33,9 +34,8 @@ from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
-
-_ids = itertools.count(1)
-_calls: dict[int, DistributedCall] = {}
+#: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
+RUN_DIR_WAIT = 120.0
 
 
 class _Watch(Listener):
@@ -50,6 +50,7 @@ class _Watch(Listener):
     def on_start(self, ctx: RunContext) -> None:
         self.call.ctx = ctx
         self.call.status = RUNNING
+        self.call._has_run_dir.set()
         if self.call._cancel_asked:
             ctx.cancel()
 
@@ -81,14 +82,19 @@ class _Watch(Listener):
 
 
 class DistributedCall:
-    """A call running in the background: its status, result, logs, MLflow run and panel.
+    """A call: its status, result, logs, MLflow run and panel.
 
-    Made by `fn.spawn(...)` or `%%distributed --background`; `DistributedCall.from_run_dir(path)` rebuilds the
-    handle of an ended call from its run directory.
+    Made by `fn.spawn(...)` or `%%distributed --background` (it runs on a thread of its own), and by every
+    foreground call (finished when the cell returns); `DistributedCall.from_run_dir(path)` rebuilds the handle of
+    an ended call from its run directory. `id` is the run directory's name (unique on the machine; until the call
+    has one, its number); `number` is its small number in this process (call_table.py).
     """
 
     def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None) -> None:
-        self.id = next(_ids)
+        #: The call's small number in this process's table (0 until added there).
+        self.number = 0
+        self._id: str | int | None = None
+        self.background = True
         self.spec = spec
         self.status = WAITING
         self.started = time.time()
@@ -99,29 +105,70 @@ class DistributedCall:
         self.waiting_for = ""
         self._cancel_asked = False
         self._done = threading.Event()
+        #: Set once the run directory exists (or the call ended without one).
+        self._has_run_dir = threading.Event()
         self._run_dir: Path | None = None
         self._record: dict[str, Any] = {}
         self.watch = _Watch(self)
         self.listeners = listeners
         self.claim: ledger.Claim | None = None
-        self._busy_word = f"background call {self.id} ({spec.name})"
+
+    # -- who it is -----------------------------------------------------------
+    @property
+    def id(self) -> str | int:
+        """The call's id: its run directory's name once it has one (unique on the machine), else its number."""
+        if self._id is not None:
+            return self._id
+        return self.run_dir_name or self.number
+
+    @id.setter
+    def id(self, value: str | int) -> None:
+        self._id = value
+
+    @property
+    def run_dir_name(self) -> str | None:
+        """The run directory's name (the call's id), or None before the call has one."""
+        path = self._run_dir or (self.ctx.run_dir if self.ctx is not None else None)
+        return path.name if path is not None else None
+
+    @property
+    def session(self) -> str | None:
+        return self.spec.session
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def short(self) -> str | int:
+        """How messages name the call: its number in this process, else its id (a call of another process)."""
+        return self.number or self.id
+
+    def describe(self) -> str:
+        """'background call 2 (train)': the call, as an error naming what holds a session says it."""
+        return f"{'background ' if self.background else ''}call {self.short} ({self.spec.name})"
+
+    def _claim(self) -> ledger.Claim:
+        return ledger.Claim(self.spec, f"call {self.number}", f"call {self.number} ({self.spec.name})")
 
     # -- starting ----------------------------------------------------------
     def start(self, wait: bool = True) -> DistributedCall:
         """Take the call's GPUs or slots (or queue for them), then run it on a thread; returns at once."""
-        if self.spec.session is not None and self.spec.session in sessions._busy:
-            raise ConfigurationError(
-                f"session {self.spec.session!r} is busy with {sessions._busy[self.spec.session]}; wait for it "
-                "or cancel it first."
-            )
+        sessions.check_free(self.spec.session, self)
         payload.serialize(self.spec.target, self.spec.args, self.spec.kwargs)  # fails here, before anything starts
-        self.claim = ledger.Claim(self.spec, f"call {self.id}", f"call {self.id} ({self.spec.name})")
-        if not self.claim.try_now():
-            self.waiting_for = self.claim.why_waiting()
-            if not wait:
-                raise ConfigurationError(
-                    f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
-                )
+        call_table().add(self)
+        try:
+            self.claim = self._claim()
+            if not self.claim.try_now():
+                self.waiting_for = self.claim.why_waiting()
+                if not wait:
+                    raise ConfigurationError(
+                        f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
+                    )
+        except BaseException as exc:
+            self.error = exc
+            self._end()
+            raise
         if self.listeners is None:
             from .runner import default_listeners
 
@@ -131,16 +178,35 @@ class DistributedCall:
                 if callable(capture):
                     capture()
         self.listeners.insert(0, self.watch)  # first: the handle has the call's context as soon as it exists
-        if self.spec.session is not None:
-            sessions._busy[self.spec.session] = self._busy_word
         self.status = WAITING if self.waiting_for else RUNNING
         if self.waiting_for:
-            print(f"air_magic: call {self.id} ({self.spec.name}) waits for {self.waiting_for}", file=sys.stdout)
+            print(f"air_magic: call {self.number} ({self.spec.name}) waits for {self.waiting_for}", file=sys.stdout)
             self._say_waiting()
-        _calls[self.id] = self
         context = contextvars.copy_context()
-        threading.Thread(target=context.run, args=(self._run,), name=f"air_magic-call-{self.id}", daemon=True).start()
+        name = f"air_magic-call-{self.number}"
+        threading.Thread(target=context.run, args=(self._run,), name=name, daemon=True).start()
         return self
+
+    def run_here(self, claim: ledger.Claim | None = None, run_dir: Any = None) -> JobResult:
+        """Run a foreground call on this thread (the handle is in the table, finished when this returns); its
+        JobResult. A refused call raises, as `sessions.run` does."""
+        self.background = False
+        call_table().add(self)
+        if self.listeners is None:
+            from .runner import default_listeners
+
+            self.listeners = default_listeners(self.spec)
+        self.listeners.insert(0, self.watch)
+        self.status = RUNNING
+        try:
+            self.result_ = sessions.run(self.spec, self.listeners, claim, run_dir, call=self)
+            self.error = self.result_.error
+            return self.result_
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self._end()
 
     def _say_waiting(self) -> None:
         """The line a panel shows first says what the call waits for, until the panel takes its place."""
@@ -148,7 +214,7 @@ class DistributedCall:
             starting = getattr(listener, "starting", None)
             if starting is not None and getattr(starting, "handle", None) is not None:
                 starting.taken = True  # kept when the cell ends: the panel takes its place once the call starts
-                text = f"{self.spec.name} · call {self.id} · waiting for {self.waiting_for}"
+                text = f"{self.spec.name} · call {self.number} · waiting for {self.waiting_for}"
                 starting.handle.update(
                     {"text/html": f'<div class="air-magic-starting">{escape(text)}</div>', "text/plain": text},
                     raw=True,
@@ -159,20 +225,23 @@ class DistributedCall:
         try:
             self.claim.wait(cancelled=lambda: self._cancel_asked)
             self.waiting_for, self.status = "", RUNNING
-            if self.spec.session is not None:
-                sessions._busy.pop(self.spec.session, None)  # sessions.run marks it again while it runs
-            self.result_ = sessions.run(self.spec, self.listeners, self.claim)
+            self.result_ = sessions.run(self.spec, self.listeners, self.claim, call=self)
             self.error = self.result_.error
         except BaseException as exc:  # noqa: BLE001 - kept for .result(), raised there
             self.error = exc
             self.claim.release()
         finally:
-            if self.spec.session is not None and sessions._busy.get(self.spec.session) == self._busy_word:
-                sessions._busy.pop(self.spec.session, None)
-            self.status = self._ended_as()
-            self.ended = time.time()
+            self._end()
+
+    def _end(self) -> None:
+        """The call ended: its status, its record on disk, its waiters woken, the table told."""
+        self.status = self._ended_as()
+        self.ended = time.time()
+        if self.background:
             self._write_record()
-            self._done.set()
+        self._done.set()
+        self._has_run_dir.set()  # whoever waits for the run directory learns there will be none
+        call_table().ended(self)
 
     def _ended_as(self) -> str:
         if self.result_ is not None and self.result_.status == JobStatus.FINISHED and self.error is None:
@@ -188,7 +257,7 @@ class DistributedCall:
         """The call's JobResult (run directory, exit codes, timing), waiting up to `timeout` s for the end."""
         self._wait(timeout)
         if self.result_ is None:
-            raise self.error or AirMagicError(f"call {self.id} left no result")
+            raise self.error or AirMagicError(f"call {self.short} left no result")
         return self.result_
 
     def result(self, timeout: float | None = None) -> list[Any]:
@@ -201,7 +270,7 @@ class DistributedCall:
 
     def _wait(self, timeout: float | None) -> None:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"call {self.id} ({self.spec.name}) is still {self.status} after {timeout:g} s.")
+            raise TimeoutError(f"call {self.short} ({self.spec.name}) is still {self.status} after {timeout:g} s.")
 
     def cancel(self) -> None:
         """Stop every rank (or stop waiting for GPUs); `.result()` then raises JobCancelledError."""
@@ -226,16 +295,27 @@ class DistributedCall:
 
         show(self)
 
+    def has_run_dir(self, timeout: float | None = RUN_DIR_WAIT) -> bool:
+        """Wait up to `timeout` s for the call's run directory; True once it exists. False at once while the call
+        waits for its GPUs or slots, and if it ended without one."""
+        if self._run_dir is None and self.ctx is None and self.status == WAITING and not self.done():
+            return False
+        self._has_run_dir.wait(timeout)
+        return self._run_dir is not None or self.ctx is not None
+
     @property
     def run_dir(self) -> Path:
         if self._run_dir is None:
-            while self.ctx is None and not self._done.is_set():
-                if self.status == WAITING:
-                    raise AirMagicError(f"call {self.id} is waiting for {self.waiting_for}: it has no run yet.")
-                time.sleep(0.02)
+            if self.ctx is None and self.status == WAITING and not self.done():
+                raise AirMagicError(f"call {self.short} is waiting for {self.waiting_for}: it has no run yet.")
+            if not self._has_run_dir.wait(RUN_DIR_WAIT):
+                raise AirMagicError(
+                    f"call {self.short} ({self.spec.name}) has made no run directory in {RUN_DIR_WAIT:g} s; "
+                    "its start is stuck: cancel it (`.cancel()`) and look at the helper's log in the runs directory."
+                )
             self._run_dir = self.ctx.run_dir if self.ctx is not None else None
         if self._run_dir is None:
-            raise AirMagicError(f"call {self.id} ended before it had a run directory: {self.error!r}")
+            raise AirMagicError(f"call {self.short} ended before it had a run directory: {self.error!r}")
         return self._run_dir
 
     @property
@@ -251,11 +331,18 @@ class DistributedCall:
         return (self.ctx.links.get("mlflow") if self.ctx is not None else None) or self._record.get("link")
 
     @property
+    def alerts(self) -> list[Alert]:
+        """What the watch of the call saw so far: stragglers and hangs, oldest first (docs/watching.md)."""
+        if self.result_ is not None:
+            return list(self.result_.alerts)
+        return list(self.ctx.alerts) if self.ctx is not None else []
+
+    @property
     def elapsed(self) -> float:
         return (self.ended or time.time()) - self.started
 
     def __repr__(self) -> str:
-        return f"<DistributedCall {self.id} {self.spec.name}: {self.status}>"
+        return f"<DistributedCall {self.short} {self.spec.name}: {self.status}>"
 
     # -- the record on disk ------------------------------------------------
     def _write_record(self) -> None:
@@ -278,27 +365,36 @@ def spawn(spec: JobSpec, wait: bool = True) -> DistributedCall:
     return DistributedCall(spec).start(wait=wait)
 
 
-def calls() -> dict[int, DistributedCall]:
-    """This kernel's background calls by id, oldest first."""
-    return dict(_calls)
+def run(
+    spec: JobSpec, listeners: list[Listener] | None = None, claim: ledger.Claim | None = None, run_dir: Any = None
+) -> JobResult:
+    """Run `spec` in the foreground, on this thread, with its handle in the table of calls; its JobResult."""
+    return DistributedCall(spec, listeners).run_here(claim, run_dir)
 
 
-def find(call_id: int | None) -> DistributedCall:
-    """Call `call_id` (None: the latest); an error listing the known ids otherwise."""
-    if call_id is None and _calls:
-        return _calls[max(_calls)]
-    if call_id in _calls:
-        return _calls[call_id]
-    known = ", ".join(map(str, _calls)) or "none yet (start one with fn.spawn(...) or %%distributed --background)"
-    raise ConfigurationError(f"there is no call {call_id} in this kernel; known calls: {known}.")
+def find(ident: str | int | None) -> DistributedCall:
+    """The call `ident` names in this process's table (its number, id or a unique start of it; None: the latest
+    background call); ConfigurationError listing the known calls otherwise."""
+    if ident is None:
+        spawned = [call for call in calls() if call.background]
+        if spawned:
+            return spawned[-1]
+    found = call_table().find(ident)
+    assert isinstance(found, DistributedCall)
+    return found
+
+
+def calls() -> list[DistributedCall]:
+    """This process's calls, foreground and background, oldest first."""
+    return [call for call in call_table().all() if isinstance(call, DistributedCall)]
 
 
 def table() -> str:
-    """%distributed_calls: one line per call of this kernel."""
-    if not _calls:
+    """%distributed_calls: one line per call of this process, by number (`%distributed_show N`)."""
+    if not calls():
         return "No background call in this kernel yet: start one with fn.spawn(...) or %%distributed --background."
     lines = ["id  call                      status     ranks  GPUs      started   elapsed  MLflow"]
-    for call in _calls.values():
+    for call in calls():
         units = call.claim.units if call.claim is not None and call.spec.uses_gpu else None
         gpus = ",".join(units) if units else "-"
         when = time.strftime("%H:%M:%S", time.localtime(call.started))
@@ -307,14 +403,7 @@ def table() -> str:
             note = debug_channel.waiting_note(set(debug_channel.waiting(call.ctx.run_dir, call.spec.world_size)))
             status += f" · {note}" if note else ""
         lines.append(
-            f"{call.id:<3} {call.spec.name[:25]:<25} {status:<10} {call.spec.world_size:<6} {gpus:<9} {when}  "
+            f"{call.number:<3} {call.spec.name[:25]:<25} {status:<10} {call.spec.world_size:<6} {gpus:<9} {when}  "
             f"{call.elapsed:>6.0f} s  {call.link or '-'}"
         )
     return "\n".join(lines)
-    @property
-    def alerts(self) -> list[Alert]:
-        """What the watch of the call saw so far: stragglers and hangs, oldest first (docs/watching.md)."""
-        if self.result_ is not None:
-            return list(self.result_.alerts)
-        return list(self.ctx.alerts) if self.ctx is not None else []
-

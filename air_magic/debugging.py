@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import ConfigurationError
+from .errors import AirMagicError, ConfigurationError
 from .launch.files import debug_channel
 from .launch.files.debug_channel import Prompt
-from .launch.files.rundir import RunDir, runs_root
+from .launch.files.rundir import RunDir
 
 #: Seconds a rank being stepped keeps the turn after an answer, before another rank's prompt is served.
 FOCUS = 2.0
@@ -130,20 +130,25 @@ def _world_size(run_dir: Path) -> int:
 
 
 def find_waiting(ident: str | None = None) -> Path:
-    """The run directory of the call `ident` names (a path, a run directory's name or part of it), or, without
-    `ident`, the latest call with a rank waiting at a debugger prompt now."""
+    """The run directory of the call `ident` names (a run directory's path, or a call of this process's table:
+    its number, its id or a unique start of it), or, without `ident`, the latest call of this process with a rank
+    waiting at a debugger prompt now."""
+    from .call_table import table
+
     if ident:
         path = Path(ident).expanduser()
         if path.is_dir():
             return path
-        found = sorted(p for p in runs_root().iterdir() if p.is_dir() and ident in p.name)
-        if not found:
-            raise ConfigurationError(f"no call's run directory matches {ident!r} under {runs_root()}.")
-        return found[-1]
-    for path in sorted((p for p in runs_root().iterdir() if p.is_dir()), reverse=True):
-        prompts = debug_channel.waiting(path, _world_size(path))
+        try:
+            return table().find(ident).run_dir
+        except AirMagicError as exc:
+            raise ConfigurationError(str(exc)) from None
+    for call in reversed(table().running()):
+        if not call.has_run_dir(timeout=0):
+            continue
+        prompts = debug_channel.waiting(call.run_dir, call.world_size)
         if any(debug_channel.alive(p) for p in prompts.values()):
-            return path
+            return call.run_dir
     raise ConfigurationError("no rank of any call waits at a breakpoint now.")
 
 

@@ -88,7 +88,6 @@ class _Run(AttemptOutcome):
             spec, self.run_dir.path, [RankResult(r, log_path=self.logs[r]) for r in range(spec.world_size)]
         )
         self.launcher_phase: Phase | None = None
-        stopping.track(self.run_dir.path)  # %distributed_stop reaches it while it runs
         self.stop_forwarded = False  # a Stop's flag was handed to the launcher (ranks on other machines)
         self.stop_looked_at = 0.0
         #: A dump of NCCL's flight recorder was asked for with the stacks: (when, ranks asked, give up at).
@@ -424,7 +423,6 @@ class _Run(AttemptOutcome):
         for rank in self.result.ranks:
             if rank.state in (RankState.PENDING, RankState.RUNNING):
                 rank.state = RankState.STOPPED
-        stopping.untrack(self.run_dir.path)
         gpu = self.spec.uses_gpu
         recorded = flight_recorder.recorder_note(self.run_dir.path, self.spec.world_size) if gpu else None
         if error is not None and recorded:

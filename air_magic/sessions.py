@@ -79,8 +79,12 @@ class Ended:
 
 _live: dict[str, Record] = {}
 _ended: dict[str, Ended] = {}
-#: session -> the call running in it now (a background call's, until it ends): a second one is refused.
-_busy: dict[str, str] = {}
+
+#: What a call into a session that another call runs in is told (call_table.py knows which call that is).
+SESSION_BUSY = (
+    "session {session!r} is busy: {call} runs in it. Wait for it (`handle.result()`, or %distributed_calls to see "
+    "it), or cancel it, then run this call again."
+)
 
 
 def check_name(name: object) -> str:
@@ -120,6 +124,18 @@ def held_names(name: str | None) -> set[str]:
     """The names session `name`'s ranks assigned, as last reported: notebook globals of those names stay here."""
     record = _live.get(name or "")
     return record.held() if record is not None else set()
+
+
+def check_free(session: str | None, call: Any = None) -> None:
+    """Refuse a call into `session` while another call (not `call`) runs in it, naming that call."""
+    if session is None:
+        return
+    from .call_table import table
+
+    running = table().in_session(session, but=call)
+    if running is not None:
+        describe = getattr(running, "describe", None)
+        raise ConfigurationError(SESSION_BUSY.format(session=session, call=describe() if describe else running))
 
 
 def before(spec: JobSpec) -> None:
@@ -216,32 +232,27 @@ def run(
     listeners: list[Listener] | None = None,
     claim: ledger.Claim | None = None,
     run_dir: Any = None,
+    call: Any = None,
 ) -> JobResult:
     """Run a call through the runner, holding its GPUs or CPU slots in the ledger (waiting for them first if another
     call holds them); for a session's call, check it first and record what it left.
 
     `listeners` replace the default ones and `claim` is the call's place in the ledger (a background call's);
-    `run_dir` a run directory made before the call started (runner.run).
+    `run_dir` a run directory made before the call started (runner.run). `call` is the call's handle in this
+    process's table of calls (background.DistributedCall; the front doors make it, `background.run` for a
+    foreground call): a session it runs in is not busy for it.
     """
     if spec.session is not None:
         before(spec)
-        if spec.session in _busy:
-            raise ConfigurationError(
-                f"session {spec.session!r} is busy: {_busy[spec.session]} runs in it in the background. Wait for it "
-                "(`handle.result()`, or %distributed_calls to see it), or cancel it, then run this cell again."
-            )
-    claim = claim or ledger.Claim(spec, uuid.uuid4().hex, spec.name)
+        check_free(spec.session, call)
+    claim = claim or (call._claim() if call is not None else ledger.Claim(spec, uuid.uuid4().hex, spec.name))
     name = spec.name
     with claim.held(spec, on_wait=lambda why: print(f"air_magic: {name} waits for {why}", file=sys.stdout)) as held:
         session = held.session
         if session is None:
             return runner.run(held, listeners, run_dir=run_dir)
         held = dataclasses.replace(held, target=without_held(held.target, held_names(session)))
-        _busy[session] = held.name
-        try:
-            result = runner.run(held, listeners, run_dir=run_dir)
-        finally:
-            _busy.pop(session, None)
+        result = runner.run(held, listeners, run_dir=run_dir)
         if result.session_end is None:
             claim.keep()
         after(held, result)

@@ -15,8 +15,9 @@ call and a loop that checks it once per step ends at the same step
 everywhere. That makes it a collective: call it on every rank, at the same
 point of the loop.
 
-Not for: ending a call at once (that is Cancel, launch/stopper.py), or
-anything the notebook's display does with the request (display/widgets.py).
+Not for: ending a call at once (that is Cancel, launch/stopper.py), finding
+the call a Stop is for (call_table.py), or anything the notebook's display
+does with the request (display/widgets.py).
 This module imports neither torch nor IPython; it reads torch.distributed
 only when the rank's code has imported it.
 """
@@ -34,9 +35,6 @@ from .launch.files.rundir import RunDir
 #: A rank looks at the flag's file at most this often, in seconds; between two looks it answers from memory.
 CHECK_EVERY = 0.05
 
-#: Calls a Stop can reach from this process (the notebook's): run directory -> other names it goes by.
-_calls: dict[Path, tuple[str, ...]] = {}
-
 
 # -- the notebook's side --------------------------------------------------------------
 def request_stop(run_dir: str | os.PathLike[str]) -> bool:
@@ -51,35 +49,6 @@ def request_stop(run_dir: str | os.PathLike[str]) -> bool:
 def stop_requested(run_dir: str | os.PathLike[str]) -> bool:
     """A Stop was asked for the call whose run directory is `run_dir`."""
     return RunDir(Path(run_dir)).stop_flag.exists()
-
-
-def track(run_dir: Path, *names: str) -> None:
-    """The call of `run_dir` is running in this process: `%distributed_stop` can reach it, also by `names`."""
-    _calls[run_dir] = names
-
-
-def untrack(run_dir: Path) -> None:
-    _calls.pop(run_dir, None)
-
-
-def running_calls() -> list[tuple[Path, tuple[str, ...]]]:
-    """The calls this process runs now, oldest first: (run directory, other names)."""
-    return list(_calls.items())
-
-
-def find_call(call_id: str | None) -> Path:
-    """The run directory of the call `call_id` names (a name given to `track`, the directory's name or path);
-    without one, the call started last. LookupError saying why if there is none."""
-    calls = running_calls()
-    if call_id is None:
-        if not calls:
-            raise LookupError("no call is running in this kernel, so there is nothing to stop.")
-        return calls[-1][0]
-    for path, names in reversed(calls):
-        if call_id in names or call_id in (path.name, str(path)):
-            return path
-    known = ", ".join(n for path, names in calls for n in (*names, path.name)) or "none"
-    raise LookupError(f"no running call is called {call_id!r} (running: {known}).")
 
 
 # -- a rank's side ----------------------------------------------------------------------

@@ -42,7 +42,7 @@ def _kernel() -> Any:
 
 
 def _install(kernel: Any) -> bool:
-    if getattr(kernel, "_air_magic_keeps_busy", False):
+    if getattr(kernel, "_air_magic_busy_kept", False):
         return True
     original = getattr(kernel, "_publish_status", None)
     if not callable(original):
@@ -59,7 +59,7 @@ def _install(kernel: Any) -> bool:
             return out
 
     kernel._publish_status = publish_status
-    kernel._air_magic_keeps_busy = True
+    kernel._air_magic_busy_kept = True
     return True
 
 

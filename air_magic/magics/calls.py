@@ -1,37 +1,56 @@
-"""The magics of a call that outlives its cell: %distributed_calls lists them, %distributed_show draws one's panel,
-%distributed_stop asks one to stop after its step. The calls themselves are background.py's and stopping.py's."""
+"""The magics of calls: %distributed_calls lists this process's calls, %distributed_show draws one's panel,
+%distributed_stop asks one to stop after its step. Each finds its call one way, in the table of calls
+(call_table.py, through `background.find`); the calls themselves are background.py's and stopping.py's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..errors import AirMagicError, ConfigurationError
 from . import options
-
-
-def _number(text: str | None) -> int | None:
-    """A background call's small number (%distributed_calls), as typed."""
-    if text is None:
-        return None
-    if not text.isdigit():
-        raise UsageError(f"expected a call's id such as 3, got {text!r}")
-    return int(text)
 
 
 @magics_class
 class CallMagics(Magics):
     """%distributed_calls, %distributed_show and %distributed_stop."""
 
+    @magic_arguments()
+    @argument(
+        "--all",
+        action="store_true",
+        help="Every call of this user on this machine (every kernel's, detached ones, the command line's), read "
+        "from the run directories.",
+    )
     @line_magic
     def distributed_calls(self, line: str = "") -> None:
         """List this kernel's background calls: id, function or cell, status, ranks, GPUs, started, elapsed, MLflow."""
         from .. import background
 
+        if parse_argstring(self.distributed_calls, line).all:
+            from ..attached import machine_table
+
+            print(machine_table())
+            return
         print(background.table())
+
+    @magic_arguments()
+    @argument("id", metavar="ID", help="The call's id (%%distributed_calls --all; a unique start of it is enough).")
+    @line_magic
+    def distributed_attach(self, line: str = "") -> object:
+        """Attach to a call of any process of this user on this machine (a detached call, another kernel's, the
+        command line's): draw its live panel here with every line so far, and return its DistributedCall.
+
+            h = %distributed_attach 20260105-101500-train
+        """
+        from ..attached import attach
+
+        args = parse_argstring(self.distributed_attach, line)
+        try:
+            return attach(args.id)
+        except AirMagicError as exc:
+            raise UsageError(str(exc)) from None
 
     @magic_arguments()
     @options.call_id("The call's id (%%distributed_calls). Default: the latest.")
@@ -43,7 +62,7 @@ class CallMagics(Magics):
 
         args = parse_argstring(self.distributed_show, line)
         try:
-            call = background.find(_number(args.id))
+            call = background.find(args.id)
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None
         call.show()
@@ -64,26 +83,20 @@ class CallMagics(Magics):
             %distributed_stop
             %distributed_stop 3
         """
-        from .. import stopping
+        from .. import background, stopping
 
         args = parse_argstring(self.distributed_stop, line)
-        run_dir: Path | None = None
+        known = background.calls()
+        running = [call for call in known if not call.done()]
+        if args.id is None and not known:
+            raise UsageError("no call is running in this kernel, so there is nothing to stop.")
         try:
-            run_dir = stopping.find_call(args.id)
-        except LookupError as exc:
-            if args.id is None or args.id.isdigit():
-                from .. import background
-
-                try:
-                    call = background.find(None if args.id is None else int(args.id))
-                    if call.done():
-                        raise UsageError(f"call {call.id} has ended ({call.status}): there is nothing to stop.")
-                    run_dir = call.run_dir
-                except (ConfigurationError, AirMagicError):
-                    pass
-            if run_dir is None:
-                raise UsageError(str(exc)) from None
-        assert run_dir is not None
+            call = running[-1] if args.id is None and running else background.find(args.id)
+            if call.done():
+                raise UsageError(f"call {call.short} has ended ({call.status}): there is nothing to stop.")
+            run_dir = call.run_dir
+        except AirMagicError as exc:
+            raise UsageError(str(exc)) from None
         if stopping.request_stop(run_dir):
             print(f"asked {run_dir.name} to stop after this step: should_stop() is True on every rank from now on.")
         else:

@@ -41,12 +41,7 @@ class DebugMagics(Magics):
 
         args = parse_argstring(self.distributed_debug, line)
         try:
-            if args.id is not None and args.id.isdigit():  # a background call's id (%distributed_calls)
-                from .. import background
-
-                debugging.attach(background.find(int(args.id)).run_dir, args.rank)
-                return
-            if args.id is not None:
+            if args.id is not None:  # a call's number (%distributed_calls), id, or run directory
                 debugging.attach(debugging.find_waiting(args.id), args.rank)
                 return
             if args.session is None:

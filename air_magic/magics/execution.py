@@ -2,7 +2,8 @@
 `DistributedMagics`, e.g. `c.DistributedMagics.default_timeout = 600`).
 
 Only glue: the cell becomes a `CellProgram` (cell.py) and takes the same path as the decorator:
-`Settings(...).spec(...)`, then `sessions.run(spec)`, or `background.spawn(spec)` with --background.
+`Settings(...).spec(...)`, then `background.run(spec)` (a foreground call), or `background.spawn(spec)` with
+--background.
 """
 
 from __future__ import annotations
@@ -267,14 +268,14 @@ class DistributedMagics(Magics):
         for held in sessions.held_names(settings.session):  # the session's own objects win: never sent again
             program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
-        if args.background:
-            from ..background import spawn
+        from .. import background
 
-            handle = spawn(settings.spec(program, (), {}, name, origin="cell"))
+        if args.background:
+            handle = background.spawn(settings.spec(program, (), {}, name, origin="cell"))
             if args.out:
                 shell.user_ns[args.out] = handle
             return None if args.out or ends_with_semicolon(cell) else handle
-        result = sessions.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
+        result = background.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
         self.last_result = result
         values = result.values
         if args.out:

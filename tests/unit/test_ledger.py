@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from air_magic.errors import ConfigurationError, JobCancelledError
-from air_magic.ledger import CPU, GPU, Ledger
+from air_magic.ledger import CPU, GPU, Kept, Ledger
 
 
 def test_calls_at_once_get_disjoint_gpus_and_a_third_gets_none_until_one_gives_back():
@@ -24,8 +24,8 @@ def test_calls_at_once_get_disjoint_gpus_and_a_third_gets_none_until_one_gives_b
 def test_a_holder_that_asks_again_gets_what_it_holds():
     """A session asking again (its next call) gets the same units back, not new ones."""
     ledger = Ledger(["0", "1"], cpu_slots=1)
-    assert ledger.take("session:s", 1, GPU) == ("0",)
-    assert ledger.take("session:s", 1, GPU) == ("0",)
+    assert ledger.take(Kept("s"), 1, GPU) == ("0",)
+    assert ledger.take(Kept("s"), 1, GPU) == ("0",)
     assert ledger.free(GPU) == ["1"]
 
 

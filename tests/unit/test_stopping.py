@@ -55,24 +55,6 @@ def test_outside_a_rank_should_stop_is_false(monkeypatch):
     assert stopping.should_stop() is False
 
 
-def test_a_stop_finds_the_running_call_by_id_or_the_latest(tmp_path):
-    """%distributed_stop without an id reaches the call started last; with one, the call of that id or directory."""
-    a, b = tmp_path / "20261204-1-train-x", tmp_path / "20261204-2-cell-y"
-    stopping.track(a, "7")
-    stopping.track(b)
-    try:
-        assert stopping.find_call(None) == b
-        assert stopping.find_call("7") == a
-        assert stopping.find_call(b.name) == b
-        with pytest.raises(LookupError, match="no running call is called 'nope'"):
-            stopping.find_call("nope")
-    finally:
-        stopping.untrack(a)
-        stopping.untrack(b)
-    with pytest.raises(LookupError, match="no call is running"):
-        stopping.find_call(None)
-
-
 _DUMP = """training
 air_magic: stacks of pid 41 (the rank), on request at 12:00:01, most recent call first:
 Current thread 0x00007f (most recent call first):

@@ -18,10 +18,10 @@ from .cluster import require_connected, spares_off
 from .hot import HotWorld
 from .pump import RayJob
 from .rank import RankActor
-from .starting import Owner
+from .starting import JobLauncher
 
 
-class RayLauncher(Owner, Launcher):
+class RayLauncher(JobLauncher, Launcher):
     """Ranks on the nodes of the Ray cluster this notebook joined with `ray_init`; hot ranks and sessions kept as
     `HotWorld`s."""
 

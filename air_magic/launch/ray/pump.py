@@ -38,7 +38,7 @@ from .ending import SessionCall
 from .hot import HotWorld
 from .placement import LaunchError, end_actors
 from .received import Received
-from .starting import Owner, Starting, Stopped
+from .starting import JobLauncher, Starting, Stopped
 
 #: Seconds an actor's poll waits for new output before it answers with none.
 POLL_WAIT = 0.5
@@ -47,7 +47,7 @@ POLL_WAIT = 0.5
 class RayJob(Starting, JobHandle):
     """One job on the cluster: its pump thread and the events it reports."""
 
-    def __init__(self, launcher: Owner, request: p.JobRequest, run_dir: RunDir, ray: Any) -> None:
+    def __init__(self, launcher: JobLauncher, request: p.JobRequest, run_dir: RunDir, ray: Any) -> None:
         self.launcher = launcher
         self.request = request
         self.run_dir = run_dir

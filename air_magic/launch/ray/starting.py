@@ -31,7 +31,7 @@ PLACEMENT_WAIT = 45.0
 START_WAIT = 300.0
 
 
-class Owner(HotWorlds):
+class JobLauncher(HotWorlds):
     """What a job asks of the launcher that started it (launcher.RayLauncher)."""
 
     def actor_class(self) -> Any:
@@ -51,7 +51,7 @@ class Stopped(Exception):
 class Starting:
     """The steps of a Ray call before its ranks run, on the state of the `RayJob` they belong to."""
 
-    launcher: Owner
+    launcher: JobLauncher
     request: p.JobRequest
     run_dir: RunDir
     ray: Any
