@@ -11,7 +11,6 @@ far. Not for the first panel of a call (widgets.py, built by the runner's listen
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..job import RankState
@@ -127,14 +126,12 @@ def show(call: DistributedCall) -> None:
     if call.done():
         display(record_of(call), raw=True)
         return
-    deadline = time.monotonic() + 120  # a running call has its context a moment after its listeners start
-    while call.ctx is None and call.status != "waiting" and not call.done() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    call.has_run_dir()  # a running call has its run directory a moment after its listeners start
     if call.done():
         display(record_of(call), raw=True)
         return
     if call.ctx is None:
-        print(f"air_magic: call {call.id} ({call.spec.name}) is {call.status}: it waits for {call.waiting_for}.")
+        print(f"air_magic: call {call.short} ({call.spec.name}) is {call.status}: it waits for {call.waiting_for}.")
         return
     mode = display_mode()
     if mode == "panel" or (mode == "auto" and in_widget_kernel()):
@@ -145,4 +142,4 @@ def show(call: DistributedCall) -> None:
         return
     for rank, text in LogReader(call.run_dir, call.spec.world_size).read().items():
         print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()), end="")
-    print(f"air_magic: call {call.id} ({call.spec.name}) is {call.status}; logs in {call.run_dir}")
+    print(f"air_magic: call {call.short} ({call.spec.name}) is {call.status}; logs in {call.run_dir}")
