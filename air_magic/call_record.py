@@ -263,7 +263,7 @@ def write(call: Any) -> None:
     result = call.result_
     record = {
         "id": call.id,
-        "number": call.id,
+        "number": getattr(call, "number", 0) or call.id,
         "name": call.spec.name,
         "origin": call.spec.origin,
         "world_size": call.spec.world_size,
