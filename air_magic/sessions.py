@@ -30,6 +30,7 @@ from . import launch, ledger, runner
 from .errors import ConfigurationError, annotate
 from .job import JobResult, JobSpec
 from .launch.interface import ENDED_BY_USER
+from .launch.keeper import RELEASED
 from .launch.rank.session import Pull, Push, Reset, SessionOp
 from .listeners import Listener
 
@@ -326,7 +327,7 @@ def released() -> list[str]:
     """After %distributed_release: every live session ended with it; a line for each."""
     lines = []
     for name in list(_live):
-        ended = _end(name, "%distributed_release ended every hot rank")
+        ended = _end(name, RELEASED)
         if ended is not None:
             lines.append(ended.line())
     for launcher in launch.used_launchers():

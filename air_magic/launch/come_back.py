@@ -26,3 +26,11 @@ class Interrupt:
     @property
     def give_up_at(self) -> float:
         return self.at + COME_BACK
+
+    def not_back(self, ranks: str) -> str:
+        """Why the session ends when `ranks` ("0, 1") did not come back in time."""
+        return (
+            f"rank(s) {ranks} did not come back from KeyboardInterrupt within {COME_BACK:g} s (interrupted because: "
+            f"{self.why}); a rank waiting in a collective (or in one long call into C) cannot, "
+            "so every rank was stopped"
+        )

@@ -36,6 +36,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+# -- the reasons said for a world's end, written once for both launchers and the notebook ----------------------
+#: %distributed_release (or a call waiting for resources) ended the idle worlds.
+RELEASED = "%distributed_release ended every hot rank"
+#: The reason a world ends when its call's ranks were stopped (Cancel, the timeout, a failed rank, ...).
+STOPPED = "its ranks were stopped"
+
+
+def stopped(reason: str) -> str:
+    """STOPPED with the stop's reason, such as "(cancelled)": a world ended by a stop."""
+    return f"{STOPPED} ({reason})"
+
+
+def unusable(rank: int) -> str:
+    """A world ended because a rank's error left its process unfit for the next call."""
+    return f"rank {rank} raised an error that leaves it unusable"
+
 
 class SessionBusy(RuntimeError):
     """A call of a session whose world cannot take it: it runs a call, or holds another shape."""

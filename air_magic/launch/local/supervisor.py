@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING
 from ...envvars import HOT_FDS, JOB, SUPERVISOR_PID
 from ...errors import describe_returncode
 from .. import protocol as p
-from ..come_back import COME_BACK, Interrupt
+from ..come_back import Interrupt
 from ..env import loopback_sockets, torchrun_env
 from ..files.rundir import RunDir
-from ..keeper import SessionBusy
+from ..keeper import RELEASED, STOPPED, SessionBusy, stopped, unusable
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
 from .inbox import Inbox
 from .jobs import Job
@@ -119,7 +119,7 @@ class Supervisor:
             self.retiring = True
             self.pools.release_idle("the helper was replaced")
         elif isinstance(msg, p.ReleaseHot):
-            self.pools.release_idle("%distributed_release ended every hot rank")
+            self.pools.release_idle(RELEASED)
         elif isinstance(msg, p.EndSession):
             self.end_session(msg.session, msg.why)
         elif isinstance(msg, p.PrepareHooks):
@@ -131,7 +131,7 @@ class Supervisor:
                 if msg.interrupt_after is not None:
                     self.interrupt(job, msg.interrupt_after, msg.reason)
                 else:
-                    self.stop(job, msg.grace, f"its ranks were stopped ({msg.reason})")
+                    self.stop(job, msg.grace, stopped(msg.reason))
         elif isinstance(msg, p.DumpStacks):
             job = self.jobs.get(msg.job)
             if job is not None and job.stopper is None:
@@ -232,7 +232,7 @@ class Supervisor:
                 job.exited[rank] = code
                 self.report_exit(job, rank, code)
                 if not usable:  # a rank that failed is not reused: the next call gets fresh ranks
-                    self.pools.release(pool, f"rank {rank} raised an error that leaves it unusable")
+                    self.pools.release(pool, unusable(rank))
 
     def read_said(self, fd: int) -> None:
         """A rank said on its done pipe that its outcome is written: report it now, while its process exits."""
@@ -278,11 +278,11 @@ class Supervisor:
     def interrupt(self, job: Job, after: float, reason: str) -> None:
         """A session's call: ask its ranks to come back (`interrupt_session`) rather than stop them; any other: stop."""
         if job.pool is None or job.pool.session is None:
-            self.stop(job, STOP_GRACE, f"its ranks were stopped ({reason})")
+            self.stop(job, STOP_GRACE, stopped(reason))
         elif job.stopper is None and job.interrupt is None:
             job.interrupt = Interrupt(time.monotonic() + after, reason)
 
-    def stop(self, job: Job, grace: float, why: str = "its ranks were stopped") -> None:
+    def stop(self, job: Job, grace: float, why: str = STOPPED) -> None:
         """SIGTERM the job's whole tree now (each worker leads its own process group), SIGKILL after `grace`.
 
         `why` ends the job's session, if it has one. A stop after `interrupt` (a second Ctrl-C) stops at once.
@@ -315,8 +315,7 @@ class Supervisor:
             self.stop(
                 job,
                 STOP_GRACE,
-                f"rank(s) {ranks} did not come back from KeyboardInterrupt within {COME_BACK:g} s (interrupted "
-                f"because: {interrupt.why}); a rank waiting in a collective cannot, so every rank was stopped",
+                interrupt.not_back(ranks),
             )
 
     # -- the loop ----------------------------------------------------------

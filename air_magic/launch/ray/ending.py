@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..come_back import COME_BACK, Interrupt
+from ..come_back import Interrupt
+from ..keeper import stopped as keeper_stopped
+from ..keeper import unusable as unusable_rank
 
 
 class SessionCall:
@@ -47,11 +49,7 @@ class SessionCall:
             for rank in running:
                 interrupt(rank)
         elif asked.signalled and now >= asked.give_up_at:
-            self.ends(
-                f"rank(s) {', '.join(map(str, running))} did not come back from KeyboardInterrupt within "
-                f"{COME_BACK:g} s (interrupted because: {asked.why}); a rank waiting in a collective (or in one "
-                "long call into C) cannot, so every rank was stopped"
-            )
+            self.ends(asked.not_back(", ".join(map(str, running))))
             return asked.why
         return None
 
@@ -68,8 +66,8 @@ class SessionCall:
         """The world was not kept: why, if no reason was given yet (`stopped`: the stop's reason, if stopped)."""
         unusable = [rank for rank, code in sorted(codes.items()) if code != 0 and rank not in self.kept]
         if stopped is not None:
-            self.ends(f"its ranks were stopped ({stopped or 'stopped'})")
+            self.ends(keeper_stopped(stopped or "stopped"))
         elif unusable:
-            self.ends(f"rank {unusable[0]} raised an error that leaves it unusable")
+            self.ends(unusable_rank(unusable[0]))
         else:
             self.ends(failure or "its call did not finish on every rank")

@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from .. import protocol as p
-from ..keeper import Keeper, World
+from ..keeper import RELEASED, Keeper, World
 from .cluster import require_connected
 from .placement import end_actors
 
@@ -157,7 +157,7 @@ class HotWorlds:
 
         `sessions=False` leaves the sessions' worlds (a call waiting for resources ends only plain hot ranks).
         """
-        self.keeper.release_idle("%distributed_release ended every hot rank", sessions=sessions)
+        self.keeper.release_idle(RELEASED, sessions=sessions)
 
     def idle_sessions(self) -> list[HotWorld]:
         """The sessions' worlds that wait for a call now."""
