@@ -41,7 +41,7 @@ from typing import Any
 import ipywidgets as w
 from IPython.display import display
 
-from ..job import JobResult, JobSpec, RankState
+from ..job import Alert, JobResult, JobSpec, RankState
 from ..launch.files import debug_channel
 from ..launch.files.rundir import attempt_marker
 from ..launch.files.stack_dumps import Dump, StackScanner
@@ -88,6 +88,27 @@ def _title(rank: int, state: RankState, quiet: float | None = None, at_prompt: b
     if quiet is not None and state == RankState.RUNNING:
         return f"rank {rank}: {state.value} · quiet {quiet:.0f} s"
     return f"rank {rank}: {state.value}"
+
+
+def watch_alerts_html(alerts: list[Alert]) -> str:
+    """One line per alert of the watch, newest last."""
+    lines = "".join(
+        f'<div class="air-magic-alert" data-kind="{a.kind}" data-rank="{a.rank}">⚠ {html.escape(a.message)}</div>'
+        for a in alerts
+    )
+    return f'<div style="font-size:12px;color:#b26a00;padding:2px 6px">{lines}</div>'
+
+
+def step_times_html(times: dict[str, float]) -> str:
+    """A rank's recent steps on average: a one-row table of input, compute and collective seconds per step."""
+    cells = "".join(
+        f'<td style="padding:0 8px">{label} {times[key] * 1000:.1f} ms</td>'
+        for label, key in (("step", "step"), ("input", "input"), ("compute", "compute"), ("collective", "collective"))
+    )
+    return (
+        f'<table style="{_USAGE_STYLE};border-collapse:collapse"><tr><td style="padding:0 8px 0 0">'
+        f"{times['steps']:.0f} steps, each on average:</td>{cells}</tr></table>"
+    )
 
 
 def stacks_html(dumps: dict[int, list[Dump]], collectives: str | None = None) -> str:
@@ -200,7 +221,7 @@ class Panel(Listener):
         self.states[rank] = state
         self.last_output[rank] = time.monotonic()
         self.quiet[rank] = None
-        self.tabs.set_title(rank, _title(rank, state))
+        self._titled(rank, _title(rank, state))
 
     def on_attempt(self, attempt: int, why: str) -> None:
         assert self.ctx is not None
@@ -228,7 +249,7 @@ class Panel(Listener):
         at_prompt = set(debug_channel.waiting(self.ctx.run_dir, len(self.states)))
         if at_prompt != self.at_prompt:
             for rank in at_prompt ^ self.at_prompt:
-                self.tabs.set_title(rank, _title(rank, self.states[rank], self.quiet[rank], rank in at_prompt))
+                self._titled(rank, _title(rank, self.states[rank], self.quiet[rank], rank in at_prompt))
             self.at_prompt = at_prompt
             self._show_status()
 
@@ -238,7 +259,7 @@ class Panel(Listener):
             quiet = silent if state == RankState.RUNNING and silent >= QUIET else None
             if (quiet is None) != (self.quiet[rank] is None) or (quiet or 0) // 10 != (self.quiet[rank] or 0) // 10:
                 self.quiet[rank] = quiet
-                self.tabs.set_title(rank, _title(rank, state, quiet, rank in self.at_prompt))
+                self._titled(rank, _title(rank, state, quiet, rank in self.at_prompt))
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -271,6 +292,7 @@ class Panel(Listener):
             self._show_status()
             self._mark_quiet(now)
             self._mark_prompts()
+            self._show_watch()
         if self.resources is not None and now - self.last_usage >= USAGE:
             self.last_usage = now
             self._show_usage()
@@ -289,7 +311,7 @@ class Panel(Listener):
         if self.metrics is not None:
             self.metrics.poll()
         for rank in result.ranks:
-            self.tabs.set_title(rank.rank, _title(rank.rank, rank.state))
+            self._titled(rank.rank, _title(rank.rank, rank.state))
         self.phase = ended_as(result)
         self.awaiting_ranks = self.waiting = False
         self.cancel_button.disabled = True
@@ -297,6 +319,7 @@ class Panel(Listener):
         self.stacks_button.disabled = True
         self.stop_button.disabled = True
         self.stop_button.layout.visibility = "hidden"
+        self._show_watch()
         if self.ctx.collectives != self.collectives:
             self.collectives = self.ctx.collectives
             self.stacks_view.value = stacks_html(self.dumps, self.collectives)
@@ -347,7 +370,14 @@ class Panel(Listener):
         self.usages = [w.HTML(layout=w.Layout(width="100%", display=shown)) for _ in range(n)]
         for usage in self.usages:
             usage.add_class("air-magic-usage")
-        pages = [w.VBox([usage, log]) for usage, log in zip(self.usages, self.logs)]
+        self.step_lines = [w.HTML(layout=w.Layout(width="100%", display="none")) for _ in range(n)]
+        for line in self.step_lines:
+            line.add_class("air-magic-steps")
+        self.badges: dict[int, str] = {}
+        self.alerts_shown = 0
+        self.alerts_view = w.HTML(layout=w.Layout(display="none", width="100%"))
+        self.alerts_view.add_class("air-magic-alerts")
+        pages = [w.VBox([usage, line, log]) for usage, line, log in zip(self.usages, self.step_lines, self.logs)]
         self.tabs = w.Tab(children=pages, titles=tuple(_title(r, RankState.PENDING) for r in range(n)))
         self.status = w.HTML(layout=w.Layout(width="100%", margin="0"))  # no margin: as wide as the header
         self.status.add_class("air-magic-status")
@@ -392,7 +422,7 @@ class Panel(Listener):
         header = w.VBox([self.status, self.controls], layout=w.Layout(width="100%"))
         header.add_class("air-magic-header")
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
-        self.box = w.VBox([header, self.charts, self.stacks_view, self.tabs])
+        self.box = w.VBox([header, self.alerts_view, self.charts, self.stacks_view, self.tabs])
         self.box.add_class("air-magic-panel")
         self._widgets: list[Any] = [
             self.box,
@@ -402,6 +432,8 @@ class Panel(Listener):
             self.tabs,
             *pages,
             *self.usages,
+            *self.step_lines,
+            self.alerts_view,
             *self.logs,
             self.status,
             self.controls,
@@ -517,6 +549,33 @@ class Panel(Listener):
         if header != self.usage_header:
             self.usage_header = header
             self._show_status()
+
+    def _titled(self, rank: int, title: str) -> None:
+        """Set a rank's tab title, with its watch badge ("⚠ straggler", "⚠ hung") once it has one."""
+        badge = self.badges.get(rank)
+        self.tabs.set_title(rank, f"{title} · ⚠ {badge}" if badge else title)
+
+    def _show_watch(self) -> None:
+        """New alerts of the watch (watching/): a line each above the tabs and a badge on the rank's tab; and each
+        rank's recent step times, a small table at the top of its tab."""
+        assert self.ctx is not None
+        alerts = list(self.ctx.alerts)
+        if len(alerts) != self.alerts_shown:
+            self.alerts_shown = len(alerts)
+            self.alerts_view.value = watch_alerts_html(alerts)
+            self.alerts_view.layout.display = None
+            for alert in alerts:
+                self.badges[alert.rank] = "hung" if alert.kind == "hang" else f"straggler ({alert.cause})"
+                state = self.states[alert.rank]
+                self._titled(
+                    alert.rank, _title(alert.rank, state, self.quiet[alert.rank], alert.rank in self.at_prompt)
+                )
+        for rank, times in self.ctx.step_times.items():
+            if rank < len(self.step_lines) and times.get("steps"):
+                value = step_times_html(times)
+                if self.step_lines[rank].value != value:
+                    self.step_lines[rank].value = value
+                    self.step_lines[rank].layout.display = None
 
     def _attempt_text(self) -> str:
         """' · attempt 2 of 3 (after: why the last one ended)' once the call has restarted, else ''."""
