@@ -8,7 +8,7 @@ from the ledger (ledger.py): a call whose units are held by others is `waiting` 
 
 A foreground call has the same handle (`run`, the front doors' way in), finished when the cell returns.
 Every handle is in the process's table of calls (call_table.py), which finds it by id or number and lists it
-(`table()`, `%distributed_calls`); each call's record on disk, and the handle rebuilt from it after a kernel
+(`%distributed_calls`: display/calls.py); each call's record on disk, and the handle rebuilt from it after a kernel
 restart, are call_record.py. Drawing a call's panel again is display/follow.py. No IPython here (magics/calls.py).
 
 Over 300 lines because one handle answers everything users ask of a call that outlives its cell (status, result,
@@ -29,7 +29,6 @@ from . import ledger, payload, sessions
 from .call_table import table as call_table
 from .errors import AirMagicError, ConfigurationError, JobCancelledError
 from .job import Alert, JobResult, JobSpec, JobStatus, RankState
-from .launch.files import debug_channel
 from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
 
@@ -154,7 +153,7 @@ class DistributedCall:
     # -- starting ----------------------------------------------------------
     def start(self, wait: bool = True) -> DistributedCall:
         """Take the call's GPUs or slots (or queue for them), then run it on a thread; returns at once."""
-        sessions.check_free(self.spec.session, self)
+        call_table().check_free(self.spec.session, self)
         payload.serialize(self.spec.target, self.spec.args, self.spec.kwargs)  # fails here, before anything starts
         call_table().add(self)
         try:
@@ -387,23 +386,3 @@ def find(ident: str | int | None) -> DistributedCall:
 def calls() -> list[DistributedCall]:
     """This process's calls, foreground and background, oldest first."""
     return [call for call in call_table().all() if isinstance(call, DistributedCall)]
-
-
-def table() -> str:
-    """%distributed_calls: one line per call of this process, by number (`%distributed_show N`)."""
-    if not calls():
-        return "No background call in this kernel yet: start one with fn.spawn(...) or %%distributed --background."
-    lines = ["id  call                      status     ranks  GPUs      started   elapsed  MLflow"]
-    for call in calls():
-        units = call.claim.units if call.claim is not None and call.spec.uses_gpu else None
-        gpus = ",".join(units) if units else "-"
-        when = time.strftime("%H:%M:%S", time.localtime(call.started))
-        status = call.status + (f" (for {call.waiting_for})" if call.status == WAITING else "")
-        if call.status == RUNNING and call.ctx is not None:
-            note = debug_channel.waiting_note(set(debug_channel.waiting(call.ctx.run_dir, call.spec.world_size)))
-            status += f" · {note}" if note else ""
-        lines.append(
-            f"{call.number:<3} {call.spec.name[:25]:<25} {status:<10} {call.spec.world_size:<6} {gpus:<9} {when}  "
-            f"{call.elapsed:>6.0f} s  {call.link or '-'}"
-        )
-    return "\n".join(lines)

@@ -89,6 +89,14 @@ class CallTable:
                 return call
         return None
 
+    def check_free(self, session: str | None, call: Call | None = None) -> None:
+        """Refuse a call into `session` while another call (not `call`) runs in it, naming that call."""
+        running = self.in_session(session, but=call) if session is not None else None
+        if running is not None:
+            describe = getattr(running, "describe", None)
+            said = describe() if callable(describe) else f"call {running.number}"
+            raise ConfigurationError(SESSION_BUSY.format(session=session, call=said))
+
     def find(self, ident: str | int | None = None) -> Call:
         """The call `ident` names: its small number, its id (the run directory's name) or a unique start of it, or
         its run directory's path; None: the latest call. UnknownCall, saying which calls there are, otherwise."""
@@ -133,6 +141,11 @@ class CallTable:
                 continue
 
 
+#: What a call into a session that another call runs in is told.
+SESSION_BUSY = (
+    "session {session!r} is busy: {call} runs in it. Wait for it (`handle.result()`, or %distributed_calls to see "
+    "it), or cancel it, then run this call again."
+)
 _KNOWN_NONE = "none yet (start one with fn.spawn(...) or %%distributed --background)"
 
 _table = CallTable()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import launch, ledger, runner
+from .call_table import table as call_table
 from .errors import ConfigurationError, annotate
 from .job import JobResult, JobSpec
 from .launch.interface import ENDED_BY_USER
@@ -81,12 +82,6 @@ class Ended:
 _live: dict[str, Record] = {}
 _ended: dict[str, Ended] = {}
 
-#: What a call into a session that another call runs in is told (call_table.py knows which call that is).
-SESSION_BUSY = (
-    "session {session!r} is busy: {call} runs in it. Wait for it (`handle.result()`, or %distributed_calls to see "
-    "it), or cancel it, then run this call again."
-)
-
 
 def check_name(name: object) -> str:
     """A session name: a non-empty string of letters, digits, '-', '_' or '.'."""
@@ -125,18 +120,6 @@ def held_names(name: str | None) -> set[str]:
     """The names session `name`'s ranks assigned, as last reported: notebook globals of those names stay here."""
     record = _live.get(name or "")
     return record.held() if record is not None else set()
-
-
-def check_free(session: str | None, call: Any = None) -> None:
-    """Refuse a call into `session` while another call (not `call`) runs in it, naming that call."""
-    if session is None:
-        return
-    from .call_table import table
-
-    running = table().in_session(session, but=call)
-    if running is not None:
-        describe = getattr(running, "describe", None)
-        raise ConfigurationError(SESSION_BUSY.format(session=session, call=describe() if describe else running))
 
 
 def before(spec: JobSpec) -> None:
@@ -239,13 +222,12 @@ def run(
     call holds them); for a session's call, check it first and record what it left.
 
     `listeners` replace the default ones and `claim` is the call's place in the ledger (a background call's);
-    `run_dir` a run directory made before the call started (runner.run). `call` is the call's handle in this
-    process's table of calls (background.DistributedCall; the front doors make it, `background.run` for a
-    foreground call): a session it runs in is not busy for it.
+    `run_dir` a run directory made before the call started (runner.run). `call`: the call's handle in the table of
+    calls (background.DistributedCall, made by the front doors); a session it runs in is not busy for it.
     """
     if spec.session is not None:
         before(spec)
-        check_free(spec.session, call)
+        call_table().check_free(spec.session, call)
     claim = claim or (call._claim() if call is not None else ledger.Claim(spec, uuid.uuid4().hex, spec.name))
     name = spec.name
     with claim.held(spec, on_wait=lambda why: print(f"air_magic: {name} waits for {why}", file=sys.stdout)) as held:

@@ -33,7 +33,9 @@ class CallMagics(Magics):
 
             print(machine_table())
             return
-        print(background.table())
+        from ..display.calls import table
+
+        print(table(background.calls()))
 
     @magic_arguments()
     @argument("id", metavar="ID", help="The call's id (%%distributed_calls --all; a unique start of it is enough).")

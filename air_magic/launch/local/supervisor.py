@@ -231,7 +231,7 @@ class Supervisor:
             if job is not None and rank not in job.exited:
                 job.exited[rank] = code
                 self.report_exit(job, rank, code)
-                if not usable:  # a rank that failed is not reused: the next call gets fresh ranks
+                if not self.pools.keeps(pool, code == 0, usable):  # the next call gets fresh ranks
                     self.pools.release(pool, unusable(rank))
 
     def read_said(self, fd: int) -> None:

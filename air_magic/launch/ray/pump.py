@@ -31,7 +31,7 @@ from .. import protocol as p
 from ..boot import INTERNAL_ERROR
 from ..files.rundir import RunDir
 from ..interface import JobHandle, drain
-from ..keeper import SessionBusy
+from ..keeper import Keeper, SessionBusy
 from . import spares
 from .cluster import alive_nodes
 from .ending import SessionCall
@@ -235,14 +235,9 @@ class RayJob(Starting, JobHandle):
         A session's world stays also when each rank that failed stays usable (`kept`).
         """
         world = self.world
-        clean = (
-            world is not None
-            and not self.failed
-            and not self.stop_asked.is_set()
-            and len(self.codes) == self.request.world_size
-            and self.session.usable(self.codes)
-        )
-        if clean and world is not None:
+        finished = not self.failed and not self.stop_asked.is_set() and len(self.codes) == self.request.world_size
+        clean = finished and all(code == 0 for code in self.codes.values())
+        if world is not None and Keeper.keeps(world, clean, finished and self.session.usable(self.codes)):
             self.launcher.keep(world)
         else:
             if world is not None and world.session is not None:
