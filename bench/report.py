@@ -208,6 +208,43 @@ def ddp_step() -> list[str]:
     ]
 
 
+def watch() -> list[str]:
+    names = matching("watch*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        on = statistics.median(d["watched_step_s"]) * 1000
+        off = statistics.median(d["unwatched_step_s"]) * 1000
+        work = d.get("per_step_work", {})
+        extra = work.get("batch_on_us", 0) + work.get("collective_on_us", 0)
+        rows.append(
+            [
+                machine_of(d, name),
+                date_of(d),
+                d.get("load", NOT_RECORDED),
+                "GPU" if d.get("gpu") else "CPU",
+                d.get("ranks", "?"),
+                f"{on:.2f} ms",
+                f"{off:.2f} ms",
+                f"{d['ratio']:.3f}",
+                f"{extra:.1f} µs",
+                f"`{name}`",
+            ]
+        )
+    return [
+        "## Watching a run",
+        "",
+        "`bench/watch.py`: the same DDP loop with a DataLoader and an all_reduce per step, `watch=True` and",
+        "`watch=False` in alternating rounds; median step. The last column is the rank's patches' own work per step",
+        "(one batch and one collective, watched), timed without ranks.",
+        "",
+        *table(
+            ["machine", "date", "load", "device", "ranks", "watched step", "unwatched step", "ratio", "patches", "file"],
+            rows,
+        ),
+    ]
+
+
 def faults() -> list[str]:
     name = "faults.json"
     d = load(name)
@@ -651,6 +688,7 @@ SECTIONS: list[Callable[[], list[str]]] = [
     launch,
     sessions,
     ddp_step,
+    watch,
     faults,
     panel,
     mlflow_launch,
