@@ -214,6 +214,28 @@ def request(
     return asked
 
 
+def request_in_background(ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request") -> None:
+    """`request` in a short-lived process of its own, so that the asker goes on at once (the helper's loop serves
+    every call's events while py-spy reads native frames, up to NATIVE_LIMIT s); the helper reaps it."""
+    import json
+
+    ranks, others = list(ranks), list(others)
+    parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from air_magic.launch.stacks import request; "
+        "request(*json.loads(sys.argv[2]))"
+    )
+    try:
+        subprocess.Popen(
+            [sys.executable, "-c", code, parent, json.dumps([list(ranks), list(others), why])],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        request(ranks, others, why)  # no process to spare: ask from here
+
+
 def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
     """Header and signal to each target (each writes to a different log), then wait until every log settles."""
     assert STACKS_SIGNAL is not None

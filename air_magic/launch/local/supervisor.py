@@ -135,9 +135,10 @@ class Supervisor:
         elif isinstance(msg, p.DumpStacks):
             job = self.jobs.get(msg.job)
             if job is not None and job.stopper is None:
-                from ..stacks import request
+                from ..stacks import request_in_background
 
-                request(job.live_workers, list(self.processes(job)))  # a fraction of a second at most
+                # py-spy's native frames take up to NATIVE_LIMIT s: the loop (every call's events) goes on meanwhile
+                request_in_background(job.live_workers, list(self.processes(job)))
 
     def launch(self, msg: p.LaunchJob) -> None:
         in_session = msg.session is not None and self.pools.session(msg.session) is not None
