@@ -60,6 +60,9 @@ class AttachedCall(DistributedCall):
         for rank in range(spec.world_size):
             self.watch.states[rank] = RankState.RUNNING if self.status == call_record.RUNNING else RankState.PENDING
         self._cancel_sent = False
+        has_run_dir = getattr(self, "_has_run_dir", None)  # the run directory exists: nothing to wait for
+        if has_run_dir is not None:
+            has_run_dir.set()
         self._follow()
         threading.Thread(target=self._follow_loop, name=f"air_magic-attached-{path.name}", daemon=True).start()
 

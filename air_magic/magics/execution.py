@@ -231,6 +231,12 @@ class DistributedMagics(Magics):
         "values); the kernel is free while they run. %%distributed_calls lists such calls, %%distributed_show "
         "draws one's panel.",
     )
+    @argument(
+        "--detach",
+        action="store_true",
+        help="Like --background, but the ranks run under a process of their own that outlives this kernel (its "
+        "SIGKILL, a restart); air_magic.attach(ID) or %%distributed_attach ID finds the call from any kernel.",
+    )
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
         """Run this cell on one worker process per accelerator (or N CPU workers with gloo).
@@ -268,6 +274,13 @@ class DistributedMagics(Magics):
         for held in sessions.held_names(settings.session):  # the session's own objects win: never sent again
             program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
+        if args.detach:
+            from ..attached import spawn_detached
+
+            detached = spawn_detached(settings.spec(program, (), {}, name, origin="cell"))
+            if args.out:
+                shell.user_ns[args.out] = detached
+            return None if args.out or ends_with_semicolon(cell) else detached
         from .. import background
 
         if args.background:
