@@ -162,8 +162,8 @@ class Detector:
                 continue
             self.named.add(key)
             message = (
-                f"rank {lag.rank} is a straggler: {lag.seconds:.2f} s per step behind the others, waiting for "
-                + ("its input (DataLoader)" if lag.cause == "input" else "its own compute")
+                f"rank {lag.rank} is a straggler: {lag.seconds:.2f} s per step behind the others, slower in "
+                + ("its input (DataLoader)" if lag.cause == "input" else "its compute")
                 + f", in {lag.steps} of the last {lag.window} steps"
             )
             alerts.append(Alert("straggler", lag.rank, lag.cause, message, wall, lag.seconds))
