@@ -18,6 +18,7 @@ from typing import Any
 
 from . import call_record
 from .background import DistributedCall
+from .call_table import table as call_table
 from .job import JobSpec, RankState
 from .launch.files.rundir import RunDir
 from .listeners import RunContext
@@ -64,6 +65,7 @@ class AttachedCall(DistributedCall):
         if has_run_dir is not None:
             has_run_dir.set()
         self._follow()
+        call_table().add(self)  # %distributed_calls, %distributed_show N and %distributed_stop N reach it here
         threading.Thread(target=self._follow_loop, name=f"air_magic-attached-{path.name}", daemon=True).start()
 
     def _follow(self) -> bool:
@@ -95,6 +97,7 @@ class AttachedCall(DistributedCall):
                 assert self.result_ is not None
                 self.watch.on_end(self.result_)
                 self._done.set()
+                call_table().ended(self)
                 return
             time.sleep(_LOOK)
 
