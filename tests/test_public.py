@@ -31,6 +31,7 @@ PUBLIC = {
     "SerializationError",
     "WorkerDiedError",
     "__version__",
+    "attach",
     "distributed",
     "load_ipython_extension",
     "ray_init",
