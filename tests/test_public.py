@@ -12,6 +12,7 @@ from air_magic import AcceleratorType, GPUType, distributed
 PUBLIC = {
     "AcceleratorType",
     "AirMagicError",
+    "Alert",
     "ConfigurationError",
     "DebuggerQuit",
     "DistributedCall",
@@ -23,6 +24,7 @@ PUBLIC = {
     "PayloadSizeWarning",
     "Placeholder",
     "RankFailedError",
+    "RankHungError",
     "RankResult",
     "RankState",
     "Ref",
@@ -36,6 +38,7 @@ PUBLIC = {
     "load_ipython_extension",
     "ray_init",
     "should_stop",
+    "step",
     "sweep",
     "unload_ipython_extension",
 }
