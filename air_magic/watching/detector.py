@@ -155,7 +155,7 @@ class Detector:
     def _stragglers(self, ranks: set[int], wall: float) -> list[Alert]:
         self.lags = {}
         alerts = []
-        for lag in find_stragglers({r: self.steps[r] for r in ranks if r in self.steps}, self.window):
+        for lag in find_stragglers({r: self.steps[r] for r in ranks if self.steps.get(r)}, self.window):
             self.lags[lag.rank] = lag
             key = ("straggler", lag.rank, lag.cause)
             if key in self.named:

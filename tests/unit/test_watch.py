@@ -245,3 +245,14 @@ def test_a_ray_ranks_step_file_is_kept_here_as_a_local_ranks(tmp_path):
     state = _state(1, [f.Step(0, 0.5, 0.1, 0.2)], calls=3)
     Received(run_dir, 2).take(1, RankReport(b"", b"", steps=f.encode(state)))
     assert f.read(run_dir.steps(1)) == state
+
+
+def test_a_rank_with_no_step_yet_does_not_hide_a_straggler():
+    """A running rank that has finished no step (a session's rank that sits the call out) is left out of the rule."""
+    loop = Loop(3)
+    loop.run(40, slow_input={1: 0.12})
+    loop.steps[2] = []
+    detector = Detector(3)
+    for rank in range(3):
+        detector.update(rank, _state(rank, loop.steps[rank]), 0.0)
+    assert [(a.rank, a.cause) for a in detector.check(0.0, WALL)] == [(1, "input")]
