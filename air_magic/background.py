@@ -11,13 +11,13 @@ Every handle is in the process's table of calls (call_table.py), which finds it 
 (`%distributed_calls`: display/calls.py); each call's record on disk, and the handle rebuilt from it after a kernel
 restart, are call_record.py. Drawing a call's panel again is display/follow.py. No IPython here (magics/calls.py).
 
-Over 300 lines because one handle answers everything users ask of a call that outlives its cell (status, result,
-logs, panel, stop, rebuilding from disk).
+Over 300 lines because one handle answers all users ask of a call (status, result, logs, panel, stop, rebuilding).
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import sys
 import threading
 import time
@@ -198,14 +198,26 @@ class DistributedCall:
         self.listeners.insert(0, self.watch)
         self.status = RUNNING
         try:
-            self.result_ = sessions.run(self.spec, self.listeners, claim, run_dir, call=self)
-            self.error = self.result_.error
-            return self.result_
+            result = self.result_ = sessions.run(self.spec, self.listeners, claim, run_dir, call=self)
+            self.error = result.error
+            return result
         except BaseException as exc:
             self.error = exc
             raise
         finally:
             self._end()
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """A foreground call's handle stays in the table (its number, id, status, record), without what its caller
+        has already: its arguments, the values its ranks returned, its listeners (display, MLflow, sampler)."""
+        self._record.update(run_id=self.run_id, link=self.link)
+        self._run_dir, self.ctx = self._run_dir or (self.ctx.run_dir if self.ctx else None), None  # ctx holds the spec
+        self.listeners, self.watch.followers = [], []
+        self.spec = dataclasses.replace(self.spec, args=(), kwargs={})
+        if self.result_ is not None:
+            ranks = [dataclasses.replace(rank, value=None) for rank in self.result_.ranks]
+            self.result_ = dataclasses.replace(self.result_, spec=self.spec, ranks=ranks)
 
     def _say_waiting(self) -> None:
         """The line a panel shows first says what the call waits for, until the panel takes its place."""

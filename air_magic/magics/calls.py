@@ -14,7 +14,7 @@ from . import options
 
 @magics_class
 class CallMagics(Magics):
-    """%distributed_calls, %distributed_show and %distributed_stop."""
+    """%distributed_calls, %distributed_attach, %distributed_show and %distributed_stop."""
 
     @magic_arguments()
     @argument(
@@ -25,7 +25,8 @@ class CallMagics(Magics):
     )
     @line_magic
     def distributed_calls(self, line: str = "") -> None:
-        """List this kernel's background calls: id, function or cell, status, ranks, GPUs, started, elapsed, MLflow."""
+        """List this kernel's calls, background and foreground: number, function or cell, status, ranks, GPUs,
+        started, elapsed, MLflow."""
         from .. import background
 
         if parse_argstring(self.distributed_calls, line).all:

@@ -87,3 +87,37 @@ def test_an_ended_call_is_told_to_every_listener_and_a_failing_listener_changes_
     table.add(call)
     table.ended(call)
     assert told == [call]
+
+
+def _spec(name: str = "train"):
+    from air_magic.job import JobSpec
+
+    return JobSpec(target=print, args=(), kwargs={}, name=name, world_size=2, accelerator_type="CPU", timeout=None)
+
+
+def test_a_handles_run_directory_is_waited_for_on_an_event_and_names_the_call(tmp_path):
+    """`run_dir` blocks until the runner's context arrives (no sleep loop); the id is then the directory's name."""
+    from air_magic.background import RUNNING, DistributedCall
+    from air_magic.listeners import RunContext
+
+    call = DistributedCall(_spec())
+    call.status = RUNNING
+    run_dir = tmp_path / "20261205-130102-train-ab12"
+    timer = threading.Timer(0.05, call.watch.on_start, [RunContext(call.spec, run_dir, [])])
+    timer.start()
+    assert call.run_dir == run_dir
+    assert call.id == run_dir.name and call.run_dir_name == run_dir.name
+    timer.join()
+
+
+def test_a_call_that_ended_without_a_run_directory_says_so_at_once():
+    from air_magic.background import DistributedCall
+    from air_magic.errors import AirMagicError
+
+    call = DistributedCall(_spec())
+    call.error = RuntimeError("refused")
+    call.background = False  # no record to write
+    call._end()
+    assert call.has_run_dir(timeout=0) is False
+    with pytest.raises(AirMagicError, match="ended before it had a run directory"):
+        _ = call.run_dir
