@@ -49,7 +49,9 @@ class WidgetMirror:
             [self.models[r.removeprefix("IPY_MODEL_")] for r in p["children"]] if "children" in p else [p]
             for p in pages
         ]
-        logs = [next(m["value"] for m in part if "air-magic-usage" not in m.get("_dom_classes", ())) for part in parts]
+        # beside the log a tab may hold the rank's usage line and its step times (the watch): neither is the log
+        extras = ("air-magic-usage", "air-magic-steps")
+        logs = [next(m["value"] for m in part if not set(extras) & set(m.get("_dom_classes", ()))) for part in parts]
         usages = [
             next((m["value"] for m in part if "air-magic-usage" in m.get("_dom_classes", ())), "") for part in parts
         ]
