@@ -127,6 +127,13 @@ def test_only_load_ext_imports_the_magics():
     assert "air_magic.magics imports air_magic.magics.execution" in _crossings(("magics",), ("magics.execution",))
 
 
+def test_the_table_of_calls_assumes_no_kernel_and_no_runner():
+    """call_table.py (every call of the process that makes them: a kernel, a command line, a detached call) imports
+    only the errors: no handle, runner, launcher, display or IPython glue."""
+    imported = {i for i, _ in _graph()["air_magic.call_table"]}
+    assert imported == {"air_magic.errors"}
+
+
 def test_only_launch_imports_a_launcher():
     """Outside launch/, a launcher is reached through `air_magic.launch` (launcher_for, check_shape, ...)."""
     assert _crossings(("",), ("launch.local", "launch.ray"), unless=("launch",)) == []
