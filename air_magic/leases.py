@@ -84,8 +84,9 @@ class Leases:
         holder = self._holder_path(kind, unit)
         with contextlib.suppress(OSError):
             tmp = holder.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(info))
-            tmp.chmod(0o600)
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(out, "w") as f:
+                f.write(json.dumps(info))
             tmp.replace(holder)
         return Lease(kind, unit, fd)
 
