@@ -106,8 +106,8 @@ class _Run(AttemptOutcome):
         self.failures: list[int] = []  # ranks in the order their exits were seen
         self.exited_at: dict[int, float] = {}  # rank -> wall time its exit was seen
         self.stop_due: float | None = None  # a failure's stop waits for the peers' ends until then (stop_grace)
-        self.hung: Alert | None = None  # a hang the watch found, which the call's on_hang stops for
         self.launch_error: str | None = None
+        self.hung: Alert | None = None  # a hang the watch found, which the call's on_hang stops for
         self.handle: JobHandle | None = None
         self.started: set[int] = set()  # ranks of this attempt that started
         self.gone = False  # the launcher said every process of this attempt is gone
@@ -264,11 +264,11 @@ class _Run(AttemptOutcome):
                 if self.spec.uses_gpu:
                     self.dump_recorder(wait=False)
             self.read_recorder()
+            self.forward_stop()
             hang = self.ctx.take_hang()  # on_hang="stop" or "restart" (watching/)
             if hang is not None and self.stop_reason is None:
                 self.hung = hang
                 self.stop(StopReason.RANK_FAILED)
-            self.forward_stop()
             if self.ctx.cancelled:
                 self.stop(StopReason.CANCELLED)
             if self.past_deadline():
@@ -407,6 +407,7 @@ class _Run(AttemptOutcome):
             self.set_state(rank.rank, RankState.PENDING)
         self.notify("on_attempt", self.attempt, why)
 
+    # -- outcome -----------------------------------------------------------
     def outcome_error(self) -> BaseException | None:
         """A hang the call stopped for (on_hang) is its error, unless a rank failed by itself meanwhile."""
         if self.hung is not None and not self.failures and self.stop_reason == StopReason.RANK_FAILED:
@@ -416,7 +417,6 @@ class _Run(AttemptOutcome):
             )
         return super().outcome_error()
 
-    # -- outcome -----------------------------------------------------------
     def finish(self, error: BaseException | None) -> JobResult:
         """`error`: the last attempt's, from outcome_error() (a full disk is judged as the ranks left it)."""
         self.result.elapsed = self.ctx.elapsed
@@ -439,9 +439,9 @@ class _Run(AttemptOutcome):
         if self.spec.session is not None:
             self.unwrap_session_replies()
             if error is not None:
-        self.result.alerts = list(self.ctx.alerts)
                 annotate(error, self.session_note())
         self.result.error = error
+        self.result.alerts = list(self.ctx.alerts)
         self.notify("on_end", self.result)
         return self.result
 
@@ -525,14 +525,14 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         tracker = make_tracker(spec)
         if tracker is not None:
             listeners.append(tracker)
+            if isinstance(tracker, MlflowTracker):
+                sampler.sinks.append(tracker.log_system_metrics)
     if spec.watch:
         from .watching.listener import Watcher
 
         watcher = Watcher(spec)
         listeners.insert(1, watcher)  # before tracking and the display, which show what it found
         watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
-            if isinstance(tracker, MlflowTracker):
-                sampler.sinks.append(tracker.log_system_metrics)
     listeners.append(make_display(spec, sampler))
     from .call_record import LiveRecord
 

@@ -134,9 +134,9 @@ class DistributedMagics(Magics):
             max_restarts=given(args.max_restarts, self.default_max_restarts),
             session=args.session,
             ranks=args.ranks,
-        )
             watch=not args.no_watch,
             on_hang=args.on_hang,
+        )
 
     @magic_arguments()
     @argument(
@@ -192,7 +192,6 @@ class DistributedMagics(Magics):
         "(TORCHELASTIC_RESTART_COUNT tells the ranks which attempt it is). Default: 0, "
         "or c.DistributedMagics.default_max_restarts.",
     )
-    @options.session_flag(
     @argument(
         "--no-watch",
         action="store_true",
@@ -206,6 +205,7 @@ class DistributedMagics(Magics):
         help="What a hung rank leads to: report (default: the cell goes on), stop (RankHungError), or restart "
         "(every rank starts again, within --max-restarts).",
     )
+    @options.session_flag(
         "--session",
         "Run in session NAME (default: 'default'): the first such cell starts hot ranks, later ones run in the "
         "same processes and namespace, so what a cell assigns or imports is there for the next. Names the session "
