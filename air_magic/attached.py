@@ -135,6 +135,9 @@ def spawn_detached(spec: JobSpec) -> DistributedCall:
         mlflow = sys.modules["mlflow"]
         env["MLFLOW_TRACKING_URI"] = str(mlflow.get_tracking_uri())
         experiment_id = _compat.active_experiment_id()
+    ray = sys.modules.get("ray")
+    if spec.num_nodes > 1 and ray is not None and ray.is_initialized():  # the owner joins the kernel's cluster
+        env["RAY_ADDRESS"] = str(ray.get_runtime_context().gcs_address)
     path = detached.start(spec, experiment_id=experiment_id, env=env)
     return AttachedCall(path)
 

@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(hand_off["cwd"])
     target, args, kwargs, _ = load_call(hand_off["blob"])
     spec: JobSpec = dataclasses.replace(hand_off["spec"], target=target, args=args, kwargs=kwargs)
+    if spec.num_nodes > 1:  # the cluster its starter had joined ($RAY_ADDRESS), else this machine's `ray start`
+        from .launch import ray_init
+
+        ray_init(os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     owner = call_record.begin(path, spec, call_record.WAITING, waiting_for="")

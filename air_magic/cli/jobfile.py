@@ -127,6 +127,20 @@ def check_dependencies(requirements: list[Any]) -> None:
             raise JobFileError(f"environment.dependencies: {text!r} is not satisfied: {req.name} {found} is installed")
 
 
+def join_ray(num_nodes: int) -> None:
+    """Join the Ray cluster of $RAY_ADDRESS, else the one started on this machine with `ray start` ("auto")."""
+    from ..launch import ray_init
+
+    address = os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray_init(address, log_to_driver=False)
+    except Exception as exc:  # noqa: BLE001 - any failure to join is said the same way
+        raise JobFileError(
+            f"compute.num_nodes: {num_nodes} runs on a Ray cluster, and joining {address!r} failed "
+            f"({type(exc).__name__}: {exc}); start one with `ray start --head` or set RAY_ADDRESS"
+        ) from None
+
+
 @dataclass
 class Job:
     """A checked workload file."""
@@ -162,6 +176,8 @@ class Job:
 
     def spec(self) -> JobSpec:
         target, args, kwargs = self.target()
+        if self.settings.num_nodes > 1:
+            join_ray(self.settings.num_nodes)
         return self.settings.spec(target, args, kwargs, self.name, origin="cli")
 
     def describe(self) -> dict[str, Any]:
