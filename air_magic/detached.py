@@ -72,8 +72,8 @@ def start(
         "experiment_id": experiment_id,
     }
     write_private(run.detached_call, pickle.dumps(hand_off))
-    with open(run.owner_log, "ab") as log:
-        os.chmod(run.owner_log, 0o600)
+    fd = os.open(run.owner_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "air_magic.detached", str(run.path)],
             stdin=subprocess.DEVNULL,

@@ -239,7 +239,18 @@ def watch() -> list[str]:
         "(one batch and one collective, watched), timed without ranks.",
         "",
         *table(
-            ["machine", "date", "load", "device", "ranks", "watched step", "unwatched step", "ratio", "patches", "file"],
+            [
+                "machine",
+                "date",
+                "load",
+                "device",
+                "ranks",
+                "watched step",
+                "unwatched step",
+                "ratio",
+                "patches",
+                "file",
+            ],
             rows,
         ),
     ]
