@@ -76,6 +76,26 @@ def stuck_before_all_reduce(sleep: float) -> int:
     return rank
 
 
+def stuck_before_ddp_forward(sleep: float) -> int:
+    """Rank 1 sleeps before its 6th DDP forward while rank 0 waits in backward() (DDP's all-reduce, in C++)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DistributedDataParallel(nn.Linear(8, 8))
+    for i in range(10):
+        if rank == 1 and i == 5:
+            time.sleep(sleep)
+        model(torch.ones(2, 8)).sum().backward()
+    dist.destroy_process_group()
+    return rank
+
+
 def test_a_rank_slow_in_its_input_is_named_before_step_150(here_runs):
     """Rank 1's DataLoader 0.12 s late a step: named a straggler with cause input before rank 1's step 150 of 300,
     rank 0 never; the step file counts every step, with rank 1's input wait."""
@@ -109,6 +129,15 @@ def test_a_rank_that_never_reaches_its_all_reduce_is_named_hung(here_runs, monke
     message = result.alerts[0].message
     assert "rank 1 hangs" in message and "rank 0 waits in all_reduce #6" in message, message
     assert "stuck_before_all_reduce" in message and result.alerts[0].seconds >= 3
+
+
+def test_under_ddp_a_rank_that_never_reaches_its_forward_is_named_hung(here_runs, monkeypatch):
+    """Under DDP (no collective of torch.distributed's Python functions) the hung rank is named too."""
+    monkeypatch.setenv("AIR_MAGIC_HANG_AFTER", "3")
+    result = _run(stuck_before_ddp_forward, 120, on_hang="stop")
+    assert isinstance(result.error, RankHungError), result.error
+    assert [(a.kind, a.rank) for a in result.alerts] == [("hang", 1)]
+    assert "DDP's gradient all-reduce #6" in result.alerts[0].message
 
 
 def test_on_hang_restart_starts_every_rank_again(here_runs, monkeypatch):

@@ -16,7 +16,8 @@ idle (one global read) when the call is not watched:
 
 What is not seen: DDP's gradient all-reduce runs in C++ inside `backward()`
 (its reducer calls the process group directly), so under DDP the wait for a
-slower peer counts as compute; a call with `async_op=True` returns at once
+slower peer counts as compute (each DDP forward in training is counted as the
+collective it leads to, so a rank that never reaches its forward is behind); a call with `async_op=True` returns at once
 and its `wait()` counts as compute; on NCCL a collective returns when it is
 queued on the GPU, so the GPU's wait shows later, where the code waits for
 the GPU. The rank then says which collective it called last with nothing
@@ -214,6 +215,12 @@ def _patch() -> None:
         return
     if not dist.is_available():
         return
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    except ImportError:
+        pass
+    else:
+        DDP.forward = _counted_forward(DDP.forward)  # type: ignore[method-assign]
     c10d = dist.distributed_c10d
     for name in COLLECTIVES:
         fn = getattr(c10d, name, None)
@@ -253,6 +260,27 @@ def _timed_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
             recorder.changes += 1
 
     return __next__
+
+
+#: How a DDP forward is named as the collective it leads to.
+DDP_ALL_REDUCE = "DDP's gradient all-reduce"
+
+
+def _counted_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Count each DDP forward as the collective its backward() will wait in (DDP's all-reduce, in C++)."""
+
+    @functools.wraps(forward)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = _recorder
+        if recorder is not None and self.training and getattr(self, "require_backward_grad_sync", True):
+            now = _clock()
+            recorder.calls += 1
+            recorder.after = (DDP_ALL_REDUCE, recorder.calls, now)
+            recorder.progress = now
+            recorder.changes += 1
+        return forward(self, *args, **kwargs)
+
+    return counted
 
 
 def _timed_collective(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
