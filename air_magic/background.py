@@ -1,15 +1,13 @@
-"""Background calls: `fn.spawn(...)` and `%%distributed --background` return a `DistributedCall` at once.
+"""Every call's handle, `DistributedCall`: `fn.spawn(...)` and `%%distributed --background` return one at once; a
+foreground call (`run`, the front doors' way in) has one too, finished when its cell returns.
 
-The call takes the same path as a foreground one (sessions.run -> runner -> launcher) on a thread of its
-own, so the kernel is free while the ranks run. The runner is policy only and needs no main thread; a
-background call has no Ctrl-C (its Cancel is `.cancel()` or the panel's button). The thread runs in a copy
-of the spawning cell's context, so what its display writes goes to that cell. Its GPUs or CPU slots come
-from the ledger (ledger.py): a call whose units are held by others is `waiting` until they are free.
+A background call takes the same path (sessions.run -> runner -> launcher) on a thread of its own, in a copy of the
+spawning cell's context (its display writes to that cell), so the kernel is free; it has no Ctrl-C (`.cancel()` or
+the panel's button). Its GPUs or CPU slots come from the ledger (ledger.py): it is `waiting` until they are free.
+Its run directory, whose name is its id, is made when it is spawned.
 
-A foreground call has the same handle (`run`, the front doors' way in), finished when the cell returns.
-Every handle is in the process's table of calls (call_table.py), which finds it by id or number and lists it
-(`%distributed_calls`: display/calls.py); each call's record on disk, and the handle rebuilt from it after a kernel
-restart, are call_record.py. Drawing a call's panel again is display/follow.py. No IPython here (magics/calls.py).
+Every handle is in the process's table of calls (call_table.py). `%distributed_calls` is display/calls.py; the record
+on disk and the handle rebuilt from it, call_record.py; a panel drawn again, display/follow.py. No IPython here.
 
 Over 300 lines because one handle answers all users ask of a call (status, result, logs, panel, stop, rebuilding).
 """
@@ -90,7 +88,6 @@ class DistributedCall:
     """
 
     def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None) -> None:
-        #: The call's small number in this process's table (0 until added there).
         self.number = 0
         self._id: str | int | None = None
         self.background = True
@@ -104,8 +101,7 @@ class DistributedCall:
         self.waiting_for = ""
         self._cancel_asked = False
         self._done = threading.Event()
-        #: Set once the run directory exists (or the call ended without one).
-        self._has_run_dir = threading.Event()
+        self._has_run_dir = threading.Event()  # set once the call started (or ended)
         self._run_dir: Path | None = None
         self._record: dict[str, Any] = {}
         self.watch = _Watch(self)
@@ -164,8 +160,11 @@ class DistributedCall:
                     raise ConfigurationError(
                         f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
                     )
+            self._run_dir = RunDir.create(self.spec.name, self.spec.world_size).path  # its id, from now on
         except BaseException as exc:
             self.error = exc
+            if self.claim is not None:
+                self.claim.release()
             self._end()
             raise
         if self.listeners is None:
@@ -236,11 +235,13 @@ class DistributedCall:
         try:
             self.claim.wait(cancelled=lambda: self._cancel_asked)
             self.waiting_for, self.status = "", RUNNING
-            self.result_ = sessions.run(self.spec, self.listeners, self.claim, call=self)
+            self.result_ = sessions.run(self.spec, self.listeners, self.claim, RunDir(self.run_dir), call=self)
             self.error = self.result_.error
         except BaseException as exc:  # noqa: BLE001 - kept for .result(), raised there
             self.error = exc
             self.claim.release()
+            if self.ctx is None and self._run_dir is not None:  # it never ran: the room kept for errors goes back
+                RunDir(self._run_dir).release_reserves()
         finally:
             self._end()
 
@@ -307,10 +308,11 @@ class DistributedCall:
         show(self)
 
     def has_run_dir(self, timeout: float | None = RUN_DIR_WAIT) -> bool:
-        """Wait up to `timeout` s for the call's run directory; True once it exists. False at once while the call
-        waits for its GPUs or slots, and if it ended without one."""
-        if self._run_dir is None and self.ctx is None and self.status == WAITING and not self.done():
-            return False
+        """Wait up to `timeout` s for the call to start in its run directory (its context, `ctx`, is then set);
+        whether it has a run directory. At once while the call waits for its GPUs or slots (a background call's
+        directory is made when it is spawned), and for a call that ended."""
+        if self.ctx is None and self.status == WAITING and not self.done():
+            return self._run_dir is not None
         self._has_run_dir.wait(timeout)
         return self._run_dir is not None or self.ctx is not None
 
@@ -376,9 +378,7 @@ def spawn(spec: JobSpec, wait: bool = True) -> DistributedCall:
     return DistributedCall(spec).start(wait=wait)
 
 
-def run(
-    spec: JobSpec, listeners: list[Listener] | None = None, claim: ledger.Claim | None = None, run_dir: Any = None
-) -> JobResult:
+def run(spec: JobSpec, listeners: list[Listener] | None = None, claim: Any = None, run_dir: Any = None) -> JobResult:
     """Run `spec` in the foreground, on this thread, with its handle in the table of calls; its JobResult."""
     return DistributedCall(spec, listeners).run_here(claim, run_dir)
 
