@@ -121,3 +121,13 @@ def test_a_call_that_ended_without_a_run_directory_says_so_at_once():
     assert call.has_run_dir(timeout=0) is False
     with pytest.raises(AirMagicError, match="ended before it had a run directory"):
         _ = call.run_dir
+
+
+def test_a_call_into_a_busy_session_is_refused_naming_the_call_that_holds_it():
+    table = CallTable()
+    holder = _Call(session="gpt2")
+    table.add(holder)
+    table.check_free("gpt2", holder)  # the call itself is not refused
+    table.check_free(None)
+    with pytest.raises(ConfigurationError, match=r"session 'gpt2' is busy: call 1 runs in it\. Wait for it"):
+        table.check_free("gpt2", _Call(session="gpt2"))
