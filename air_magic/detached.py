@@ -24,6 +24,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -131,27 +132,36 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     owner = call_record.begin(path, spec, call_record.WAITING, waiting_for="")
-    claim = None
-    try:
-        claim = ledger.Claim(spec, f"call {path.name}", f"call {path.name} ({spec.name})")
-        if not claim.try_now():
-            why = claim.why_waiting()
-            print(f"air_magic: {spec.name} waits for {why}", flush=True)
-            call_record._save(path, {"waiting_for": why})
-            claim.wait(cancelled=lambda: call_record.cancel_requested(path))
-        result = sessions.run(spec, _listeners(spec, hand_off), claim, run_dir=run)
-        error = result.error
-    except BaseException as exc:  # noqa: BLE001 - recorded as the call's end
-        if claim is not None:
-            claim.release()
-        result, error = None, exc
-        call_record.end(path, None, exc)
+    ended: dict[str, Any] = {"result": None, "error": None}
+
+    def run_call() -> None:
+        claim = None
+        try:
+            claim = ledger.Claim(spec, f"call {path.name}", f"call {path.name} ({spec.name})")
+            if not claim.try_now():
+                why = claim.why_waiting()
+                print(f"air_magic: {spec.name} waits for {why}", flush=True)
+                call_record._save(path, {"waiting_for": why})
+                claim.wait(cancelled=lambda: call_record.cancel_requested(path))
+            ended["result"] = sessions.run(spec, _listeners(spec, hand_off), claim, run_dir=run)
+            ended["error"] = ended["result"].error
+        except BaseException as exc:  # noqa: BLE001 - recorded as the call's end
+            if claim is not None:
+                claim.release()
+            ended["error"] = exc
+
+    # Not on the main thread: nobody is at this process's stdin, so a rank's breakpoint() waits for
+    # `%distributed_debug` from a kernel, as a background call's does; the main thread keeps the signals.
+    thread = threading.Thread(target=run_call, name=f"air_magic-detached-{path.name}")
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
     record = call_record.read(path) or {}
     if record.get("status") in call_record.LIVE:  # the runner never started it: say how it ended
-        call_record.end(path, result, error)
+        call_record.end(path, ended["result"], ended["error"])
     call_record.release_owner(owner)
     run.detached_call.unlink(missing_ok=True)
-    return 0 if error is None else 1
+    return 0 if ended["error"] is None else 1
 
 
 if __name__ == "__main__":
