@@ -161,6 +161,9 @@ class DistributedCall:
                         f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
                     )
             self._run_dir = RunDir.create(self.spec.name, self.spec.world_size).path  # its id, from now on
+            from .call_record import begin
+
+            begin(self._run_dir, self.spec, WAITING, waiting_for=self.waiting_for)  # every process sees it wait
         except BaseException as exc:
             self.error = exc
             if self.claim is not None:

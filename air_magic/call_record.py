@@ -53,30 +53,40 @@ def _save(path: Path, changes: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def hold_owner(path: Path) -> int | None:
-    """This process owns the call of run directory `path`: lock its `owner.lock` (the descriptor to keep open)."""
+#: Run directories whose calls this process owns -> the descriptor of their locked owner.lock.
+_owned: dict[str, int] = {}
+
+
+def hold_owner(path: Path) -> bool:
+    """This process owns the call of run directory `path`: lock its `owner.lock`, and keep it until
+    `release_owner` (holding it again is harmless). False if another process holds it."""
+    if str(path) in _owned:
+        return True
     try:
         fd = os.open(RunDir(path).owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError:
-        return None
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        return None
-    return fd
+        return False
+    _owned[str(path)] = fd
+    return True
 
 
-def release_owner(fd: int | None) -> None:
+def release_owner(path: Path) -> None:
+    """The call of `path` ended here: its owner lock is let go."""
+    fd = _owned.pop(str(path), None)
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
 
 
-def begin(path: Path, spec: JobSpec, status: str, **more: Any) -> int | None:
-    """Write the live record of a call that starts (or waits) in run directory `path`, owned by this process;
-    the owner lock's descriptor, which the caller keeps open until `end`."""
-    fd = hold_owner(path)
+def begin(path: Path, spec: JobSpec, status: str, **more: Any) -> None:
+    """Write the live record of a call that starts (or waits) in run directory `path`, owned by this process, which
+    holds its owner lock until `release_owner`."""
+    hold_owner(path)
     _save(
         path,
         {
@@ -93,7 +103,6 @@ def begin(path: Path, spec: JobSpec, status: str, **more: Any) -> int | None:
             **more,
         },
     )
-    return fd
 
 
 def status_of(result: JobResult | None, error: BaseException | None) -> str:
@@ -138,17 +147,16 @@ class LiveRecord(Listener):
     def __init__(self, listeners: list[Listener]) -> None:
         self.listeners = listeners
         self.ctx: RunContext | None = None
-        self.fd: int | None = None
         self.run_id: str | None = None
         self.looked_at = 0.0
 
     def on_start(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        if (read(ctx.run_dir) or {}).get("owner", {}).get("pid") == os.getpid():  # begun here (a detached call)
-            self.fd = hold_owner(ctx.run_dir)
+        if (read(ctx.run_dir) or {}).get("owner", {}).get("pid") == os.getpid():  # begun here while it waited
+            hold_owner(ctx.run_dir)
             _save(ctx.run_dir, {"status": RUNNING, "waiting_for": ""})
         else:
-            self.fd = begin(ctx.run_dir, ctx.spec, RUNNING)
+            begin(ctx.run_dir, ctx.spec, RUNNING)
 
     def poll(self) -> None:
         ctx = self.ctx
@@ -171,8 +179,7 @@ class LiveRecord(Listener):
             return
         run_id = next((getattr(x, "run_id", None) for x in self.listeners if getattr(x, "run_id", None)), None)
         end(self.ctx.run_dir, result, result.error, run_id=run_id, link=self.ctx.links.get("mlflow"))
-        release_owner(self.fd)
-        self.fd = None
+        release_owner(self.ctx.run_dir)
 
 
 # -- reading --------------------------------------------------------------------------------------------
@@ -257,8 +264,10 @@ def find_dir(call_id: str, root: Path | None = None) -> Path:
 
 
 def write(call: Any) -> None:
-    """Write `call`'s record (a background.DistributedCall) into its run directory (nothing if it never had one)."""
-    if call.ctx is None:
+    """Write `call`'s record (a background.DistributedCall) into its run directory (nothing if it never had one), and
+    let go of its owner lock: the call ended."""
+    path = call.ctx.run_dir if call.ctx is not None else getattr(call, "_run_dir", None)
+    if path is None:
         return
     result = call.result_
     record = {
@@ -278,7 +287,8 @@ def write(call: Any) -> None:
         "states": [r.state.value for r in result.ranks] if result is not None else [],
         "error": None if call.error is None else f"{type(call.error).__name__}: {call.error}",
     }
-    _save(call.ctx.run_dir, record)
+    _save(path, record)
+    release_owner(path)
 
 
 def _gone(*args: Any, **kwargs: Any) -> None:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         ray_init(os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    owner = call_record.begin(path, spec, call_record.WAITING, waiting_for="")
+    call_record.begin(path, spec, call_record.WAITING, waiting_for="")
     ended: dict[str, Any] = {"result": None, "error": None}
 
     def run_call() -> None:
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     record = call_record.read(path) or {}
     if record.get("status") in call_record.LIVE:  # the runner never started it: say how it ended
         call_record.end(path, ended["result"], ended["error"])
-    call_record.release_owner(owner)
+    call_record.release_owner(path)
     run.detached_call.unlink(missing_ok=True)
     return 0 if ended["error"] is None else 1
 

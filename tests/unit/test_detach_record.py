@@ -33,7 +33,7 @@ def test_a_live_record_names_its_owner_and_a_cancel_is_a_private_file(tmp_path):
     a 0600 file once."""
     run = tmp_path / "20260101-000000-train-abcdefgh"
     run.mkdir()
-    fd = call_record.begin(run, _spec(), call_record.RUNNING)
+    call_record.begin(run, _spec(), call_record.RUNNING)
     try:
         record = call_record.load(run)
         assert record is not None
@@ -43,7 +43,7 @@ def test_a_live_record_names_its_owner_and_a_cancel_is_a_private_file(tmp_path):
         assert stat.S_IMODE((run / "cancel").stat().st_mode) == 0o600
         assert stat.S_IMODE((run / "call.json").stat().st_mode) == 0o600
     finally:
-        call_record.release_owner(fd)
+        call_record.release_owner(run)
 
 
 @pytest.mark.slow  # starts a process
