@@ -11,6 +11,7 @@ detached call's process, a command-line run or another kernel. `machine_table()`
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -120,11 +121,17 @@ class AttachedCall(DistributedCall):
         return f"<DistributedCall {self.id} {self.spec.name}: {self.status}>"
 
 
+def _shown(call: AttachedCall) -> AttachedCall:
+    """`call`, its panel drawn in the running cell when there is one (in IPython)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and ipython.get_ipython() is not None:
+        call.show()
+    return call
+
+
 def spawn_detached(spec: JobSpec) -> DistributedCall:
     """`detach=True`, `%%distributed --detach`: start `spec` in an owner process of its own (detached.py), with this
     kernel's MLflow store and experiment, and return its handle."""
-    import sys
-
     from . import detached
 
     env: dict[str, str] = {}
@@ -139,7 +146,7 @@ def spawn_detached(spec: JobSpec) -> DistributedCall:
     if spec.num_nodes > 1 and ray is not None and ray.is_initialized():  # the owner joins the kernel's cluster
         env["RAY_ADDRESS"] = str(ray.get_runtime_context().gcs_address)
     path = detached.start(spec, experiment_id=experiment_id, env=env)
-    return AttachedCall(path)
+    return _shown(AttachedCall(path))
 
 
 def attach(call_id: str, show: bool = True) -> DistributedCall:
@@ -150,14 +157,7 @@ def attach(call_id: str, show: bool = True) -> DistributedCall:
     `.cancel()`, `.stop()`, `.logs(rank)` and `.show()` work as on the handle of a call started here.
     """
     call = AttachedCall(call_record.find_dir(str(call_id)))
-    if show:
-        try:
-            from IPython import get_ipython
-        except ImportError:  # pragma: no cover - IPython is a dependency
-            return call
-        if get_ipython() is not None:
-            call.show()
-    return call
+    return _shown(call) if show else call
 
 
 def machine_table() -> str:
@@ -165,13 +165,14 @@ def machine_table() -> str:
     records = call_record.all_records()
     if not records:
         return "No air_magic call on this machine yet."
-    lines = ["id                                  call                 status     ranks  owner        started"]
+    width = max(len(r["id"]) for r in records)
+    lines = [f"{'id':<{width}} {'call':<20} {'status':<10} {'ranks':<6} {'owner':<14} started"]
     for r in records:
         owner = r.get("owner") or {}
         who = f"{owner.get('role', '-')} {owner.get('pid', '')}".strip()
         when = time.strftime("%m-%d %H:%M:%S", time.localtime(r.get("started") or 0))
         lines.append(
-            f"{r['id'][:35]:<35} {str(r.get('name'))[:20]:<20} {r.get('status', '?'):<10} "
-            f"{r.get('world_size', '?')!s:<6} {who:<12} {when}"
+            f"{r['id']:<{width}} {str(r.get('name'))[:20]:<20} {r.get('status', '?'):<10} "
+            f"{r.get('world_size', '?')!s:<6} {who:<14} {when}"
         )
     return "\n".join(lines)
