@@ -1,0 +1,36 @@
+"""`air-magic run` of a workload on two nodes of a (simulated) Ray cluster: one rank on each, their lines followed
+with --watch, exit code 0."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import kernel_env, process_env
+
+pytestmark = pytest.mark.slow
+
+JOB = """\
+compute: {num_accelerators: 1, accelerator_type: CPU, num_nodes: 2}
+command: echo rank $RANK of $WORLD_SIZE
+timeout: 900
+"""
+
+
+def test_a_workload_on_two_nodes_runs_a_rank_on_each(cluster, tmp_path):
+    """compute.num_nodes: 2 joins the cluster of RAY_ADDRESS and runs the command on both nodes' ranks."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "job.yaml").write_text(JOB)
+    env = process_env({**kernel_env(tmp_path), "RAY_ADDRESS": cluster.address})
+    done = subprocess.run(
+        [sys.executable, "-m", "air_magic.cli", "run", "-f", "job.yaml", "--watch"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank 0] rank 0 of 2" in done.stdout and "[rank 1] rank 1 of 2" in done.stdout
