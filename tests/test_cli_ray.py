@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import kernel_env, process_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # Ray workers register slowly on a busy machine
 
 JOB = """\
 compute: {num_accelerators: 1, accelerator_type: CPU, num_nodes: 2}
