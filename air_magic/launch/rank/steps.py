@@ -47,28 +47,14 @@ from ..files import step_times as f
 
 #: Seconds between two writes of the rank's file (when something changed).
 FLUSH = 1.0
+# fmt: off
 #: The blocking collectives of torch.distributed whose time is a wait for peers.
 COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
 )
+# fmt: on
 
 _clock = time.perf_counter
 
