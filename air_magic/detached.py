@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -121,17 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(path)
     hand_off = pickle.loads(run.detached_call.read_bytes())
     leases.set_role(hand_off["role"])
-    sys.path[:] = hand_off["sys_path"]
-    os.chdir(hand_off["cwd"])
-    target, args, kwargs, _ = load_call(hand_off["blob"])
-    spec: JobSpec = dataclasses.replace(hand_off["spec"], target=target, args=args, kwargs=kwargs)
-    if spec.num_nodes > 1:  # the cluster its starter had joined ($RAY_ADDRESS), else this machine's `ray start`
-        from .launch import ray_init
-
-        ray_init(os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+    call_record.begin(path, hand_off["spec"], call_record.WAITING, waiting_for="")  # its starter returns from here
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    call_record.begin(path, spec, call_record.WAITING, waiting_for="")
+    try:
+        sys.path[:] = hand_off["sys_path"]
+        os.chdir(hand_off["cwd"])
+        target, args, kwargs, _ = load_call(hand_off["blob"])
+        spec: JobSpec = dataclasses.replace(hand_off["spec"], target=target, args=args, kwargs=kwargs)
+        if spec.num_nodes > 1:  # the cluster its starter had joined ($RAY_ADDRESS), else this machine's `ray start`
+            from .launch import ray_init
+
+            ray_init(os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+    except BaseException as exc:  # noqa: BLE001 - the call could not be made here: that is how it ended
+        traceback.print_exc()
+        call_record.end(path, None, exc)
+        call_record.release_owner(path)
+        return 1
     ended: dict[str, Any] = {"result": None, "error": None}
 
     def run_call() -> None:
