@@ -1,0 +1,77 @@
+"""Machine-wide GPU leases on real GPUs: a command-line run holds every GPU of the node, and a kernel's call waits for
+them, says who holds them, and runs once the command-line run ends. Skipped on machines without GPUs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import REAL_NODE, gpu_count, process_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
+]
+#: The kernel of this module sees the node's GPUs (the rest of the suite runs the CPU path).
+KERNEL_ENV = REAL_NODE
+
+#: A command workload on every GPU that holds its device until a flag file appears.
+JOB = "experiment_name: gpu-lease\ncommand: python hold.py\n"
+HOLD = """\
+import os, pathlib, time, torch
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+x = torch.ones(1, device="cuda")
+print("holding", os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
+while not pathlib.Path(__file__).with_name("go").exists():
+    time.sleep(0.05)
+"""
+
+
+def test_a_kernels_call_waits_for_the_gpus_a_command_line_run_holds_then_runs(kernel, workdir):
+    """`air-magic run` holds every GPU; a kernel's background call of every GPU is `waiting`, naming the command
+    line's call, until the run ends; then it runs on the same GPUs."""
+    (workdir / "job.yaml").write_text(JOB)
+    (workdir / "hold.py").write_text(HOLD)
+    env = process_env({**REAL_NODE, "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "MLFLOW_TRACKING_URI": ""})
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "air_magic.cli", *args],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+
+    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+    kernel.execute("%load_ext air_magic").check()
+    kernel.execute(
+        "import json, time\nfrom pathlib import Path\nfrom air_magic import attach, distributed\n"
+        f"cli_call = attach({started['id']!r})\n"
+        "deadline = time.monotonic() + 300\n"
+        "while 'holding' not in cli_call.logs(0):\n"
+        "    assert time.monotonic() < deadline, cli_call.logs(0)\n"
+        "    time.sleep(0.1)\n"
+        "@distributed(mlflow=False)\n"
+        "def where():\n"
+        "    import os\n"
+        "    return os.environ['CUDA_VISIBLE_DEVICES']\n"
+        "mine = where.spawn()\n"
+        "while not mine.waiting_for and mine.status == 'waiting':\n"
+        "    time.sleep(0.05)\n"
+        "print('REPORT', json.dumps([mine.status, mine.waiting_for]))\n",
+        timeout=400,
+    ).check()
+    out = kernel.execute("print('REPORT', json.dumps([mine.status, mine.waiting_for]))").check()
+    status, waiting_for = json.loads(out.stdout.split("REPORT ", 1)[1])
+    assert status == "waiting" and "GPU" in waiting_for and "cli" in waiting_for, waiting_for
+    (workdir / "go").touch()
+    out = kernel.execute("print('REPORT', json.dumps([mine.result(), mine.status]))", timeout=300).check()
+    devices, status = json.loads(out.stdout.split("REPORT ", 1)[1])
+    assert status == "finished" and len(devices) == gpu_count()
+    assert json.loads(cli("get", started["id"], "--json").stdout)["status"] == "finished"
