@@ -7,8 +7,7 @@ already the rank's log file when it starts (the supervisor points file
 descriptors 1 and 2 at it), so C and CUDA writes land there too. Results and
 exceptions are pickled with every tensor on the CPU (portable.py).
 
-Over 300 lines because a rank's one job (run a call, leave its outcome) has fresh, forked and hot variants that
-share every step.
+Not for what a hot rank does between calls (hot.py) or its patches of torch.distributed (groups.py).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ... import envvars, portable
 from ...errors import SerializationError
 from ..files.errorfile import write_error_file
 from ..files.rundir import RunDir
-from ..protocol import HotCall, JobFile, decode
+from ..protocol import JobFile
 from ..stacks import install as answer_stack_requests
 from ..stacks import pause as ignore_stack_requests
 from ..stopper import die_with_parent
@@ -37,11 +36,11 @@ from . import debugger as rank_debugger
 from . import session, steps
 from .carried import load_call
 from .extension_locks import report_stale as clear_stale_build_locks
+from .groups import hold_destroyed_groups, keep_process_group
+from .hot import Pipes, serve
 
 #: False after a session call whose error leaves the rank unusable (launch/rank/session.py::ends_session).
 session_kept = False
-#: A hot rank idle this long after a call collects garbage and empties the CUDA cache.
-TIDY_AFTER = 0.2
 #: Hook modules this process imported for the job (see JobRequest.hooks); flushed at the end.
 _hooks: list[ModuleType] = []
 #: The environment variable naming the pipe on which a rank says it is done, just before it exits.
@@ -249,80 +248,8 @@ def run_forked(run_dir: Path, rank: int) -> None:
     hot = os.environ.get(envvars.HOT_FDS)
     if hot:
         keep_process_group()
-        cmd, done = (int(fd) for fd in hot.split(","))
-        finish(_serve_hot(run(run_dir, rank), rank, cmd, done))
+        finish(serve(run(run_dir, rank), rank, Pipes(hot, rank), sys.modules[__name__]))
     finish(run(run_dir, rank))
-
-
-# -- process groups --------------------------------------------------------------
-#: Process groups the user's code destroyed, referenced until the rank ends (see hold_destroyed_groups).
-_destroyed_groups: list[object] = []
-
-
-def hold_destroyed_groups() -> None:
-    """Keep each process group that `destroy_process_group()` ends referenced until the rank process ends.
-
-    torch's gloo backend joins its worker threads in its destructor while the caller holds the GIL, and a
-    worker thread that is still releasing a finished collective's tensors waits for the GIL: a deadlock.
-    After `destroy_process_group()` the last reference to the group is usually a DDP model's, dropped when
-    the user's function returns, so the rank hung right after its function had finished (seen under load
-    with a DCP checkpoint's broadcast: `~Reducer` -> `~ProcessGroupGloo` -> `thread::join` on one side,
-    `~AsyncWork` -> `gil_scoped_acquire` on the other). Held here, a destroyed group is never torn down
-    while the rank runs; the rank ends with os._exit (`finish`) or with its Ray actor. Patched once per
-    process, and only where torch.distributed is already imported (the preload imports it).
-    """
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None or getattr(c10d.destroy_process_group, "holds_groups", False):
-        return
-    destroy = c10d.destroy_process_group
-
-    def destroy_process_group(group: object = None) -> None:
-        world = group is None or group is c10d.GroupMember.WORLD
-        ending = list(getattr(getattr(c10d, "_world", None), "pg_map", {})) if world else [group]
-        _destroyed_groups.extend(g for g in ending if g is not None and all(g is not h for h in _destroyed_groups))
-        return destroy(group)  # type: ignore[arg-type]
-
-    destroy_process_group.holds_groups = True  # type: ignore[attr-defined]
-    dist = sys.modules["torch.distributed"]
-    for module in (dist, c10d):
-        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010 - patched on purpose
-
-
-# -- hot ranks ------------------------------------------------------------------
-def keep_process_group() -> None:
-    """In a hot rank: `init_process_group()` returns with the group that exists, `destroy_process_group()` keeps it.
-
-    Another backend than the one the group has is a clear error, not a silent second group.
-    """
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return
-    if not dist.is_available():
-        return
-    c10d = dist.distributed_c10d
-    init, destroy = c10d.init_process_group, c10d.destroy_process_group
-
-    def init_process_group(backend: object = None, *args: object, **kwargs: object) -> None:
-        if not dist.is_initialized():
-            return init(backend, *args, **kwargs)  # type: ignore[arg-type]
-        have = str(dist.get_backend()).lower()
-        if backend is not None and str(backend).lower() not in have:
-            raise ValueError(
-                f"this hot rank already holds a {have!r} process group, so init_process_group({backend!r}) cannot "
-                "make another; use the same backend in every call, or release the hot ranks (%distributed_release "
-                "or the panel's Release button) to start fresh ones."
-            )
-        return None
-
-    def destroy_process_group(group: object = None) -> None:
-        if group is None or group is c10d.GroupMember.WORLD:
-            return None  # kept for the next call; it ends with the hot rank
-        return destroy(group)  # type: ignore[arg-type]
-
-    for module in (dist, c10d):
-        setattr(module, "init_process_group", init_process_group)  # noqa: B010 - patched on purpose
-        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
 
 
 def end_call() -> None:
@@ -338,59 +265,6 @@ def end_call() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-
-
-def tidy() -> None:
-    """While a hot rank waits for the next call: collect garbage and empty the CUDA cache."""
-    import gc
-
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def _read_line(fd: int) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return b""
-        data += chunk
-    return data
-
-
-def _serve_hot(code: int, rank: int, cmd: int, done: int) -> int:
-    """Report each call's end on `done`, then run the next call `cmd` names, until a call fails or the pool goes.
-
-    A session rank whose call raised an error that leaves it usable reports "<code> kept" and stays.
-    """
-    while code == 0 or session_kept:
-        end_call()
-        try:
-            os.write(done, b"0\n" if code == 0 else f"{code} kept\n".encode())
-        except OSError:
-            return 0  # the supervisor is gone
-        import select
-
-        if not select.select([cmd], [], [], TIDY_AFTER)[0]:
-            tidy()  # no call right away: tidy up while waiting, so a quick re-run does not wait for it
-        line = _read_line(cmd)
-        if not line:
-            return 0  # released: end-of-file on the command pipe
-        message = decode(line)
-        assert isinstance(message, HotCall), message
-        os.environ.clear()
-        os.environ.update(message.env)
-        run_dir = RunDir(Path(message.run_dir))
-        log = os.open(run_dir.log(rank), os.O_WRONLY | os.O_APPEND)
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        code = run(run_dir.path, rank)
-    return code
 
 
 def main(argv: list[str] | None = None) -> None:

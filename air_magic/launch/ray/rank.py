@@ -15,9 +15,11 @@ it is not the main thread), at the next Python line it runs.
 directory; the launcher then kills the actor itself.
 
 A hot actor (`RankCall.hot`) serves one call after another of the same
-world, as a local hot rank does: `init_process_group()` returns the group
-that exists and `destroy_process_group()` keeps it (worker.py), hooks are
-reset between calls, and each call has a scratch directory of its own.
+world in the loop a local hot rank runs (launch/rank/hot.py), the actor
+being its transport: `start` hands it the next call, `poll` reports each
+end. `init_process_group()` returns the group that exists and
+`destroy_process_group()` keeps it (groups.py), and each call has a
+scratch directory of its own.
 
 The function runs inside the actor process (not a subprocess) so that Ray's
 own API works in it: `ray.get_runtime_context().get_node_id()` names the
@@ -39,12 +41,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import queue
 import shutil
 import socket
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -56,12 +60,13 @@ _CHUNK = 1 << 20
 _SAMPLE_EVERY = 1.0
 #: While a call runs, how often `poll` looks for new output (the call's end is seen at once).
 _OUTPUT_EVERY = 0.05
-#: Seconds after a hot call before it collects garbage, if no call came (a call arriving in gc.collect waits for it).
-_TIDY_AFTER = 1.0
 
 
 class RankActor:
     """One rank of a job, or of every call of a hot world (wrapped with `ray.remote` by the launcher)."""
+
+    #: Seconds after a hot call before it collects garbage, if no call came (a call arriving then waits for it).
+    tidy_after = 1.0
 
     def __init__(self, package_parent: str, preload: tuple[str, ...] = ()) -> None:
         if os.path.isdir(os.path.join(package_parent, "air_magic")) and package_parent not in sys.path:
@@ -75,6 +80,10 @@ class RankActor:
         self.done = threading.Event()
         self.hot = False
         self.calls = 0
+        #: A thread runs this actor's calls: a hot one waits in its loop for the next (`calls_in`).
+        self.serving = False
+        self.calls_in: queue.Queue[Path] = queue.Queue()
+        self.next_call: Path | None = None
         #: This process and its children as last sampled (cpu_percent measures from one reading to the next).
         self.procs: dict[int, Any] = {}
         self.sampled = 0.0
@@ -128,12 +137,19 @@ class RankActor:
         os.dup2(fd, 2)
         os.close(fd)
         os.environ.update(call.env, **{INTERNAL_RUN_DIR: str(scratch.path)})  # on this node, the scratch is the run dir
-        threading.Thread(target=self._run, args=(call.hot, self.calls), name="air_magic-rank", daemon=True).start()
+        if self.serving:
+            self.calls_in.put(scratch.path)  # the hot loop waits for it (launch/rank/hot.py)
+        else:
+            self.serving = True
+            threading.Thread(target=self._serve, args=(call.hot,), name="air_magic-rank", daemon=True).start()
         return os.getpid()
 
-    def _run(self, hot: bool, call: int) -> None:
+    def _serve(self, hot: bool) -> None:
+        """Run the call, and in a hot actor every next one (launch/rank/hot.py), until one ends the rank."""
         from air_magic.launch.boot import INTERNAL_ERROR
+        from air_magic.launch.rank import hot as hot_rank
         from air_magic.launch.rank import worker
+        from air_magic.launch.rank.groups import keep_process_group
 
         assert self.scratch is not None
         code, kept = INTERNAL_ERROR, False
@@ -142,13 +158,16 @@ class RankActor:
         self.preloading.join()
         try:
             if hot and not self.hot:
-                worker.keep_process_group()
+                keep_process_group()
                 self.hot = True
             code = worker.run(self.scratch.path, self.rank)
+            if hot:
+                code = hot_rank.serve(code, self.rank, self, worker)  # returns with a call that ends the rank
             kept = code != 0 and worker.session_kept
         except BaseException:  # noqa: BLE001 - air_magic's own failure: into the rank's log
             traceback.print_exc()
         finally:
+            self.serving = False  # before the end is said: a call that follows starts a thread of its own
             try:
                 if hot:
                     worker.end_call()  # hooks send what they hold and let go of this call's run
@@ -161,17 +180,26 @@ class RankActor:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            self.code, self.kept = code, kept
-            self.done.set()
-        if hot and (code == 0 or kept):
-            # no next call right away: tidy up while waiting, so that a quick re-run does not wait for it
-            threading.Timer(_TIDY_AFTER, self._tidy, args=(call,)).start()
+            self.report(code, kept)
 
-    def _tidy(self, call: int) -> None:
-        if self.calls == call:
-            from air_magic.launch.rank import worker
+    # -- the hot loop's transport (launch/rank/hot.py) ---------------------------
+    def report(self, code: int, kept: bool) -> bool:
+        """A call ended: `poll` hands its outcome to the launcher."""
+        self.code, self.kept = code, kept
+        self.done.set()
+        return True
 
-            worker.tidy()
+    def ready(self, timeout: float) -> bool:
+        """A next call came (through `start`) within `timeout` seconds."""
+        if self.next_call is None:
+            with contextlib.suppress(queue.Empty):
+                self.next_call = self.calls_in.get(timeout=timeout)
+        return self.next_call is not None
+
+    def take(self) -> Path:
+        """The next call's scratch directory, readied by `start`."""
+        path, self.next_call = self.next_call or self.calls_in.get(), None
+        return path
 
     def poll(self, offsets: tuple[int, int, int], wait: float) -> RankReport:
         """Output, relayed MLflow lines and chart lines from the given byte offsets on (waiting up to `wait` s for
