@@ -9,10 +9,11 @@ knows no process, file layout of a rank, widget or tracking store: those
 belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
 
-It is also where a call's parts are put together: `run` takes the launcher
+A call's parts are put together in call_setup.py: `run` takes the launcher
 that `launch.launcher_for` picks (unless given one) and the listeners of
-`default_listeners` (the resource sampler, MLflow tracking, the display),
-the one place that names them, imported only when a call uses them.
+`default_listeners` (the resource sampler, MLflow tracking, the display).
+When and how a call's ranks are stopped (a failure, the timeout, Cancel, a
+Stop, the flight recorder read first) is call_stops.py, the runner's base.
 
 Restarts are its policy too: when a rank of an attempt fails (raises, dies,
 is killed, loses its node) and the call has `max_restarts` left, every rank
@@ -21,57 +22,39 @@ call with the next TORCHELASTIC_RESTART_COUNT, in the same run directory
 (`RunDir.begin_attempt`). Cancel, Ctrl-C, the timeout (which covers every
 attempt) and an attempt in which no rank started are never restarted.
 
-Over 300 lines because it is the one policy of a call (start, watch, timeout, cancel, stop, debug prompts,
-restart, collect), kept in one place on purpose.
+Over 300 lines because it is the one policy of a call (start, watch, debug prompts, restart, collect), kept in one
+place on purpose.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import time
 import uuid
 import warnings
 from typing import Any
 
-from . import envvars, payload, stopping
+from . import payload
+from .call_setup import check_supported, default_listeners, job_request, world_key
+from .call_stops import CallStops
 from .debugging import DebugServer
-from .errors import (
-    AirMagicError,
-    ConfigurationError,
-    ListenerWarning,
-    RankHungError,
-    RunDirectoryFullError,
-    annotate,
-)
+from .errors import AirMagicError, ListenerWarning, RankHungError, RunDirectoryFullError, annotate
 from .job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
 from .launch import launcher_for, used
 from .launch import protocol as p
-from .launch.env import cpu_launch_env
 from .launch.files import flight_recorder
 from .launch.files.rundir import RunDir, attempt_marker
 from .launch.interface import JobHandle, Launcher
 from .launch.rank import session
 from .launch.stopper import STOP_GRACE
 from .listeners import Listener, RunContext
-from .outcome import AttemptOutcome
 from .phase import Phase
 
 _POLL = 0.05
-#: Seconds a session's other ranks may go on after one raised, before they get KeyboardInterrupt.
-SESSION_PEERS_WAIT = 3.0
-#: Seconds a GPU call waits for its ranks' flight recorder dumps before it stops them (NCCL's monitor thread
-#: looks at the pipe that asks for one about once a second; the dump took 7 s on an H200 with torch 2.11).
-RECORDER_WAIT = 10.0
-#: Seconds between two looks for a Stop asked from outside the runner (the flag's file in the run directory).
-_STOP_LOOK = 0.2
-#: Stops before which a GPU call's ranks dump their flight recorder (Ctrl-C is not kept waiting).
-_RECORDED_STOPS = (StopReason.TIMEOUT, StopReason.CANCELLED, StopReason.RANK_FAILED)
-__all__ = ["STOP_GRACE", "default_listeners", "run"]
+__all__ = ["STOP_GRACE", "check_supported", "default_listeners", "run", "world_key"]
 
 
-class _Run(AttemptOutcome):
+class _Run(CallStops):
     """State of one call between launch and result; the attempt-level fields are reset by `begin_attempt`."""
 
     def __init__(
@@ -147,67 +130,7 @@ class _Run(AttemptOutcome):
 
     # -- lifecycle ---------------------------------------------------------
     def request(self) -> p.JobRequest:
-        env = dict(os.environ)
-        hooks: list[str] = []
-        for listener in self.listeners:
-            env.update(self.guarded(listener, "worker_env") or {})
-            hooks += [h for h in self.guarded(listener, "worker_hooks") or () if h not in hooks]
-        env.update(self.spec.extra_env)
-        if self.spec.uses_gpu:
-            # NCCL's flight recorder, dumped on its watchdog's timeout and when stacks are taken (the pipes are made
-            # on the ranks' machine: only where the run directory is that machine's)
-            env.update(flight_recorder.recorder_env(self.run_dir.path, env, pipes=self.spec.num_nodes == 1))
-        env["PYTHONUNBUFFERED"] = "1"
-        env[envvars.INTERNAL_RUN_DIR] = str(self.run_dir.path)
-        if "debug" in self.launcher.supports:
-            env[envvars.DEBUG_SERVED] = "1"
-        if not self.spec.uses_gpu and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.spec.ranks_per_node))
-        if not self.spec.uses_gpu:
-            cpu_launch_env(env)  # a plain accelerate.Accelerator() joins the world, as under `accelerate launch --cpu`
-        if not self.spec.uses_gpu and "CUDA_VISIBLE_DEVICES" not in self.spec.extra_env:
-            # CPU workers on a GPU node see no GPU: `"nccl" if torch.cuda.is_available() else "gloo"` picks gloo
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        return p.JobRequest(
-            job_id=uuid.uuid4().hex,
-            name=self.spec.name,
-            world_size=self.spec.world_size,
-            payload=self.blob,
-            env=env,
-            sys_path=list(sys.path),
-            cwd=os.getcwd(),
-            hooks=tuple(hooks),
-            warm=self.spec.warm,
-            keep_alive=self.spec.keep_alive,
-            world_key=world_key(self.spec),
-            num_nodes=self.spec.num_nodes,
-            use_gpu=self.spec.uses_gpu,
-            max_restarts=self.spec.max_restarts,
-            session=self.spec.session,
-            ranks=self.spec.ranks,
-        )
-
-    def stop(self, reason: StopReason) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason
-            if self.handle is not None and self.spec.uses_gpu and reason in _RECORDED_STOPS:
-                self.dump_recorder(wait=True)  # where each rank's collectives were, before they are stopped
-            if self.handle is not None:
-                self.handle.stop(reason.value, STOP_GRACE, self.interrupt_after(reason))
-
-    def stop_after_failure(self) -> None:
-        """A rank failed: stop the others now, or, while only collectives failed, after `stop_grace` (in `wait`)."""
-        grace = self.stop_grace()
-        if not grace:
-            self.stop(StopReason.RANK_FAILED)
-        elif self.stop_due is None:
-            self.stop_due = time.monotonic() + grace
-
-    def interrupt_after(self, reason: StopReason) -> float | None:
-        """A session's ranks are asked to come back (KeyboardInterrupt) before they are stopped: after how long."""
-        if self.spec.session is None or reason == StopReason.LAUNCH_FAILED:
-            return None
-        return SESSION_PEERS_WAIT if reason == StopReason.RANK_FAILED else 0.0
+        return job_request(self.spec, self.blob, self.run_dir, self.launcher, self.listeners, self.guarded)
 
     def on_event(self, event: p.Event) -> bool:
         """Apply one launcher event; True when every process of the job is gone."""
@@ -276,41 +199,6 @@ class _Run(AttemptOutcome):
             if self.stop_due is not None and time.monotonic() >= self.stop_due:
                 self.stop(StopReason.RANK_FAILED)
 
-    def dump_recorder(self, wait: bool) -> None:
-        """Ask each GPU rank for a dump of NCCL's flight recorder; `wait`: until they come (RECORDER_WAIT at most),
-        else `read_recorder` reads them as they come."""
-        since = time.time()
-        asked = flight_recorder.ask_for_dumps(self.run_dir.path)
-        if not asked:
-            return
-        self.recorder_asked = (since, asked, time.monotonic() + RECORDER_WAIT)
-        if wait:
-            flight_recorder.wait_for_dumps(self.run_dir.path, asked, since, RECORDER_WAIT)
-            self.read_recorder(force=True)
-
-    def read_recorder(self, force: bool = False) -> None:
-        """Once every rank asked has dumped its recorder (or the wait is over): what they say, for the listeners."""
-        if self.recorder_asked is None:
-            return
-        since, asked, give_up_at = self.recorder_asked
-        waiting = not force and time.monotonic() < give_up_at
-        if waiting and not asked <= set(flight_recorder.dumps_since(self.run_dir.path, since)):
-            return
-        self.recorder_asked = None
-        dumps = flight_recorder.read_dumps(self.run_dir.path)
-        self.ctx.collectives = flight_recorder.collectives_summary(dumps, self.spec.world_size) if dumps else None
-
-    def forward_stop(self) -> None:
-        """A Stop asked for this call (its flag in the run directory) goes on to ranks that read another directory."""
-        now = time.monotonic()
-        if self.stop_forwarded or self.handle is None or now - self.stop_looked_at < _STOP_LOOK:
-            return
-        self.stop_looked_at = now
-        if stopping.stop_requested(self.run_dir.path):
-            self.stop_forwarded = True
-            self.ctx.stop_requested = True
-            self.handle.request_stop()
-
     def all_returned(self) -> bool:
         """Every rank exited with success and left its outcome: the results are complete, whatever still exits."""
         return (
@@ -361,11 +249,6 @@ class _Run(AttemptOutcome):
                 self.handle.close()
             self.debugger.close()
         return self.finish(error)
-
-    def past_deadline(self) -> bool:
-        """The call's timeout (one for every attempt, from the call's start) is over, time at a prompt aside."""
-        timeout = self.spec.timeout
-        return timeout is not None and time.monotonic() > self.ctx.started_at + timeout + self.paused
 
     def run_attempt(self, request: p.JobRequest) -> None:
         """Start every rank of one attempt and follow it until all its processes are gone."""
@@ -468,76 +351,6 @@ class _Run(AttemptOutcome):
             )
         why = self.result.session_end
         return f"air_magic: session {name!r} ended: {why}. The next --session {name} cell starts new ranks."
-
-
-def world_key(spec: JobSpec) -> str:
-    """What two calls must share to run in the same hot ranks: world, accelerator, environment, sys.path.
-
-    Variables whose names start with "_" are left out: libraries keep private per-process state there
-    (MLflow's import adds a telemetry session id), which says nothing about the ranks' world.
-    """
-    import hashlib
-    import json
-
-    env = {k: v for k, v in {**os.environ, **spec.extra_env}.items() if not k.startswith("_")}
-    world = {
-        "size": spec.world_size,
-        "type": spec.accelerator_type,
-        "python": sys.executable,
-        "env": sorted(env.items()),
-        "sys_path": sys.path,
-    }
-    return hashlib.sha256(json.dumps(world).encode()).hexdigest()
-
-
-def check_supported(spec: JobSpec, launcher: Launcher) -> None:
-    """Refuse, before anything starts, a setting of the call that its launcher cannot honour."""
-    if spec.keep_alive and "keep_alive" not in launcher.supports:
-        raise ConfigurationError(
-            f"keep_alive={spec.keep_alive:g} asks for hot ranks, which {type(launcher).__name__} cannot keep "
-            "between calls; leave keep_alive unset (or --keep-alive out of %%distributed) for this call."
-        )
-    if spec.session is not None and "session" not in launcher.supports:
-        raise ConfigurationError(
-            f"session={spec.session!r} asks for state kept on the ranks between calls, which "
-            f"{type(launcher).__name__} cannot keep yet; run this call without a session."
-        )
-    if spec.warm and "warm" not in launcher.supports:
-        raise ConfigurationError(
-            f"warm=True asks for ranks forked from a warm helper, which {type(launcher).__name__} does not start; "
-            "leave warm unset for this call."
-        )
-
-
-def default_listeners(spec: JobSpec) -> list[Listener]:
-    """The resource sampler, tracking (it makes the run link), then the display that shows both.
-
-    The sampler comes first so that it has logged its last sample to the run before the tracker ends it.
-    """
-    from .display import make_display
-    from .resources import ResourceSampler
-
-    sampler = ResourceSampler()
-    listeners: list[Listener] = [sampler]
-    if spec.mlflow:
-        from .tracking.listener import MlflowTracker, make_tracker
-
-        tracker = make_tracker(spec)
-        if tracker is not None:
-            listeners.append(tracker)
-            if isinstance(tracker, MlflowTracker):
-                sampler.sinks.append(tracker.log_system_metrics)
-    if spec.watch:
-        from .watching.listener import Watcher
-
-        watcher = Watcher(spec)
-        listeners.insert(1, watcher)  # before tracking and the display, which show what it found
-        watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
-    listeners.append(make_display(spec, sampler))
-    from .call_record import LiveRecord
-
-    listeners.append(LiveRecord(listeners))  # the call's record on disk, live, for every process of this user
-    return listeners
 
 
 def run(

@@ -80,11 +80,11 @@ def _crossings(source: tuple[str, ...], target: tuple[str, ...], unless: tuple[s
 def test_the_map_is_read_from_the_source():
     """The reader finds known imports, inside functions too, and each wall sees them (a wall that reads nothing
     guards nothing)."""
-    imports = dict.fromkeys(_graph()["air_magic.runner"])
+    imports = dict.fromkeys(_graph()["air_magic.call_setup"])
     assert ("air_magic.launch.interface", True) in imports
     assert ("air_magic.display", False) in imports
     assert "air_magic.launch.local.launcher imports air_magic.launch.boot" in _crossings(("",), ("launch.boot",))
-    assert "air_magic.runner imports air_magic.display" in _crossings(("",), ("display",), unless=("launch",))
+    assert "air_magic.call_setup imports air_magic.display" in _crossings(("",), ("display",), unless=("launch",))
 
 
 def test_the_launchers_import_nothing_above_them():
