@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 from helpers import ROOT, execute_headless
-from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
+from lab import BROWSER_MARKS, KernelWatch, Notebook, browser_page, write_notebook
 
 pytestmark = BROWSER_MARKS
 
@@ -46,7 +46,7 @@ flood.distributed()""",
 
 #: A first call of a kernel that logs metrics and runs until Cancel.
 TRAIN_CELLS = [
-    "from air_magic import distributed",
+    "%load_ext air_magic\nfrom air_magic import distributed",
     """@distributed(num_accelerators=2, accelerator_type="CPU")
 def train_until_cancelled():
     import math, os, time, mlflow
@@ -193,26 +193,20 @@ def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_c
         kernel = session["kernel"]["id"]
         nb.run(0)
         nb.wait_done(0)
+        watch = KernelWatch(lab, kernel)  # the server's state every 0.25 s, and every status message it relays
         cell = nb.run(1)
         cell.locator(".air-magic-panel").wait_for(timeout=30_000)  # how soon: bench/panel_latency.py
         assert "starting" in cell.locator(".air-magic-status").inner_text(), "the panel showed before the ranks started"
 
-        def server_state() -> str:
-            return lab.api(f"kernels/{kernel}")["execution_state"]
-
         def lab_state() -> str:
             return page.locator(".jp-StatusBar-Widget", has_text="Python 3").first.inner_text()
 
-        def ended() -> bool:
-            return cell.locator(".air-magic-record").count() > 0
-
-        server_states, lab_states = [], []
+        lab_states = []
         charts = cell.locator(".air-magic-chart")
         cancel = cell.locator(".air-magic-panel button.air-magic-cancel")
         deadline = time.monotonic() + 120
         while charts.count() < 2 or "step 20" not in _log_text(cell, 1):
             assert time.monotonic() < deadline, "no charts or no lines within 120 s"
-            server_states.append(_settles_busy(server_state))
             lab_states.append(_settles_busy(lab_state))
             time.sleep(0.1)
         # the header: the status line whole on a row of its own (nothing cut off), the link (short text, the URL on
@@ -252,14 +246,16 @@ def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_c
         cancel.click()
         while not cell.locator(".air-magic-record").count():
             assert time.monotonic() < deadline, "Cancel did not end the call"
-            server_states.append(_settles_busy(server_state, ended))
             time.sleep(0.1)
         nb.wait_done(1)
+        watch.close()
         assert _gone(pids)
         assert "JobCancelledError" in cell.inner_text()
         assert "cancelled" in _record(cell) and cell.locator(".air-magic-record .air-magic-chart").count() == 2
-    assert len(server_states) >= 5 and len(lab_states) >= 5, "too few readings to judge the kernel's state"
-    assert not any("still" in s for s in server_states), f"the server saw the kernel idle mid-call: {server_states}"
+    request = watch.request_of("train_until_cancelled.distributed()")
+    assert len(watch.during(request)) >= 20 and len(lab_states) >= 5, "too few readings to judge the kernel's state"
+    assert watch.others_ended_during(request), "JupyterLab answered nothing mid-call: the check proves nothing"
+    assert not watch.idle_mid_call(request), f"the server saw the kernel idle mid-call: {watch.idle_mid_call(request)}"
     assert not any("still" in s for s in lab_states), f"JupyterLab showed the kernel idle mid-call: {lab_states}"
 
 
