@@ -2,9 +2,11 @@
 
 One per kernel, started by the local launcher (launcher.py) in its own session.
 It reads requests on stdin and writes events on stdout, one JSON line each, as
-defined in protocol.py. This module keeps the job table and the loop; the rest
-of its work lives beside it:
+defined in protocol.py. This module keeps the job table and the loop, the ends
+of ranks and the stops; the rest of its work lives beside it:
 
+- starts.py: a job's ranks started, in an idle pool of the same world or as new
+  workers with their rendezvous store (the supervisor's base class).
 - preload.py: with `--warm` it imports torch once, never initializes CUDA, and
   forks each worker from that state (milliseconds); the child takes the
   caller's environment, working directory and sys.path as they are at call
@@ -43,22 +45,16 @@ fork-safe.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import select
 import signal
-import socket
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...envvars import HOT_FDS, JOB, SUPERVISOR_PID
 from ...errors import describe_returncode
 from .. import protocol as p
 from ..come_back import Interrupt
-from ..env import loopback_sockets, torchrun_env
-from ..files.rundir import RunDir
 from ..keeper import RELEASED, STOPPED, SessionBusy, stopped, unusable
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
 from .inbox import Inbox
@@ -66,6 +62,8 @@ from .jobs import Job
 from .pool import Pool, Pools
 from .preload import Preloaded, log_timing
 from .spawn import Spawner
+from .starts import Starts
+from .starts import emit as _emit
 from .trees import job_processes
 
 if TYPE_CHECKING:
@@ -74,14 +72,7 @@ if TYPE_CHECKING:
 _TICK = 0.1
 
 
-def _emit(event: p.Event) -> None:
-    try:
-        os.write(1, p.encode(event))
-    except BrokenPipeError:
-        pass  # the kernel is gone; stdin EOF follows and stops everything
-
-
-class Supervisor:
+class Supervisor(Starts):
     """The job table and the loop of the supervisor process."""
 
     def __init__(self, warm: bool) -> None:
@@ -139,84 +130,6 @@ class Supervisor:
 
                 # py-spy's native frames take up to NATIVE_LIMIT s: the loop (every call's events) goes on meanwhile
                 request_in_background(job.live_workers, list(self.processes(job)))
-
-    def launch(self, msg: p.LaunchJob) -> None:
-        in_session = msg.session is not None and self.pools.session(msg.session) is not None
-        if msg.fork and self.warm and not in_session:  # a session's live ranks are what they are
-            reason = self.preloaded.stale_reason(msg)
-            if reason is not None:
-                _emit(p.Stale(msg.job, reason))
-                return
-            self.preloaded.ask(msg.hooks, msg.env)
-        job = Job(msg.job, msg.world_size)
-        self.jobs[job.id] = job
-        hot = bool(msg.keep_alive) and msg.fork
-        if not (hot and self.run_hot(job, msg)):
-            self.start_workers(job, msg, hot)
-
-    def start_workers(self, job: Job, msg: p.LaunchJob, hot: bool) -> None:
-        """New workers for `job` (and its rendezvous store); with `hot`, they become a pool that outlives the call."""
-        if msg.fork and self.warm:
-            needed = self.preloaded.needed_by(RunDir(Path(msg.run_dir)).payload)
-            if needed:  # the ranks import what these bring: once here, to the end, rather than in every rank
-                self.preloaded.run_preparations(only=needed)
-        env = dict(msg.env)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        port = job.port = sock.getsockname()[1]
-        env.update({JOB: job.id, SUPERVISOR_PID: str(os.getpid())})
-        store = importlib.util.find_spec("torch") is not None
-        if store:
-            sock.listen(max(128, 4 * job.world_size))
-            job.store_pid = self.spawner.store(msg, env, sock, port)
-        sock.close()
-        loopback_sockets(env)
-        pool = None
-        if hot:
-            pool = job.pool = Pool(
-                msg.world_key, str(job.world_size), float(msg.keep_alive or 0), msg.session, call=job.id, port=port
-            )
-            pool.store_pid, job.store_pid = job.store_pid, None  # the store lives as long as the pool
-            self.pools.add(pool)
-            pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
-        for rank in range(job.world_size):
-            rank_env = _rank_env(env, msg, rank, port, agent_store=store)
-            log = str(RunDir(Path(msg.run_dir)).log(rank))
-            if pool is not None:  # a hot rank reports each call's end on its pool's done pipe
-                (cmd_r, cmd_w), (done_r, done_w) = pipes[rank]
-                rank_env[HOT_FDS] = f"{cmd_r},{done_w}"
-                close = [cmd_w, done_r, *(fd for r, pair in pipes.items() for fd in (*pair[0], *pair[1]) if r != rank)]
-                said = None
-            else:  # any other says once, just before it exits, that its outcome is written
-                done_r, done_w = os.pipe()
-                close, said = [done_r], done_w
-            pid = self.spawner.worker(msg, rank, rank_env, log, close=close, done=said)
-            os.close(done_w)
-            if pool is not None:
-                os.close(cmd_r)
-                pool.cmd[rank], pool.done[rank], pool.pids[rank] = cmd_w, done_r, pid
-            else:
-                self.done[done_r] = (job.id, rank)
-            job.pids[rank] = pid
-            self.owner[pid] = (job.id, rank)
-            _emit(p.RankStarted(job.id, rank, pid))
-
-    def run_hot(self, job: Job, msg: p.LaunchJob) -> bool:
-        """Run `job` in an idle pool of the same world (or in its session's), if there is one; True if it did."""
-        pool = self.pools.take(msg.world_key, str(job.world_size), job.id, msg.session)  # the keeper's rules
-        if pool is None:
-            return False
-        job.pool, job.port = pool, pool.port
-        env = {**msg.env, JOB: job.id, SUPERVISOR_PID: str(os.getpid())}
-        loopback_sockets(env)
-        for rank, pid in pool.pids.items():
-            rank_env = _rank_env(env, msg, rank, pool.port)
-            rank_env[HOT_FDS] = os.environ.get(HOT_FDS, "")
-            job.pids[rank] = pid
-            self.owner[pid] = (job.id, rank)
-            pool.send(rank, msg.run_dir, rank_env)
-            _emit(p.RankStarted(job.id, rank, pid))
-        return True
 
     def read_done(self, pool: Pool, rank: int) -> None:
         """A hot rank wrote "<exit code>" on its done pipe: its call is over, the process stays."""
@@ -465,21 +378,3 @@ def main() -> None:
 
     faulthandler.enable()  # a crash of the supervisor itself leaves a trace in its log
     Supervisor(warm="--warm" in sys.argv[1:]).run()
-
-
-def _rank_env(env: dict[str, str], msg: p.LaunchJob, rank: int, port: int, agent_store: bool = True) -> dict[str, str]:
-    """`env` plus the torchrun variables of `rank` in the job `msg` starts (every rank on this machine)."""
-    return dict(
-        env,
-        **torchrun_env(
-            rank=rank,
-            world_size=msg.world_size,
-            local_rank=rank,
-            local_world_size=msg.world_size,
-            master_port=port,
-            run_id=Path(msg.run_dir).name,  # the call's: the same for each of its restarts
-            agent_store=agent_store,
-            restart_count=msg.restart_count,
-            max_restarts=msg.max_restarts,
-        ),
-    )
