@@ -39,7 +39,7 @@ class CallMagics(Magics):
         print(table(background.calls()))
 
     @magic_arguments()
-    @argument("id", metavar="ID", help="The call's id (%%distributed_calls --all; a unique start of it is enough).")
+    @options.call_id("The call's id (%%distributed_calls --all; a unique start of it is enough).", required=True)
     @line_magic
     def distributed_attach(self, line: str = "") -> object:
         """Attach to a call of any process of this user on this machine (a detached call, another kernel's, the

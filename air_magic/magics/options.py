@@ -108,8 +108,10 @@ def call_id_text(text: str) -> str:
 
 
 # -- options several magics share ------------------------------------------------------------
-def call_id(help: str) -> Any:
-    """The positional ID of the magics that act on one call (`args.id`, None when not given)."""
+def call_id(help: str, required: bool = False) -> Any:
+    """The positional ID of the magics that act on one call (`args.id`, None when not given; `required`: must be)."""
+    if required:
+        return argument("id", type=call_id_text, metavar="ID", help=help)
     return argument("id", nargs="?", type=call_id_text, default=None, metavar="ID", help=help)
 
 
