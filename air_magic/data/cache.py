@@ -1,19 +1,11 @@
 """A private, byte-capped local cache of remote files, shared safely by processes.
 
-Layout under the cache directory (mode 0700):
-
-    .lock                 flock'ed for every decision about space (short critical sections)
-    .wanted               its mtime is renewed while a process waits for room (see "pressure")
-    data/<key>            complete files; their mtime is the last use (least recently used goes first)
-    part/<key>.<pid>.<size>.part   a download in progress, counted at its full size
-    pins/<pid>            keys a live process still needs (prefetched, yielded and maybe unread, or
-                          about to be fetched), rewritten once per batch of upcoming files
+The cache directory's files, its lock and what a look at them finds are cache_ledger.py; this module decides
+with them: what to evict, when a download may start or must wait for room, which pins to publish, and the fetch.
 
 A reading process announces the next files it will read (one pins-file write
 per 64 files); nobody else evicts those, so it finds them cached without the
-lock. The filesystem is the only ledger, so nothing is lost or stuck when a process
-dies: the kernel drops a dead process's flock, and the next process to take the
-lock deletes the dead one's partial downloads and ignores its pins. Files are
+lock. Files are
 published with an atomic rename, so two runs sharing a directory never see a
 half-written file. A floor of free disk space is kept.
 
@@ -29,88 +21,28 @@ publishes exactly its live pins. What live pins may hold is the reader's budget
 
 Not for local sources: those are read in place and never enter the cache.
 
-Over 300 lines because a byte cap shared safely by several processes needs its locking, eviction and recovery
-together.
+Over 300 lines because a byte cap shared safely by several processes needs its pins, eviction and waiting for room
+decided together.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
 import random
-import re
 import shutil
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
-_PART = re.compile(r"^(?P<key>.+)\.(?P<pid>[0-9]+)\.(?P<size>[0-9]+)\.part$")
+from .cache_ledger import cache_key, cache_need, human_size, locked, remove, scan
+
+__all__ = ["CacheFullError", "FetchCancelled", "FileCache", "cache_key", "cache_need", "human_size"]
+
 WANTED_FRESH = 1.0  # seconds a wait for room is taken as still going on without being renewed
-
-# flock belongs to the open file description, which a forked child shares: a lock held by one thread
-# while another forks (a DataLoader starting its workers) would outlive the parent's close. The child
-# closes its copies; the guard keeps a fork from falling between opening a lock and recording it.
-_HELD: set[int] = set()
-_FORK_GUARD = threading.Lock()
-
-
-def _close_held_in_child() -> None:
-    global _FORK_GUARD
-    for fd in _HELD:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD.clear()
-    _FORK_GUARD = threading.Lock()
-
-
-os.register_at_fork(
-    before=lambda: _FORK_GUARD.acquire(),
-    after_in_parent=lambda: _FORK_GUARD.release(),
-    after_in_child=_close_held_in_child,
-)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cache_key(url: str, size: int, version: str) -> str:
-    """A file name for one version of one remote file: a digest, then the readable base name."""
-    digest = hashlib.sha256(f"{url}\0{size}\0{version}".encode()).hexdigest()[:24]
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
-    return f"{digest}-{base}"
-
-
-def cache_need(sizes: list[int] | tuple[int, ...], readers: int, keep: int) -> int:
-    """Bytes that `readers` processes, each keeping its last `keep` files pinned, may hold at once (worst case).
-
-    That is the `readers * keep` largest files (every file at most once: a file twice in the cache is one file).
-    """
-    count = min(len(sizes), max(0, readers) * max(0, keep))
-    return sum(sorted(sizes, reverse=True)[:count])
-
-
-def human_size(n: int) -> str:
-    """Bytes, with a binary unit when that is shorter to read: "8388608 bytes (8.0 MiB)"."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n} bytes ({n / scale:.1f} {unit})"
-    return f"{n} bytes"
 
 
 class FetchCancelled(Exception):
@@ -157,62 +89,21 @@ class FileCache:
         """Where a complete file lives."""
         return os.path.join(self.directory, "data", key)
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with _FORK_GUARD:
-            fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-            _HELD.add(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            with _FORK_GUARD:
-                _HELD.discard(fd)
-                os.close(fd)  # closing the descriptor drops the lock (no forked child holds a copy)
+    def _locked(self) -> AbstractContextManager[None]:
+        return locked(self.directory)
+
+    def _scan(self, clean: bool = True) -> tuple[dict[str, tuple[int, float]], dict[str, int], set[str]]:
+        """(complete files: key -> (size, last use), live partial downloads: name -> size, pinned keys)."""
+        data, parts, pinned = scan(self.directory, clean)
+        with self._state:
+            pinned.update(k for k, n in self._pins.items() if n > 0)
+            pinned.update(self._announced)  # needed soon by this process too
+        return data, parts, pinned
 
     def usage(self) -> int:
         """Bytes the cache holds now: complete files plus downloads in progress at their full size."""
         data, parts, _ = self._scan(clean=False)
         return sum(size for size, _ in data.values()) + sum(parts.values())
-
-    def _scan(self, clean: bool = True) -> tuple[dict[str, tuple[int, float]], dict[str, int], set[str]]:
-        """(complete files: key -> (size, last use), live partial downloads: name -> size, pinned keys)."""
-        data: dict[str, tuple[int, float]] = {}
-        for entry in os.scandir(os.path.join(self.directory, "data")):
-            try:
-                st = entry.stat()
-            except FileNotFoundError:
-                continue
-            data[entry.name] = (st.st_size, st.st_mtime)
-        parts: dict[str, int] = {}
-        for entry in os.scandir(os.path.join(self.directory, "part")):
-            m = _PART.match(entry.name)
-            if m is None or not _alive(int(m["pid"])):
-                if clean:
-                    _remove(entry.path)  # left by a process that died mid-download
-                continue
-            parts[entry.name] = int(m["size"])
-        pinned: set[str] = set()
-        for entry in os.scandir(os.path.join(self.directory, "pins")):
-            owner = entry.name.split(".", 1)[0]
-            pid = int(owner) if owner.isdigit() else -1
-            if pid == os.getpid():
-                continue
-            if pid < 0 or not _alive(pid):
-                if clean:
-                    _remove(entry.path)
-                continue
-            if entry.name != owner:
-                continue  # a pins file being rewritten: the current one is still there
-            try:
-                with open(entry.path) as f:
-                    pinned.update(line for line in f.read().split("\n") if line)
-            except FileNotFoundError:
-                continue
-        with self._state:
-            pinned.update(k for k, n in self._pins.items() if n > 0)
-            pinned.update(self._announced)  # needed soon by this process too
-        return data, parts, pinned
 
     def _publish(self) -> None:
         """Write this process's pins file: its live pins plus the keys it announced it will need next.
@@ -223,7 +114,7 @@ class FileCache:
         keys = {k for k, n in self._pins.items() if n > 0} | self._announced
         self._published = keys
         if not keys:
-            _remove(path)
+            remove(path)
             return
         with open(path, "w") as f:  # in place: every reader holds the lock, as every writer does
             f.write("\n".join(sorted(keys)) + "\n")
@@ -355,7 +246,7 @@ class FileCache:
 
                     while not self._fits(used, free, size) and evictable:
                         _, victim, vsize = evictable.pop(0)
-                        _remove(self.path(victim))
+                        remove(self.path(victim))
                         used, free = used - vsize, free + vsize
                     with self._state:
                         alone = self._active == 0
@@ -388,7 +279,7 @@ class FileCache:
                 os.replace(part, final)
                 self._pin(key)
         finally:
-            _remove(part)
+            remove(part)
             with self._state:
                 self._active -= 1
         return final
@@ -425,10 +316,3 @@ class FileCache:
                 last = exc
         attempts = self.retries + 1
         raise OSError(f"could not read {url} after {attempts} attempts: {type(last).__name__}: {last}") from last
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
