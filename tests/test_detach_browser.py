@@ -1,5 +1,6 @@
 """A detached call in a real browser: its kernel is killed with SIGKILL, a new notebook attaches to it and its panel
-shows the lines written before the kill and the new ones as they come; Cancel in that panel ends the call."""
+shows the lines written before the kill and the new ones as they come; Stop in that panel reaches the ranks and
+Cancel ends the call."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ from air_magic import distributed
 @distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False, detach=True)
 def ticker():
     import os, time
-    rank = os.environ["RANK"]
+    import air_magic
+    rank, seen = os.environ["RANK"], False
     for tick in range(240):  # about two minutes: Cancel ends it long before
+        if not seen and air_magic.should_stop():  # Stop is seen, and the loop goes on so that Cancel ends it
+            seen = True
+            print(f"stop seen on rank {rank}", flush=True)
         print(f"tick {tick} from rank {rank}", flush=True)
         time.sleep(0.5)
     return rank
@@ -46,7 +51,8 @@ def _wait(what, timeout: float, message: str) -> None:
 
 def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_new_lines_and_cancels(lab):
     """Kernel 1 spawns a detached call and is killed with SIGKILL; in another notebook %distributed_attach draws the
-    live panel with rank 0's lines from before the kill, new lines arrive in it, and its Cancel ends the call."""
+    live panel with rank 0's lines from before the kill, new lines arrive in it, its Stop reaches the ranks
+    (`should_stop()`) and its Cancel ends the call."""
     write_notebook(lab.root / "spawn.ipynb", [SPAWN])
     with browser_page() as page:
         nb = Notebook(page, lab, "spawn.ipynb")
@@ -84,6 +90,9 @@ def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_ne
         _wait(lambda: _ticks(shown()) > before + 2, 60, "no new line reached the attached panel")
         assert "running" in cell.locator(".air-magic-status").inner_text()
         nb.screenshot("attach-live.png")
+
+        panel.locator("button.air-magic-stop").click()
+        _wait(lambda: "stop seen on rank 0" in shown(), 60, "Stop in the attached panel did not reach the ranks")
 
         panel.locator("button.air-magic-cancel").click()
         _wait(
