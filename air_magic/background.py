@@ -6,7 +6,8 @@ spawning cell's context (its display writes to that cell), so the kernel is free
 the panel's button). Its GPUs or CPU slots come from the ledger (ledger.py): it is `waiting` until they are free.
 Its run directory, whose name is its id, is made when it is spawned.
 
-Every handle is in the process's table of calls (call_table.py). `%distributed_calls` is display/calls.py; the record
+Every handle is in the process's table of calls (call_table.py); it learns what the runner does through the listener
+it puts first (handle_listener.py). `%distributed_calls` is display/calls.py; the record
 on disk and the handle rebuilt from it, call_record.py; a panel drawn again, display/follow.py. No IPython here.
 
 Over 300 lines because one handle answers all users ask of a call (status, result, logs, panel, stop, rebuilding).
@@ -26,56 +27,14 @@ from typing import Any
 from . import ledger, payload, sessions
 from .call_table import table as call_table
 from .errors import AirMagicError, ConfigurationError, JobCancelledError
-from .job import Alert, JobResult, JobSpec, JobStatus, RankState
+from .handle_listener import HandleListener
+from .job import Alert, JobResult, JobSpec, JobStatus
 from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
 RUN_DIR_WAIT = 120.0
-
-
-class _Watch(Listener):
-    """Tells the handle what the runner does, and passes it on to the panels drawn again (`follow`)."""
-
-    def __init__(self, call: DistributedCall) -> None:
-        self.call = call
-        self.followers: list[Listener] = []
-        self.states: dict[int, RankState] = {}
-        self.lock = threading.Lock()
-
-    def on_start(self, ctx: RunContext) -> None:
-        self.call.ctx = ctx
-        self.call.status = RUNNING
-        self.call._has_run_dir.set()
-        if self.call._cancel_asked:
-            ctx.cancel()
-
-    def _each(self, hook: str, *args: Any) -> None:
-        with self.lock:
-            followers = list(self.followers)
-        for follower in followers:
-            try:
-                getattr(follower, hook)(*args)
-            except Exception:  # noqa: BLE001, S112 - a second view never changes the call
-                continue
-
-    def on_phase(self, phase: Any) -> None:
-        self._each("on_phase", phase)
-
-    def on_rank_state(self, rank: int, state: RankState) -> None:
-        self.states[rank] = state
-        self._each("on_rank_state", rank, state)
-
-    def on_attempt(self, attempt: int, why: str) -> None:
-        self._each("on_attempt", attempt, why)
-
-    def poll(self) -> None:
-        self._each("poll")
-
-    def on_end(self, result: JobResult) -> None:
-        self.call.result_ = result
-        self._each("on_end", result)
 
 
 class DistributedCall:
@@ -104,7 +63,7 @@ class DistributedCall:
         self._has_run_dir = threading.Event()  # set once the call started (or ended)
         self._run_dir: Path | None = None
         self._record: dict[str, Any] = {}
-        self.watch = _Watch(self)
+        self.watch = HandleListener(self)
         self.listeners = listeners
         self.claim: ledger.Claim | None = None
 
@@ -142,6 +101,14 @@ class DistributedCall:
     def describe(self) -> str:
         """'background call 2 (train)': the call, as an error naming what holds a session says it."""
         return f"{'background ' if self.background else ''}call {self.short} ({self.spec.name})"
+
+    def began(self, ctx: RunContext) -> None:
+        """The runner started the call in `ctx`: it runs, its run directory exists, a cancel asked already goes on."""
+        self.ctx = ctx
+        self.status = RUNNING
+        self._has_run_dir.set()
+        if self._cancel_asked:
+            ctx.cancel()
 
     def _claim(self) -> ledger.Claim:
         return ledger.Claim(self.spec, f"call {self.number}", f"call {self.number} ({self.spec.name})")
