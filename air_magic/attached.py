@@ -57,8 +57,6 @@ class AttachedCall(DistributedCall):
         self.status = record["status"]
         self.waiting_for = record.get("waiting_for") or ""
         self.ctx = RunContext(spec, path, RunDir(path).logs(spec.world_size))
-        if record.get("link"):
-            self.ctx.links["mlflow"] = record["link"]
         for rank in range(spec.world_size):
             self.watch.states[rank] = RankState.RUNNING if self.status == call_record.RUNNING else RankState.PENDING
         self._cancel_sent = False
@@ -79,8 +77,12 @@ class AttachedCall(DistributedCall):
             for rank in range(self.spec.world_size):
                 self.watch.on_rank_state(rank, RankState.RUNNING)
         self.status, self.waiting_for = record["status"], record.get("waiting_for") or ""
-        if record.get("link") and self.ctx is not None:
-            self.ctx.links["mlflow"] = record["link"]
+        if record.get("run_id") and self.ctx is not None and "mlflow" not in self.ctx.links:
+            from .tracking.ui import call_link  # this kernel's UI over the call's store: the owner's ends with it
+
+            link = call_link(record)
+            if link:
+                self.ctx.links["mlflow"] = link
         if self.status in call_record.LIVE:
             return False
         ended = call_record.rebuild(DistributedCall, self.run_dir)

@@ -169,16 +169,27 @@ class LiveRecord(Listener):
         if not ctx.cancelled and cancel_requested(ctx.run_dir):
             ctx.cancel()
         if self.run_id is None:
-            run_id = next((getattr(x, "run_id", None) for x in self.listeners if getattr(x, "run_id", None)), None)
-            if run_id:
-                self.run_id = str(run_id)
-                _save(ctx.run_dir, {"run_id": self.run_id, "link": ctx.links.get("mlflow")})
+            mlflow_run = self._mlflow_run()
+            if mlflow_run["run_id"]:
+                self.run_id = str(mlflow_run["run_id"])
+                _save(ctx.run_dir, mlflow_run)
+
+    def _mlflow_run(self) -> dict[str, Any]:
+        """The call's MLflow run: its id and link, and the store and experiment it is in (any process showing
+        the run makes its own link from them, tracking/ui.py `call_link`)."""
+        found = next((x for x in self.listeners if getattr(x, "run_id", None)), None)
+        link = self.ctx.links.get("mlflow") if self.ctx is not None else None
+        return {
+            "run_id": getattr(found, "run_id", None),
+            "link": link,
+            "tracking_uri": getattr(found, "tracking_uri", None),
+            "experiment_id": getattr(found, "experiment_id", None),
+        }
 
     def on_end(self, result: JobResult) -> None:
         if self.ctx is None:
             return
-        run_id = next((getattr(x, "run_id", None) for x in self.listeners if getattr(x, "run_id", None)), None)
-        end(self.ctx.run_dir, result, result.error, run_id=run_id, link=self.ctx.links.get("mlflow"))
+        end(self.ctx.run_dir, result, result.error, **self._mlflow_run())
         release_owner(self.ctx.run_dir)
 
 

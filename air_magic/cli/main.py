@@ -4,8 +4,9 @@
 and starts it as a detached call (detached.py): it prints the call's id and returns, or with `--watch`
 follows it (cli/watch.py) and exits with the call's code. `list`, `get`, `logs`, `cancel`, `stop` and
 `attach` read and control every call of this user on the machine, the command line's and every kernel's,
-through their run directories (call_record.py). Each takes `--json` for scripts. Exit codes: 0 finished
-(or done), 1 failed, 130 cancelled, 2 a bad command line or workload file (nothing started).
+through their run directories (call_record.py; cli/reading.py shapes what they print), and `ui` serves the
+MLflow UI of a local store (cli/mlflow_ui.py). Each takes `--json` for scripts. Exit codes: 0 finished
+(or done), 1 failed, 130 cancelled, 2 a bad command line, workload file or call id (nothing started).
 """
 
 from __future__ import annotations
@@ -14,81 +15,17 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
-from typing import Any
 
 from .. import call_record
 from ..errors import AirMagicError
+from .reading import UsageError, failures, find, print_json, ranks_of, summary, when
 
 #: The exit code of a call by its status.
 EXIT = {call_record.FINISHED: 0, call_record.FAILED: 1, call_record.CANCELLED: 130}
-#: Fields of a call in `list --json`.
-SUMMARY = (
-    "id",
-    "name",
-    "status",
-    "run_dir",
-    "origin",
-    "world_size",
-    "accelerator_type",
-    "num_nodes",
-    "started",
-    "ended",
-    "owner",
-    "run_id",
-    "link",
-    "error",
-    "waiting_for",
-)
-
-
-class UsageError(AirMagicError):
-    """A call that does not exist, a bad option: exit code 2."""
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, default=str))
-
-
-def summary(record: dict[str, Any]) -> dict[str, Any]:
-    return {key: record.get(key) for key in SUMMARY}
-
-
-def _find(call_id: str) -> Path:
-    try:
-        return call_record.find_dir(call_id)
-    except AirMagicError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def ranks_of(path: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each rank's state, exit code, and value (its repr) or error, as the run directory holds them."""
-    from ..launch.files.rank_files import outcome
-    from ..launch.files.rundir import RunDir
-
-    run = RunDir(path)
-    states, codes = record.get("states") or [], record.get("returncodes") or []
-    ranks = []
-    for rank in range(int(record.get("world_size", 0))):
-        entry: dict[str, Any] = {
-            "rank": rank,
-            "state": states[rank] if rank < len(states) else record.get("status"),
-            "returncode": codes[rank] if rank < len(codes) else None,
-            "log": str(run.log(rank)),
-        }
-        if record.get("status") not in call_record.LIVE:
-            found = outcome(run, rank)
-            if found.error is not None:
-                entry["error"] = f"{type(found.error).__name__}: {found.error}"
-            elif found.value is not None:
-                try:
-                    import cloudpickle
-
-                    entry["value"] = repr(cloudpickle.loads(found.value))
-                except Exception as exc:  # noqa: BLE001 - a value whose class is not importable here
-                    entry["value_error"] = f"cannot read the value here: {type(exc).__name__}: {exc}"
-        ranks.append(entry)
-    return ranks
+#: Seconds `cancel` waits for the calls it cancels to end, before it says they are still stopping.
+CANCEL_WAIT = 20.0
 
 
 # -- commands ---------------------------------------------------------------------------------------------
@@ -99,14 +36,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = load(args.file, args.override)
     if args.dry_run:
         described = job.describe()
-        _print_json(described) if args.json else print("\n".join(f"{k}: {v}" for k, v in described.items()))
+        print_json(described) if args.json else print("\n".join(f"{k}: {v}" for k, v in described.items()))
         return 0
     spec = job.spec()
     leases.set_role("cli")
     path = detached.start(spec, role="cli", experiment_name=job.experiment_name, cwd=str(job.root))
     record = call_record.load(path) or {}
     if args.json and not args.watch:
-        _print_json(summary(record))
+        print_json(summary(record))
         return 0
     if not args.watch:
         print(path.name)
@@ -119,18 +56,24 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _follow(path: Path, as_json: bool) -> int:
+    from .mlflow_ui import on_server
     from .watch import follow
 
-    final = follow(path, out=sys.stderr if as_json else sys.stdout)
+    out = sys.stderr if as_json else sys.stdout
+    final = follow(path, out=out)
+    for line in failures(path, final) if final.get("status") == call_record.FAILED else []:
+        print(line, file=out)
+    if final.get("run_id") and not on_server(final):
+        print(f"air-magic: its MLflow UI ends with this command; `air-magic ui {path.name}` serves it again", file=out)
     if as_json:
-        _print_json({**summary(final), "ranks": ranks_of(path, final)})
+        print_json({**summary(final), "ranks": ranks_of(path, final)})
     return EXIT.get(str(final.get("status")), 1)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     records = call_record.all_records()
     if args.json:
-        _print_json([summary(r) for r in records])
+        print_json([summary(r) for r in records])
         return 0
     from ..attached import machine_table
 
@@ -139,30 +82,44 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    path = _find(args.id)
+    from .mlflow_ui import get_line, lasting_link
+
+    path = find(args.id)
     record = call_record.load(path) or {}
+    while args.watch and record.get("status") in call_record.LIVE:
+        time.sleep(0.5)
+        record = call_record.load(path) or record
     out = {
         **summary(record),
-        "mlflow": {"run_id": record.get("run_id"), "link": record.get("link")},
+        "mlflow": {
+            "run_id": record.get("run_id"),
+            "link": lasting_link(record),
+            "tracking_uri": record.get("tracking_uri"),
+        },
         "ranks": ranks_of(path, record),
     }
+    code = EXIT.get(str(record.get("status")), 1) if args.watch else 0
     if args.json:
-        _print_json(out)
-        return 0
-    for key in ("id", "name", "status", "run_dir", "started", "ended", "error"):
-        if out.get(key) is not None:
-            print(f"{key}: {out[key]}")
-    print(f"mlflow: {record.get('run_id') or '-'} {record.get('link') or ''}".rstrip())
+        print_json(out)
+        return code
+    for key in ("id", "name", "status", "run_dir"):
+        print(f"{key}: {out.get(key)}")
+    print(f"started: {when(out.get('started'))}" + (f"  ended: {when(out['ended'])}" if out.get("ended") else ""))
+    if record.get("waiting_for"):
+        print(f"waiting for: {record['waiting_for']}")
+    print(get_line(record))
     for rank in out["ranks"]:
         what = rank.get("value") or rank.get("error") or rank.get("value_error") or ""
         print(f"rank {rank['rank']}: {rank['state']} {what}".rstrip())
-    return 0
+    if record.get("status") == call_record.FAILED:
+        print("\n".join(["error:", *(f"  {line}" for line in failures(path, record))]))
+    return code
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from ..launch.files.rundir import RunDir
 
-    path = _find(args.id)
+    path = find(args.id)
     record = call_record.load(path) or {}
     world = int(record.get("world_size", 1))
     ranks = [args.rank] if args.rank is not None else list(range(world))
@@ -172,13 +129,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
         target = Path(args.download_to).expanduser()
         target.mkdir(parents=True, exist_ok=True)
         files = [str(shutil.copy(RunDir(path).log(r), target / RunDir(path).log(r).name)) for r in ranks]
-        _print_json({"id": path.name, "files": files}) if args.json else print("\n".join(files))
+        print_json({"id": path.name, "files": files}) if args.json else print("\n".join(files))
         return 0
     if args.follow:
         return _follow(path, args.json)
     texts = {r: RunDir(path).log(r).read_text(errors="replace") for r in ranks}
     if args.json:
-        _print_json({"id": path.name, "status": record.get("status"), "logs": {str(r): t for r, t in texts.items()}})
+        print_json({"id": path.name, "status": record.get("status"), "logs": {str(r): t for r, t in texts.items()}})
         return 0
     for rank, text in texts.items():
         if args.rank is not None:
@@ -194,49 +151,77 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if args.all:
         paths = [Path(r["run_dir"]) for r in call_record.all_records() if r.get("status") in call_record.LIVE]
     else:
-        paths = [_find(i) for i in args.ids]
-    done = []
+        paths = [find(i) for i in args.ids]
+    done, records = [], {}
     for path in paths:
-        live = (call_record.load(path) or {}).get("status") in call_record.LIVE
+        records[path.name] = call_record.load(path) or {}
+        live = records[path.name].get("status") in call_record.LIVE
         asked = live and call_record.request_cancel(path)
         done.append({"id": path.name, "cancel_requested": bool(live), "already_requested": live and not asked})
     if args.json:
-        _print_json(done)
-    else:
-        for entry in done:
-            print(f"{entry['id']}: {'cancel requested' if entry['cancel_requested'] else 'not running'}")
+        print_json(done)
+        return 0
+    if not done:
+        print("air-magic: no call is waiting or running; nothing to cancel")
+    ended = _wait_ended([p for p, e in zip(paths, done, strict=True) if e["cancel_requested"]], CANCEL_WAIT)
+    for entry in done:
+        record = records[str(entry["id"])]
+        what = f"{entry['id']} ({record.get('name')}, {record.get('status')})"
+        if not entry["cancel_requested"]:
+            print(f"{what}: not running; nothing to cancel")
+        else:
+            print(f"{what}: " + ("cancelled" if entry["id"] in ended else "cancel requested; its ranks are stopping"))
     return 0
+
+
+def _wait_ended(paths: list[Path], patience: float) -> set[str]:
+    """The ids of `paths`'s calls that ended within `patience` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        ended = {p.name for p in paths if (call_record.load(p) or {}).get("status") not in call_record.LIVE}
+        if len(ended) == len(paths) or time.monotonic() > deadline:
+            return ended
+        time.sleep(0.2)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from ..stopping import request_stop
 
-    path = _find(args.id)
+    path = find(args.id)
     live = (call_record.load(path) or {}).get("status") in call_record.LIVE
     asked = live and request_stop(path)
     if args.json:
-        _print_json({"id": path.name, "stop_requested": bool(live), "already_requested": live and not asked})
+        print_json({"id": path.name, "stop_requested": bool(live), "already_requested": live and not asked})
     else:
         print(f"{path.name}: {'stop requested (should_stop() is True on every rank)' if live else 'not running'}")
     return 0
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    path = _find(args.id)
+    path = find(args.id)
     return _follow(path, args.json)
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from .mlflow_ui import cmd_ui as serve
+
+    return serve(args)
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="air-magic",
         description="Run a workload file on every rank of this node (or of a Ray cluster), and see or control "
-        "every air_magic call of this user on this machine.",
+        "every air_magic call of this user on this machine: the command line's and every notebook's.",
+        epilog="ID is a call's id (`air-magic list`), or a unique start of it. Exit codes: 0 finished (or done), "
+        "1 failed, 130 cancelled, 2 a bad command line, workload file or ID (nothing started).",
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, help: str) -> argparse.ArgumentParser:
-        cmd = sub.add_parser(name, help=help, description=help)
-        cmd.add_argument("--json", action="store_true", help="Print JSON, for scripts.")
+    def add(name: str, help: str, more: str = "", json: bool = True) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help, description=f"{help} {more}".strip())
+        if json:
+            cmd.add_argument("--json", action="store_true", help="Print JSON, for scripts.")
         return cmd
 
     run = add("run", "Run a workload file; prints the call's id and returns (or follows it with --watch).")
@@ -254,14 +239,15 @@ def parser() -> argparse.ArgumentParser:
     add("list", "Every call of this user on this machine: id, name, status, owner.").set_defaults(func=cmd_list)
     get = add("get", "One call: status, MLflow run, each rank's value or error.")
     get.add_argument("id", help="The call's id (a unique prefix is enough).")
+    get.add_argument("--watch", action="store_true", help="Wait for the call's end; exit with its code.")
     get.set_defaults(func=cmd_get)
-    logs = add("logs", "What the ranks of a call wrote.")
+    logs = add("logs", "What the ranks of a call wrote, each line prefixed by its rank.")
     logs.add_argument("id", help="The call's id (a unique prefix is enough).")
     logs.add_argument("--rank", type=int, default=None, metavar="R", help="Only rank R.")
-    logs.add_argument("--follow", action="store_true", help="Follow until the call ends.")
+    logs.add_argument("--follow", action="store_true", help="Follow until the call ends; exit with its code.")
     logs.add_argument("--download-to", default=None, metavar="DIR", help="Copy the logs into DIR.")
     logs.set_defaults(func=cmd_logs)
-    cancel = add("cancel", "Stop every rank of calls now.")
+    cancel = add("cancel", "Stop every rank of calls now; says which calls it cancelled.")
     cancel.add_argument("ids", nargs="*", metavar="ID", help="Calls to cancel.")
     cancel.add_argument("--all", action="store_true", help="Every running or waiting call of this user.")
     cancel.set_defaults(func=cmd_cancel)
@@ -271,6 +257,15 @@ def parser() -> argparse.ArgumentParser:
     attach = add("attach", "Follow a call's output live from its first line; exit with its code.")
     attach.add_argument("id", help="The call's id (a unique prefix is enough).")
     attach.set_defaults(func=cmd_attach)
+    ui = add(
+        "ui",
+        "Serve the MLflow UI of this machine's local store on 127.0.0.1 until Ctrl-C.",
+        "With ID, the store of that call's run, and the link that opens it. A store that is a server needs none: "
+        "its link is printed.",
+        json=False,
+    )
+    ui.add_argument("id", nargs="?", default=None, help="A call whose MLflow run to open (a unique prefix is enough).")
+    ui.set_defaults(func=cmd_ui)
     return top
 
 

@@ -2,9 +2,10 @@
 
 `follow(path)` reads the ranks' logs in the run directory from their first byte (display/follow.py's
 `LogReader`, as a notebook's panel drawn again does) and the call's live record (call_record.py) until the
-call ends, and returns its status. On a terminal the status line is drawn by `rich` under the lines; when
-the output is not a terminal, plain lines only (a status line each time the status changes). Ctrl-C asks
-the call's owner to cancel it, and the following goes on to its end. Not for: the notebook's panel.
+call ends, and returns its status, with the link to its MLflow run once it has one. On a terminal the status
+line is drawn by `rich` under the lines; when the output is not a terminal, plain lines only (a status line
+each time the status changes). Ctrl-C asks the call's owner to cancel it, and the following goes on to its
+end. Not for: the notebook's panel.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, TextIO
 
 from .. import call_record
 from ..display.follow import LogReader
+from .mlflow_ui import follow_link
 
 #: Seconds between two looks at the logs and the record.
 LOOK = 0.2
@@ -67,11 +69,17 @@ def follow(path: Path, out: TextIO | None = None) -> dict[str, Any]:
             print(text, file=out, flush=True)
 
     said = ""
+    linked = False
     cancelled = False
     try:
         while True:
             try:
                 record = call_record.load(path) or record
+                if not linked and record.get("run_id"):
+                    linked = True
+                    link = follow_link(record)  # served by this process while it follows (cli/mlflow_ui.py)
+                    if link:
+                        emit(f"air-magic: MLflow run: {link}")
                 for rank, text in sorted(reader.read().items()):
                     for line in lines.feed(rank, text):
                         emit(line)
@@ -97,8 +105,5 @@ def follow(path: Path, out: TextIO | None = None) -> dict[str, Any]:
     finally:
         if live is not None:
             live.stop()
-    end = f"air-magic: {status_line(record)}"
-    if record.get("error"):
-        end += f"\n{record['error']}"
-    print(end, file=out, flush=True)
+    print(f"air-magic: {status_line(record)}", file=out, flush=True)
     return record

@@ -141,6 +141,19 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     return ui.direct_url + fragment
 
 
+def call_link(record: dict[str, object]) -> str | None:
+    """The link to the MLflow run of a call's record (call_record.py) that works from this process while it lives.
+
+    A configured server's link is the server's. A local store's link is this process's local UI over the call's
+    store (started on demand, as for its own calls), not the one of the call's owner, which ends with it. A record
+    that does not name its store keeps its own link."""
+    uri, experiment_id, run_id = record.get("tracking_uri"), record.get("experiment_id"), record.get("run_id")
+    if not (uri and experiment_id and run_id):
+        link = record.get("link")
+        return str(link) if link else None
+    return run_url(str(uri), str(experiment_id), str(run_id))
+
+
 def wait_ready(ui: LocalUI, timeout: float = 120.0) -> None:
     """Block until the UI answers its health check (for tests and scripts that open the link at once)."""
     import urllib.request

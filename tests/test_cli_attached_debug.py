@@ -1,0 +1,54 @@
+"""Debugging a detached call from a kernel that attached it: the call's rank 1 waits at breakpoint() (its owner
+process has nobody at its standard input); a second kernel runs `%distributed_attach ID` then
+`%distributed_debug --rank 1`, answers `p x` and `c`, and the call finishes with every rank's value."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import Kernel, kernel_env
+
+from air_magic.launch.files import debug_channel
+
+pytestmark = pytest.mark.slow
+
+SETUP = """
+%load_ext air_magic
+from air_magic import distributed
+
+@distributed(2, accelerator_type="CPU", mlflow=False, detach=True)
+def stops(n):
+    import os
+    rank = int(os.environ["RANK"])
+    x = rank * 10 + n
+    if rank == 1:
+        breakpoint()
+    return x * 2
+"""
+
+
+def test_a_detached_calls_breakpoint_is_debugged_from_a_kernel_that_attached_it(workdir, loaded_kernel):
+    """Kernel 1 spawns the call; kernel 2 attaches it, lists the waiting rank, debugs it, and gets its result."""
+    loaded_kernel.execute(SETUP).check()
+    started = loaded_kernel.execute("h = stops.spawn(5); print('ID', h.id)").check()
+    call_id = started.stdout.split("ID ", 1)[1].split()[0]
+    run_dir = workdir / "runs" / call_id
+    deadline = time.monotonic() + 300
+    while 1 not in debug_channel.waiting(run_dir, 2):  # rank 1 waits at its prompt
+        assert time.monotonic() < deadline, (run_dir / "owner.log").read_text()
+        time.sleep(0.2)
+    second = Kernel(workdir, env=kernel_env(workdir))
+    try:
+        second.execute("%load_ext air_magic").check()
+        second.execute(f"%distributed_attach {call_id[:24]}").check()
+        listed = second.execute("%distributed_calls").check().stdout
+        assert "rank 1 at a breakpoint (%distributed_debug --rank 1)" in listed, listed
+        out = second.execute("%distributed_debug --rank 1", answers=["p x", "c"], timeout=120).check()
+        assert out.prompts == ["(Pdb rank 1) "] * 2 and "15\n" in out.stdout, (out.prompts, out.stdout)
+        got = second.execute(
+            f"import air_magic\nprint(air_magic.attach({call_id!r}, show=False).result(timeout=200))", timeout=240
+        ).check()
+        assert got.stdout.strip().splitlines()[-1] == "[10, 30]", got.stdout
+    finally:
+        second.shutdown(check=False)
