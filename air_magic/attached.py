@@ -138,6 +138,10 @@ def spawn_detached(spec: JobSpec) -> DistributedCall:
 
     env: dict[str, str] = {}
     experiment_id = None
+    if spec.mlflow:
+        from .tracking import prepare
+
+        prepare.wait()  # mlflow may be half imported by the extension's preparation (then in sys.modules)
     if "mlflow" in sys.modules and spec.mlflow:
         from .tracking import _compat
 

@@ -1,6 +1,7 @@
 """Debugging a detached call from a kernel that attached it: the call's rank 1 waits at breakpoint() (its owner
 process has nobody at its standard input); a second kernel runs `%distributed_attach ID` then
-`%distributed_debug --rank 1`, answers `p x` and `c`, and the call finishes with every rank's value."""
+`%distributed_debug --rank 1`, answers `p x` and `c`, and the call finishes with every rank's value. The
+attached call's MLflow link is the second kernel's own local UI, which lives as long as that kernel."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SETUP = """
 %load_ext air_magic
 from air_magic import distributed
 
-@distributed(2, accelerator_type="CPU", mlflow=False, detach=True)
+@distributed(2, accelerator_type="CPU", detach=True)
 def stops(n):
     import os
     rank = int(os.environ["RANK"])
@@ -42,6 +43,13 @@ def test_a_detached_calls_breakpoint_is_debugged_from_a_kernel_that_attached_it(
     try:
         second.execute("%load_ext air_magic").check()
         second.execute(f"%distributed_attach {call_id[:24]}").check()
+        own = second.execute(  # the panel's MLflow link is this kernel's UI over the call's store, not the owner's
+            "from air_magic import call_table, call_record\nfrom air_magic.tracking import ui\n"
+            "h = call_table.table().running()[-1]\nrecord = call_record.load(h.run_dir)\n"
+            "print('OWN', h.link.startswith(ui.local_ui(record['tracking_uri'], None).direct_url), "
+            "h.link != record['link'])"
+        ).check()
+        assert "OWN True True" in own.stdout, own.stdout
         listed = second.execute("%distributed_calls").check().stdout
         assert "rank 1 at a breakpoint (%distributed_debug --rank 1)" in listed, listed
         out = second.execute("%distributed_debug --rank 1", answers=["p x", "c"], timeout=120).check()
