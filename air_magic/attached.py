@@ -57,6 +57,7 @@ class AttachedCall(DistributedCall):
         self.status = record["status"]
         self.waiting_for = record.get("waiting_for") or ""
         self.ctx = RunContext(spec, path, RunDir(path).logs(spec.world_size))
+        self.ctx.started_at -= max(0.0, time.time() - self.started)  # the panel's clock: from the call's start
         for rank in range(spec.world_size):
             self.watch.states[rank] = RankState.RUNNING if self.status == call_record.RUNNING else RankState.PENDING
         self._cancel_sent = False

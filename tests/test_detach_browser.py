@@ -63,46 +63,57 @@ def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_ne
         kernel_pid, call_id = int(found[1]), found[2]
         run_dir = lab.root / "runs" / call_id
         log = run_dir / "rank-0.log"
-        _wait(lambda: log.exists() and _ticks(log.read_text()) >= 2, 180, "rank 0 never printed its ticks")
-        os.kill(kernel_pid, signal.SIGKILL)
-        psutil.Process(kernel_pid).wait(30) if psutil.pid_exists(kernel_pid) else None
-        before = _ticks(log.read_text())
-        record = call_record.load(run_dir)
-        assert record is not None and record["status"] == "running", record
-
-        write_notebook(lab.root / "attach.ipynb", [f"%load_ext air_magic\n%distributed_attach {call_id}"])
-        nb = Notebook(page, lab, "attach.ipynb")  # a new page, a new kernel
-        cell = nb.run(0)
-        nb.wait_done(0)
-        panel = cell.locator(".air-magic-panel")
         try:
-            panel.wait_for(timeout=60_000)
-        except Exception:
-            nb.screenshot("attach-no-panel.png")
-            raise
-        rank0 = cell.locator(".air-magic-log[data-rank='0']")
+            _wait(lambda: log.exists() and _ticks(log.read_text()) >= 2, 180, "rank 0 never printed its ticks")
+            os.kill(kernel_pid, signal.SIGKILL)
+            psutil.Process(kernel_pid).wait(30) if psutil.pid_exists(kernel_pid) else None
+            before = _ticks(log.read_text())
+            record = call_record.load(run_dir)
+            assert record is not None and record["status"] == "running", record
 
-        def shown() -> str:
-            return rank0.text_content() or ""
+            write_notebook(lab.root / "attach.ipynb", [f"%load_ext air_magic\n%distributed_attach {call_id}"])
+            nb = Notebook(page, lab, "attach.ipynb")  # a new page, a new kernel
+            cell = nb.run(0)
+            nb.wait_done(0)
+            panel = cell.locator(".air-magic-panel")
+            try:
+                panel.wait_for(timeout=60_000)
+            except Exception:
+                nb.screenshot("attach-no-panel.png")
+                raise
+            rank0 = cell.locator(".air-magic-log[data-rank='0']")
 
-        _wait(lambda: "tick 0 from rank 0" in shown(), 60, f"the panel lacks the first lines: {shown()[:300]!r}")
-        assert "tick 0 from rank 0" in shown() and f"tick {before} from rank 0" in shown()
-        _wait(lambda: _ticks(shown()) > before + 2, 60, "no new line reached the attached panel")
-        assert "running" in cell.locator(".air-magic-status").inner_text()
-        nb.screenshot("attach-live.png")
+            def shown() -> str:
+                return rank0.text_content() or ""
 
-        panel.locator("button.air-magic-stop").click()
-        _wait(lambda: "stop seen on rank 0" in shown(), 60, "Stop in the attached panel did not reach the ranks")
+            _wait(lambda: "tick 0 from rank 0" in shown(), 60, f"the panel lacks the first lines: {shown()[:300]!r}")
+            assert "tick 0 from rank 0" in shown() and f"tick {before} from rank 0" in shown()
+            _wait(lambda: _ticks(shown()) > before + 2, 60, "no new line reached the attached panel")
+            ticked = _ticks(shown())  # each tick takes 0.5 s or more: the call has run for ticked / 2 s at least
+            status = cell.locator(".air-magic-status").inner_text()
+            clock = re.search(r"running · (\d+) s", status)
+            assert clock and int(clock[1]) >= ticked // 2 - 2, (
+                f"the clock does not count from the call's start: {status!r}"
+            )
+            nb.screenshot("attach-live.png")
 
-        panel.locator("button.air-magic-cancel").click()
-        _wait(
-            lambda: (call_record.load(run_dir) or {}).get("status") == call_record.CANCELLED,
-            60,
-            f"Cancel in the attached panel did not end the call: {call_record.load(run_dir)}",
-        )
-        record_box = cell.locator(".air-magic-record")
-        record_box.wait_for(timeout=30_000)
-        assert "cancelled" in record_box.inner_text()
-        nb.screenshot("attach-cancelled.png")
-        owner = (call_record.load(run_dir) or {}).get("owner", {}).get("pid")
-        _wait(lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived the cancel")
+            panel.locator("button.air-magic-stop").click()
+            _wait(lambda: "stop seen on rank 0" in shown(), 60, "Stop in the attached panel did not reach the ranks")
+
+            panel.locator("button.air-magic-cancel").click()
+            _wait(
+                lambda: (call_record.load(run_dir) or {}).get("status") == call_record.CANCELLED,
+                60,
+                f"Cancel in the attached panel did not end the call: {call_record.load(run_dir)}",
+            )
+            record_box = cell.locator(".air-magic-record")
+            record_box.wait_for(timeout=30_000)
+            assert "cancelled" in record_box.inner_text()
+            nb.screenshot("attach-cancelled.png")
+            owner = (call_record.load(run_dir) or {}).get("owner", {}).get("pid")
+            _wait(lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived the cancel")
+        finally:  # whatever failed above, the detached call does not outlive the test
+            if (call_record.load(run_dir) or {}).get("status") in call_record.LIVE:
+                call_record.request_cancel(run_dir)
+                owner = (call_record.load(run_dir) or {}).get("owner", {}).get("pid")
+                _wait(lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived its cancel")
