@@ -17,9 +17,11 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import call_record
 from ..errors import AirMagicError
+from .mlflow_ui import cmd_ui
 from .reading import UsageError, failures, find, print_json, ranks_of, summary, when
 
 #: The exit code of a call by its status.
@@ -59,12 +61,13 @@ def _follow(path: Path, as_json: bool) -> int:
     from .mlflow_ui import on_server
     from .watch import follow
 
-    out = sys.stderr if as_json else sys.stdout
-    final = follow(path, out=out)
-    for line in failures(path, final) if final.get("status") == call_record.FAILED else []:
-        print(line, file=out)
-    if final.get("run_id") and not on_server(final):
-        print(f"air-magic: its MLflow UI ends with this command; `air-magic ui {path.name}` serves it again", file=out)
+    def ending(final: dict[str, Any]) -> list[str]:
+        lines = failures(path, final) if final.get("status") == call_record.FAILED else []
+        if final.get("run_id") and not on_server(final):
+            lines.append(f"air-magic: its MLflow UI ends with this command; `air-magic ui {path.name}` serves it again")
+        return lines
+
+    final = follow(path, out=sys.stderr if as_json else sys.stdout, ending=ending)
     if as_json:
         print_json({**summary(final), "ranks": ranks_of(path, final)})
     return EXIT.get(str(final.get("status")), 1)
@@ -202,12 +205,6 @@ def cmd_attach(args: argparse.Namespace) -> int:
     return _follow(path, args.json)
 
 
-def cmd_ui(args: argparse.Namespace) -> int:
-    from .mlflow_ui import cmd_ui as serve
-
-    return serve(args)
-
-
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="air-magic",
@@ -224,7 +221,13 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--json", action="store_true", help="Print JSON, for scripts.")
         return cmd
 
-    run = add("run", "Run a workload file; prints the call's id and returns (or follows it with --watch).")
+    run = add(
+        "run",
+        "Run a workload file; prints the call's id and returns (or follows it with --watch).",
+        "The file's fields: experiment_name, mlflow_run_name, compute (num_accelerators, accelerator_type, "
+        "num_nodes), command, or function (module:name) with args and kwargs, code_source (root_path), "
+        "environment (dependencies), max_retries, timeout.",
+    )
     run.add_argument("-f", "--file", required=True, help="The workload file (YAML).")
     run.add_argument("--watch", action="store_true", help="Follow every rank's output; exit with the call's code.")
     run.add_argument(
@@ -232,17 +235,17 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="Change a field: compute.num_accelerators=2",
+        help="Change a field, as often as needed: compute.num_accelerators=2",
     )
     run.add_argument("--dry-run", action="store_true", help="Check the file and say what would run; start nothing.")
     run.set_defaults(func=cmd_run)
     add("list", "Every call of this user on this machine: id, name, status, owner.").set_defaults(func=cmd_list)
     get = add("get", "One call: status, MLflow run, each rank's value or error.")
-    get.add_argument("id", help="The call's id (a unique prefix is enough).")
+    get.add_argument("id", metavar="ID", help="The call's id (a unique prefix is enough).")
     get.add_argument("--watch", action="store_true", help="Wait for the call's end; exit with its code.")
     get.set_defaults(func=cmd_get)
     logs = add("logs", "What the ranks of a call wrote, each line prefixed by its rank.")
-    logs.add_argument("id", help="The call's id (a unique prefix is enough).")
+    logs.add_argument("id", metavar="ID", help="The call's id (a unique prefix is enough).")
     logs.add_argument("--rank", type=int, default=None, metavar="R", help="Only rank R.")
     logs.add_argument("--follow", action="store_true", help="Follow until the call ends; exit with its code.")
     logs.add_argument("--download-to", default=None, metavar="DIR", help="Copy the logs into DIR.")
@@ -252,10 +255,10 @@ def parser() -> argparse.ArgumentParser:
     cancel.add_argument("--all", action="store_true", help="Every running or waiting call of this user.")
     cancel.set_defaults(func=cmd_cancel)
     stop = add("stop", "Ask a call's ranks to stop after their current step (air_magic.should_stop()).")
-    stop.add_argument("id", help="The call's id (a unique prefix is enough).")
+    stop.add_argument("id", metavar="ID", help="The call's id (a unique prefix is enough).")
     stop.set_defaults(func=cmd_stop)
     attach = add("attach", "Follow a call's output live from its first line; exit with its code.")
-    attach.add_argument("id", help="The call's id (a unique prefix is enough).")
+    attach.add_argument("id", metavar="ID", help="The call's id (a unique prefix is enough).")
     attach.set_defaults(func=cmd_attach)
     ui = add(
         "ui",
@@ -264,7 +267,9 @@ def parser() -> argparse.ArgumentParser:
         "its link is printed.",
         json=False,
     )
-    ui.add_argument("id", nargs="?", default=None, help="A call whose MLflow run to open (a unique prefix is enough).")
+    ui.add_argument(
+        "id", nargs="?", default=None, metavar="ID", help="A call whose MLflow run to open (a unique prefix is enough)."
+    )
     ui.set_defaults(func=cmd_ui)
     return top
 

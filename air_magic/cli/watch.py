@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -48,8 +49,11 @@ def status_line(record: dict[str, Any]) -> str:
     )
 
 
-def follow(path: Path, out: TextIO | None = None) -> dict[str, Any]:
-    """Print the call's output live until it ends; its final record."""
+def follow(
+    path: Path, out: TextIO | None = None, ending: Callable[[dict[str, Any]], list[str]] | None = None
+) -> dict[str, Any]:
+    """Print the call's output live until it ends, then `ending(record)`'s lines and the status line; its final
+    record."""
     out = out or sys.stdout
     record = call_record.load(path) or {}
     reader = LogReader(path, int(record.get("world_size", 1)))
@@ -105,5 +109,7 @@ def follow(path: Path, out: TextIO | None = None) -> dict[str, Any]:
     finally:
         if live is not None:
             live.stop()
+    for line in ending(record) if ending is not None else []:  # how it failed, before the last status line
+        print(line, file=out)
     print(f"air-magic: {status_line(record)}", file=out, flush=True)
     return record
