@@ -134,6 +134,25 @@ def test_the_table_of_calls_assumes_no_kernel_and_no_runner():
     assert imported == {"air_magic.errors"}
 
 
+def test_only_the_panel_imports_ipywidgets():
+    """ipywidgets is imported only by the panel's modules (display/widgets.py, rank_tabs.py, header.py), and the two
+    parts only by the panel: the rest of the package runs without ipywidgets."""
+    importers = set()
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(name.split(".")[0] == "ipywidgets" for name in names):
+                importers.add(module)
+    panel = {"air_magic.display.widgets", "air_magic.display.rank_tabs", "air_magic.display.header"}
+    assert importers == panel
+    parts = ("display.rank_tabs", "display.header")
+    assert set(_crossings(("",), parts, unless=parts)) == {
+        "air_magic.display.widgets imports air_magic.display.rank_tabs",
+        "air_magic.display.widgets imports air_magic.display.header",
+    }
+
+
 def test_only_launch_imports_a_launcher():
     """Outside launch/, a launcher is reached through `air_magic.launch` (launcher_for, check_shape, ...)."""
     assert _crossings(("",), ("launch.local", "launch.ray"), unless=("launch",)) == []
