@@ -130,9 +130,9 @@ def _world_size(run_dir: Path) -> int:
 
 
 def find_waiting(ident: str | None = None) -> Path:
-    """The run directory of the call `ident` names (a run directory's path, or a call of this process's table:
-    its number, its id or a unique start of it), or, without `ident`, the latest call of this process with a rank
-    waiting at a debugger prompt now."""
+    """The run directory of the call `ident` names (a run directory's path, a call of this process's table: its
+    number, its id or a unique start of it, or the id of any call of this user on the machine), or, without
+    `ident`, the latest call of this process with a rank waiting at a debugger prompt now."""
     from .call_table import table
 
     if ident:
@@ -142,6 +142,13 @@ def find_waiting(ident: str | None = None) -> Path:
         try:
             return table().find(ident).run_dir
         except AirMagicError as exc:
+            from . import call_record
+
+            try:  # the id of a call of another process on the machine: a detached call, the command line's
+                if not ident.isdigit():
+                    return call_record.find_dir(ident)
+            except AirMagicError:
+                pass
             raise ConfigurationError(str(exc)) from None
     for call in reversed(table().running()):
         if not call.has_run_dir(timeout=0):
