@@ -39,12 +39,11 @@ from .errors import (
     WorkerDiedError,
     annotate,
     describe_returncode,
-    tail_text,
 )
 from .job import JobResult, JobSpec, StopReason
 from .launch import protocol as p
 from .launch.files.rundir import RunDir
-from .launch.files.stack_dumps import where_ranks_were
+from .launch.files.stack_dumps import death_tail, where_ranks_were
 from .payload import _user_stacklevel as user_stacklevel
 
 #: Characters of an earlier attempt's failure kept in the note of the call's error.
@@ -170,7 +169,7 @@ class AttemptOutcome:
         code = self.result.ranks[rank].returncode or 0
         return WorkerDiedError(
             f"rank {rank} {describe_returncode(code)} without a Python exception. "
-            f"Last lines of its output:\n{tail_text(log) or '(no output)'}\nFull log: {log}"
+            f"Last lines of its output:\n{death_tail(log) or '(no output)'}\nFull log: {log}"
         )
 
     def missing_results(self) -> list[int]:

@@ -158,3 +158,38 @@ def test_where_ranks_were_names_each_ranks_last_stop_dump(tmp_path):
     assert "earlier_place" not in text and "rank 1: no stacks" in text
     logs[0].write_text(live)
     assert where_ranks_were(logs) is None
+
+
+FATAL_LOG = """\
+last words of rank 0
+Fatal Python error: Segmentation fault
+
+Thread 0x00007f0a1b2c3640 (most recent call first):
+  File "/site-packages/air_magic/launch/rank/steps.py", line 250 in _flush_loop
+  File "/usr/lib/python3.11/threading.py", line 975 in run
+  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner
+  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap
+
+Thread 0x00007f0a1c2c3640 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap
+
+Current thread 0x00007f0a2d4e5740 (most recent call first):
+  File "/tmp/ipykernel_1/2.py", line 6 in dies
+  File "/site-packages/air_magic/launch/rank/worker.py", line 140 in run
+
+Extension modules: numpy.core._multiarray_umath, torch._C, torch._C._fft (total: 3)
+"""
+
+
+def test_a_fatal_dump_keeps_the_dying_thread_and_the_last_output_in_a_short_tail():
+    """A segfault's dump is cut to its header and the thread that died, so the rank's last printed line stays within
+    the tail the error shows; the other threads are counted, not listed."""
+    from air_magic.launch.files.stack_dumps import compact_fatal_dump
+
+    kept = compact_fatal_dump(FATAL_LOG.splitlines())
+    assert kept[0] == "last words of rank 0" and "Fatal Python error: Segmentation fault" in kept
+    assert any("in dies" in line for line in kept)
+    assert not any("_flush_loop" in line or "Extension modules" in line for line in kept)
+    assert kept[-1] == "(the stacks of 2 other thread(s) are in the full log)"
+    assert compact_fatal_dump(["plain", "output"]) == ["plain", "output"]

@@ -4,7 +4,11 @@
 a whole log. A `Dump` reads like a traceback: in each thread the outermost
 frame first and the innermost last, the thread running the call (user code)
 first; `Dump.user_frame` is the innermost frame of user code, the frame the
-timeout and cancel errors name (`where_ranks_were`).
+timeout and cancel errors name (`where_ranks_were`). `death_tail` is the tail of
+a rank that died of a fatal signal, its faulthandler dump kept short.
+
+Over 300 lines because it is the one reader of what faulthandler writes into a
+rank's log, asked-for stacks and fatal-error dumps alike.
 """
 
 from __future__ import annotations
@@ -256,6 +260,45 @@ def where_ranks_were(logs: list[Path]) -> str | None:
         frame = dump.user_frame()
         lines.append(f"  rank {rank}: in {frame.where()}" if frame else f"  rank {rank}: in no user code")
     return "Where each rank was when it was stopped (every thread's stack is in its log):\n" + "\n".join(lines)
+
+
+#: How faulthandler begins what it writes when the process dies of a fatal signal (SIGSEGV, SIGABRT, ...).
+_FATAL = "Fatal Python error: "
+
+
+def compact_fatal_dump(lines: list[str]) -> list[str]:
+    """A dying rank's last lines with faulthandler's fatal-error dump shortened to its header and the thread that
+    died: the other threads' stacks (air_magic's own daemon threads among them) and the list of extension modules
+    would push the rank's last output out of a short tail. They stay in the full log."""
+    start = max((i for i, line in enumerate(lines) if line.startswith(_FATAL)), default=-1)
+    if start < 0:
+        return lines
+    kept, others, block = lines[:start], 0, "header"
+    for line in lines[start:]:
+        thread = _THREAD_RE.match(line)
+        if thread is not None:
+            block = "current" if thread.group(1) == "Current thread" else "other"
+            others += block == "other"
+        elif line.startswith("Extension modules:"):
+            block = "other"
+            continue
+        if block != "other":
+            kept.append(line)
+    if others:
+        kept.append(f"(the stacks of {others} other thread(s) are in the full log)")
+    return kept
+
+
+def death_tail(log: Path, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
+    """The last `lines` lines of a rank's log after it died, its fatal-error dump kept short (compact_fatal_dump)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode("utf-8", errors="replace").replace("\r", "\n")
+    except OSError:
+        return ""
+    return "\n".join(compact_fatal_dump(text.splitlines())[-lines:])
 
 
 # -- which frames are the user's -------------------------------------------------------
