@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 from demos_common import DEMOS, assert_loss_goes_down, run_demo
 
@@ -67,6 +68,10 @@ def test_quickstart_through_run_py_logs_a_falling_loss_to_the_default_mlflow_sto
     assert steps == list(range(96)), f"expected one loss per step (3 epochs x 32 steps), got steps {steps}"
     assert_loss_goes_down([v for _, v in rows], "quickstart")
     assert f"96 loss values logged to MLflow run {run_id.group(1)}" in out
+    # the last cell: rank 1's slower DataLoader is named, with its cause, and nothing else is flagged
+    last = nbformat.read(copy, as_version=4).cells[-1]
+    alerts = "".join(o.get("data", {}).get("text/plain", "") for o in last.outputs)
+    assert re.fullmatch(r"\[\('straggler', 1, 'input', \d+\.\d+\)\]", alerts), alerts
 
 
 @pytest.mark.timeout(900)

@@ -116,7 +116,7 @@ def record_bundle(
         + f" in {result.elapsed:.1f} s",
     ]
     text += [f"earlier {line}" for line in earlier]
-    text += [f"{alert.kind}: {alert.message}" for alert in result.alerts]
+    text += [alert.message for alert in result.alerts]
     if link:
         text.append(f"MLflow run: {link}")
     text.append(f"logs: {result.run_dir}")

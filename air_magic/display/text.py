@@ -48,7 +48,7 @@ class TextDisplay(Listener):
         """One line per new alert of the watch (watching/): a straggler or a hung rank."""
         alerts = self.ctx.alerts
         for alert in alerts[self.alerts_shown :]:
-            self.out.write(f"air_magic: {alert.kind}: {alert.message}\n")
+            self.out.write(f"air_magic: {alert.message}\n")
             self.out.flush()
         self.alerts_shown = len(alerts)
 
