@@ -92,6 +92,9 @@ def table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 
 #: What a result file cannot say about itself, shown under the tables that use it.
 NOTES = {
+    "launch-1xH100-calls-before.json": "the code before one table of calls, the watch, the command line and "
+    "machine-wide leases; `launch-1xH100-calls-after.json` is the code with them, measured in the same run on the "
+    "same H100 (3 repeats each: differences under about 10 % are within the runs' spread).",
     "launch-1xH200.json": "each round runs the methods in turn, so a hot call follows a fresh-process call and "
     "waits for that call's ranks to finish exiting (results come back before the exits; the next call starts after "
     "them), which is most of the 0.12 s.",
