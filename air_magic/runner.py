@@ -48,6 +48,7 @@ from .launch.interface import JobHandle, Launcher
 from .launch.rank import session
 from .launch.stopper import STOP_GRACE
 from .listeners import Listener, RunContext
+from .outcome import raised_in_collective
 from .phase import Phase
 
 _POLL = 0.05
@@ -132,6 +133,12 @@ class _Run(CallStops):
     def request(self) -> p.JobRequest:
         return job_request(self.spec, self.blob, self.run_dir, self.launcher, self.listeners, self.guarded)
 
+    def lost_peer(self, outcome: p.RankOutcome) -> bool:
+        """After the caller stopped the call (Cancel, Ctrl-C, the timeout), a rank whose error came from inside a
+        collective lost a peer that was stopped first: it was stopped too, it did not fail."""
+        stopped = self.stop_reason is not None and self.stop_reason.by_caller
+        return stopped and outcome.error is not None and raised_in_collective(outcome.error)
+
     def on_event(self, event: p.Event) -> bool:
         """Apply one launcher event; True when every process of the job is gone."""
         if self.ctx.phase == self.launcher_phase:
@@ -152,7 +159,7 @@ class _Run(CallStops):
             self.outcomes[rank] = event.outcome
             if code == 0:
                 self.set_state(rank, RankState.DONE)
-            elif self.stop_reason is None or event.outcome.error is not None:
+            elif self.stop_reason is None or (event.outcome.error is not None and not self.lost_peer(event.outcome)):
                 self.failures.append(rank)
                 self.set_state(rank, RankState.FAILED)
                 self.stop_after_failure()

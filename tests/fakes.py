@@ -33,13 +33,15 @@ def peer_gone_error() -> RuntimeError:
 class ScriptedJob(JobHandle):
     """One attempt whose ranks do what `plan` says: "ok", "die" (rank 1 SIGKILLed), "raise" (rank 0), "hang",
     "launch failed" (before any rank starts), "peer died" (rank 0's barrier() fails for its peer, rank 1, whose
-    SIGKILL is seen one poll later)."""
+    SIGKILL is seen one poll later), "hang, peer lost on stop" (hangs; when stopped, rank 0 ends by the signal and rank
+    1's collective fails for it)."""
 
     def __init__(self, request: p.JobRequest, plan: str) -> None:
         self.job, self.attempt = request.job_id, request.restart_count
         self.pending: list[p.Event] = []
         self.running = set(range(WORLD))
         self.dies_late: int | None = None
+        self.plan = plan
         if plan == "launch failed":
             self.pending += [p.LaunchFailed(self.job, "no room"), p.JobGone(self.job)]
             self.running.clear()
@@ -75,6 +77,9 @@ class ScriptedJob(JobHandle):
         return out
 
     def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
+        if self.plan == "hang, peer lost on stop" and self.running == {0, 1}:
+            self.exit(0, -signal.SIGTERM, p.RankOutcome())
+            self.exit(1, 1, p.RankOutcome(error=peer_gone_error(), error_at=time.time()))
         for rank in sorted(self.running):
             self.exit(rank, -signal.SIGTERM, p.RankOutcome())
 

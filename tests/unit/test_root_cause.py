@@ -10,10 +10,11 @@ import pytest
 from fakes import ScriptedLauncher, peer_gone_error
 
 from air_magic import runner
-from air_magic.errors import RemoteTraceback, WorkerDiedError
-from air_magic.job import JobResult, JobSpec, RankResult
+from air_magic.errors import JobCancelledError, RemoteTraceback, WorkerDiedError
+from air_magic.job import JobResult, JobSpec, RankResult, RankState
 from air_magic.launch import protocol as p
 from air_magic.launch.files.rundir import RunDir
+from air_magic.listeners import Listener, RunContext
 from air_magic.outcome import PEER_GRACE, AttemptOutcome, Blame, raised_in_collective
 
 
@@ -107,3 +108,20 @@ def test_the_runner_waits_for_the_peer_whose_death_broke_the_collective(tmp_path
     result = runner.run(spec(), [], ScriptedLauncher("peer died"))
     assert isinstance(result.error, WorkerDiedError) and "rank 1 was killed by signal 9" in str(result.error)
     assert "rank 0: RuntimeError" in result.error.__notes__[0]
+
+
+class _CancelsAtOnce(Listener):
+    def on_start(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    def on_output(self, rank: int, text: str) -> None:
+        self.ctx.cancel()
+
+
+def test_a_rank_whose_collective_fails_for_a_peer_the_cancel_stopped_is_stopped_not_failed(tmp_path, monkeypatch):
+    """Cancel stops rank 0 first; rank 1's all_reduce then fails for it: both ranks read stopped, the call is
+    cancelled, and no rank is said to have failed."""
+    monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path))
+    result = runner.run(spec(), [_CancelsAtOnce()], ScriptedLauncher("hang, peer lost on stop"))
+    assert [r.state for r in result.ranks] == [RankState.STOPPED, RankState.STOPPED]
+    assert isinstance(result.error, JobCancelledError), result.error
