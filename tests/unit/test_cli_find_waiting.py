@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from air_magic import debugging
+from air_magic import call_table, debugging
 from air_magic.errors import ConfigurationError
 
 
 def test_a_call_of_another_process_is_found_by_its_id_and_a_number_is_this_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path))
+    monkeypatch.setattr(call_table, "_table", call_table.CallTable())  # this process's calls: none yet
     run_dir = tmp_path / "20261205-101500-train-abc123"
     run_dir.mkdir()
     (run_dir / "call.json").write_text("{}")
