@@ -25,11 +25,16 @@ class TrainingDiverged(ValueError):
 
 @distributed(2, accelerator_type="CPU", timeout=120, max_restarts=1)
 def killed_once():
-    import os, signal, time
+    import os, pathlib, signal, time
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     print(f"rank {os.environ['RANK']} in attempt {attempt}", flush=True)
+    printed = pathlib.Path(f"rank-0-printed-{os.environ['MASTER_PORT']}")  # one attempt's ranks share its port
+    if os.environ["RANK"] == "0":
+        printed.touch()
     if attempt == 0:
         if os.environ["RANK"] == "1":
+            while not printed.exists():  # rank 0's line is in its log before rank 1 dies, however late it started
+                time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)
     return (int(os.environ["RANK"]), attempt, os.environ["TORCHELASTIC_MAX_RESTARTS"])
