@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import re
+import signal
 import sys
 import time
 import uuid
@@ -193,6 +194,14 @@ class Kernel:
 
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
+
+    def kill(self) -> None:
+        """SIGKILL the kernel, as a crash or `kill -9` would, then reap it and close this side's channels and sockets
+        (a Popen never waited for and a zmq context left open are warnings at the next test)."""
+        os.kill(self.pid, signal.SIGKILL)
+        self.km.provisioner.process.wait()  # type: ignore[union-attr]
+        self.kc.stop_channels()
+        self.km.cleanup_resources()
 
     def shutdown(self, check: bool = True) -> None:
         """Shut the kernel down; with `check`, assert that everything it started (supervisor, workers) went too."""

@@ -4,12 +4,9 @@ another kernel lists it (%distributed_calls --all), attaches to it (its lines so
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from helpers import Kernel, kernel_env
 
@@ -54,10 +51,8 @@ def test_a_detached_call_outlives_its_kernels_sigkill_and_another_kernel_gets_it
             return all("working" in (run_dir / f"rank-{r}.log").read_text() for r in (0, 1))
 
         _wait(working)
-        os.kill(first.pid, signal.SIGKILL)
-        psutil.Process(first.pid).wait(30) if psutil.pid_exists(first.pid) else None
     finally:
-        first.kc.stop_channels()
+        first.kill()
     record = call_record.load(run_dir)
     assert record is not None and record["status"] == "running" and record["owner"]["role"] == "detached"
     listed = loaded_kernel.execute("%distributed_calls --all").check().stdout
