@@ -37,7 +37,7 @@ test: $(VENV)/.installed browser
 	$(VENV)/bin/ruff check air_magic tests bench
 	$(VENV)/bin/mypy air_magic
 	$(MAKE) docs VENV=$(VENV)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=25
 
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check air_magic tests bench

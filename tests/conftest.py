@@ -26,7 +26,7 @@ STARTS_PROCESSES = ("kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
 
 
 #: The modules that take longest alone (measured on the 2-core machine), longest first. `make test` hands whole
-#: modules to its two workers (--dist loadfile --no-loadscope-reorder) in collection order, so these start first and
+#: modules to its three workers (--dist loadfile --no-loadscope-reorder) in collection order, so these start first and
 #: no long module is left to run alone at the end; the others follow in their usual order.
 LONGEST_FIRST = (
     "test_ray.py",
