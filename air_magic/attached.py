@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from . import call_record
 from .background import DistributedCall
@@ -28,10 +27,6 @@ from .listeners import RunContext
 _LOOK = 0.2
 
 
-def _gone(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError("this call runs in another process; it cannot run again from here")
-
-
 class AttachedCall(DistributedCall):
     """The handle of a call that another process owns, following its run directory."""
 
@@ -39,17 +34,7 @@ class AttachedCall(DistributedCall):
         record = call_record.load(path)
         if record is None:
             raise call_record.AirMagicError(f"{path} holds no air_magic call record")
-        spec = JobSpec(
-            target=_gone,
-            args=(),
-            kwargs={},
-            name=record["name"],
-            world_size=record["world_size"],
-            accelerator_type=record["accelerator_type"],
-            timeout=None,
-            origin=record.get("origin", "function"),
-            num_nodes=record.get("num_nodes", 1),
-        )
+        spec = call_record.spec_of(record)
         super().__init__(spec, listeners=[])
         self.id = path.name  # type: ignore[assignment]
         self._run_dir, self._record = path, record

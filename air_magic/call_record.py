@@ -307,13 +307,9 @@ def _gone(*args: Any, **kwargs: Any) -> None:
     raise AirMagicError("this call was rebuilt from its run directory; it cannot run again")
 
 
-def rebuild(cls: Any, path: Path) -> Any:
-    """An ended call's handle (of class `cls`, background.DistributedCall) from its run directory: status, record,
-    logs, exit codes, results or error."""
-    record = load(path)
-    if record is None:
-        raise AirMagicError(f"{path} holds no air_magic call record ({RECORD}) that can be read") from None
-    spec = JobSpec(
+def spec_of(record: dict[str, Any]) -> JobSpec:
+    """The job a record describes, as a handle rebuilt from disk shows it (its function is not here to run)."""
+    return JobSpec(
         target=_gone,
         args=(),
         kwargs={},
@@ -322,7 +318,17 @@ def rebuild(cls: Any, path: Path) -> Any:
         accelerator_type=record["accelerator_type"],
         timeout=None,
         origin=record.get("origin", "function"),
+        num_nodes=record.get("num_nodes", 1),
     )
+
+
+def rebuild(cls: Any, path: Path) -> Any:
+    """An ended call's handle (of class `cls`, background.DistributedCall) from its run directory: status, record,
+    logs, exit codes, results or error."""
+    record = load(path)
+    if record is None:
+        raise AirMagicError(f"{path} holds no air_magic call record ({RECORD}) that can be read") from None
+    spec = spec_of(record)
     call = cls(spec, listeners=[])
     call.id, call.status, call._record, call._run_dir = path.name, record["status"], record, path
     if isinstance(record.get("number"), int) and hasattr(call, "number"):
