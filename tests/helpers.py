@@ -130,11 +130,23 @@ class Kernel:
     """A real ipykernel in its own process, driven with jupyter_client."""
 
     def __init__(self, cwd: Path, env: dict[str, str] | None = None) -> None:
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=str(cwd), env=process_env(env), extra_arguments=["--HistoryManager.enabled=False"])
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        # jupyter_client picks the kernel's five TCP ports by binding and closing them; another process may take one
+        # before the kernel binds it ("Address already in use", and the kernel dies before it replies). That is the
+        # test machine's race, not air_magic's: a kernel that died so is started again, on new ports.
+        for tries_left in (2, 1, 0):
+            self.km = KernelManager(kernel_name="python3")
+            self.km.start_kernel(cwd=str(cwd), env=process_env(env), extra_arguments=["--HistoryManager.enabled=False"])
+            self.kc = self.km.client()
+            self.kc.start_channels()
+            try:
+                self.kc.wait_for_ready(timeout=60)
+                return
+            except RuntimeError as exc:
+                self.kc.stop_channels()
+                self.km.shutdown_kernel(now=True)
+                self.km.cleanup_resources()
+                if not tries_left or "died before replying" not in str(exc):
+                    raise
 
     @property
     def pid(self) -> int:
