@@ -42,6 +42,8 @@ from .starting import JobLauncher, Starting, Stopped
 
 #: Seconds an actor's poll waits for new output before it answers with none.
 POLL_WAIT = 0.5
+#: Seconds a stop waits for the stacks of ranks still running, and again for the output that carries them.
+STACKS_WAIT = 5.0
 
 
 class RayJob(Starting, JobHandle):
@@ -249,7 +251,8 @@ class RayJob(Starting, JobHandle):
             self.events.put(p.SessionEnded(self.job, self.request.session or "", self.session.end))
 
     def _stacks_before_stopping(self) -> None:
-        """Ranks still running write their stacks to their logs, which are read here once more (a second at most)."""
+        """Ranks still running write their stacks to their logs, which are read here once more (STACKS_WAIT s at most
+        for each: a busy node takes seconds to answer, and a stack read after the stop is lost)."""
         from ..stacks import STOPPING
 
         running = sorted(self.started - self.exited)
@@ -257,9 +260,9 @@ class RayJob(Starting, JobHandle):
             return
         with contextlib.suppress(Exception):
             asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
-            self.ray.wait(asked, num_returns=len(asked), timeout=1.0)
+            self.ray.wait(asked, num_returns=len(asked), timeout=STACKS_WAIT)
             polls = {r: self.actors[r].poll.remote(self.received.offsets(r), 0) for r in running}
-            self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=1.0)
+            self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=STACKS_WAIT)
             for rank, ref in polls.items():
                 with contextlib.suppress(Exception):
                     self._output(rank, self.ray.get(ref, timeout=0))
