@@ -10,7 +10,7 @@ from air_magic.launch.ray.deaths import REGISTER_TIMEOUT_ENV, WorkerNotRegistere
 from air_magic.launch.ray.hot import HotWorld
 from air_magic.launch.ray.launcher import held_line
 from air_magic.launch.ray.placement import LaunchError
-from air_magic.launch.ray.starting import Starting
+from air_magic.launch.ray.starting import RESTARTED, Starting
 
 #: Ray's words for an actor whose worker the raylet ended before it registered (the exit detail of Ray 2.60).
 BARE = (
@@ -26,31 +26,85 @@ class ActorDiedError(Exception):
 
 
 class FailsAtFirstAnswer(Starting):
-    """A call's start whose actors' first answer (`where`) fails with `error`."""
+    """A call's start whose actors' first answers (`where`) fail with `errors[rank]` the first `deaths` times they are
+    asked (an actor started again answers); Ray's get, kill and the placement are recorded, not asked of Ray."""
 
     class Actor:
-        class where:  # the shape of a Ray actor method
-            @staticmethod
-            def remote(first: bool) -> object:
-                return object()
+        def __init__(self, rank: int, start: int) -> None:
+            self.rank, self.start = rank, start
+            outer = self
 
-    def __init__(self, error: BaseException) -> None:
-        self.actors = [self.Actor(), self.Actor()]
-        self.error = error
+            class where:  # the shape of a Ray actor method
+                @staticmethod
+                def remote(first: bool) -> tuple:
+                    return ("where", outer)
+
+            self.where = where
+
+    def __init__(self, errors: dict[int, BaseException], deaths: int = 2) -> None:
+        import queue
+
+        self.errors, self.deaths, self.asked, self.killed = errors, deaths, 0, []
+        self.actors = [self.Actor(rank, 0) for rank in range(2)]
+        self.events = queue.Queue()
+        self.job, self.pg, self.runtime_env = "job", "pg", None
+        fake = self
+
+        class Ray:
+            @staticmethod
+            def get(ref, timeout=None):
+                return fake._answer(ref[1])
+
+            @staticmethod
+            def kill(actor, no_restart):
+                fake.killed.append((actor.rank, actor.start, no_restart))
+
+        class Placement:
+            @staticmethod
+            def actor(actor_cls, pg, rank, runtime_env):
+                return fake.Actor(rank, fake.asked)
+
+        class Launcher:
+            @staticmethod
+            def actor_class():
+                return "RankActor"
+
+        self.ray, self.placement, self.launcher = Ray(), Placement(), Launcher()
+
+    def _answer(self, actor):
+        if actor.rank in self.errors and actor.start < self.deaths:
+            raise self.errors[actor.rank]
+        return f"place of rank {actor.rank}"
 
     def _wait(self, refs: list, limit: float, what: str) -> list:
-        raise self.error
+        self.asked += 1
+        return [self._answer(actor) for _, actor in refs]
+
+    def _start_calls(self, master, port):
+        self.started_at = (master, port)
 
 
-def test_a_worker_that_did_not_register_in_time_is_named_with_its_setting_raised_from_rays_error():
-    """Ray's bare "connection error code 2" death at a rank's first answer becomes a LaunchError that names the busy
-    node and RAY_worker_register_timeout_seconds, raised from Ray's error."""
+def test_a_worker_that_died_before_it_answered_is_started_again_once_and_said():
+    """Ray's bare "connection error code 2" death at rank 1's first answer: rank 1's actor (which ran no code of the
+    call) is killed and asked for again in its bundle, its output says so, and the call starts."""
+    start = FailsAtFirstAnswer({1: ActorDiedError(BARE)}, deaths=1)
+    assert start._where_each() == ["place of rank 0", "place of rank 1"]
+    assert start.killed == [(1, 0, True)] and [a.start for a in start.actors] == [0, 1]
+    said = start.events.get_nowait()
+    assert (said.rank, said.text) == (1, f"air_magic: {RESTARTED}\n") and start.events.empty()
+
+
+def test_a_worker_that_died_twice_before_it_answered_is_named_with_its_setting_raised_from_rays_error():
+    """The same death again after the one start again becomes a LaunchError that names the busy node and
+    RAY_worker_register_timeout_seconds, raised from Ray's error."""
     bare = ActorDiedError(BARE)
+    start = FailsAtFirstAnswer({1: bare})
     with pytest.raises(WorkerNotRegistered) as caught:
-        FailsAtFirstAnswer(bare)._start_ranks()
+        start._start_ranks()
     error = caught.value
     assert isinstance(error, LaunchError) and error.__cause__ is bare
     assert "too busy to start the worker in time" in str(error) and REGISTER_TIMEOUT_ENV in str(error)
+    assert start.asked == 2 and start.killed == [(1, 0, True)]
 
 
 def test_other_errors_at_the_first_answer_are_left_as_they_are():
@@ -62,7 +116,7 @@ def test_other_errors_at_the_first_answer_are_left_as_they_are():
     ):
         assert not_registered(other) is None
         with pytest.raises(type(other)) as caught:
-            FailsAtFirstAnswer(other)._start_ranks()
+            FailsAtFirstAnswer({0: other})._start_ranks()
         assert caught.value is other
 
 

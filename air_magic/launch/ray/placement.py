@@ -88,22 +88,24 @@ class Placement:
         """The placement group and, at once, one actor per rank in it (Ray starts them once the group is placed);
         `runtime_env`: what packages.prepare asked for the actors, if anything."""
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg = placement_group([self.bundle] * self.nodes, strategy="STRICT_SPREAD", name=name)
-        preload, k = preload_modules(), self.per_node
-        actors = [
-            actor_cls.options(
-                num_cpus=1,
-                num_gpus=1 if self.request.use_gpu else 0,
-                max_concurrency=4,
-                max_restarts=0,
-                **({"runtime_env": runtime_env} if runtime_env else {}),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank // k),
-            ).remote(PACKAGE_PARENT, preload)
-            for rank in range(self.request.world_size)
-        ]
-        return pg, actors
+        return pg, [self.actor(actor_cls, pg, rank, runtime_env) for rank in range(self.request.world_size)]
+
+    def actor(self, actor_cls: Any, pg: Any, rank: int, runtime_env: dict[str, Any] | None) -> Any:
+        """Rank `rank`'s actor in its bundle of `pg` (asked for now; Ray starts it once the group is placed)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return actor_cls.options(
+            num_cpus=1,
+            num_gpus=1 if self.request.use_gpu else 0,
+            max_concurrency=4,
+            max_restarts=0,
+            **({"runtime_env": runtime_env} if runtime_env else {}),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=rank // self.per_node
+            ),
+        ).remote(PACKAGE_PARENT, preload_modules())
 
 
 def rank_envs(request: p.JobRequest, places: list[p.ActorPlace], master: str, port: int, run_id: str) -> list[dict]:

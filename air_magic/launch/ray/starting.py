@@ -27,6 +27,8 @@ from .placement import LaunchError, Placement, code_dirs, rank_envs
 
 #: How long a placement the cluster could hold may wait for resources that are busy, in seconds.
 PLACEMENT_WAIT = 45.0
+#: Said in a rank's output when its actor's worker process died before it answered and the actor was started again.
+RESTARTED = "this rank's Ray worker process died before it started (no code of the call ran); starting it again"
 #: How long the actors of a placed job may take to start, in seconds (a busy node takes long to start Ray workers).
 START_WAIT = 300.0
 
@@ -68,6 +70,8 @@ class Starting:
     calling: bool
     stop_reason: str
     session: SessionCall
+    #: The placement of a call that placed anew (set by `_place`), used to start a rank's actor again.
+    placement: Placement
 
     def _end_world(self) -> None:
         raise NotImplementedError  # pump.py: the job's actors, placement group and hot world end
@@ -124,7 +128,7 @@ class Starting:
 
     def _place(self) -> None:
         """Ask for the placement group and its actors; wait until the group is placed."""
-        placement = Placement(self.ray, self.request)
+        placement = self.placement = Placement(self.ray, self.request)
         placement.check_fits()
         runtime_env = self.runtime_env = packages.prepare(self.ray, placement.bundle, self.launcher.probe_task())
         if self._halted():
@@ -160,14 +164,7 @@ class Starting:
 
     def _start_ranks(self) -> None:
         """The placed actors: where each runs (rank 0 picks MASTER_PORT), then the call in each."""
-        wheres = [a.where.remote(rank == 0) for rank, a in enumerate(self.actors)]
-        try:
-            self.infos = self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
-        except Exception as exc:
-            clear = not_registered(exc)  # Ray's bare words for a worker its busy node did not start in time
-            if clear is None:
-                raise
-            raise clear from exc
+        self.infos = self._where_each()
         master, port = self.infos[0].ip, self.infos[0].free_port
         if self.request.keep_alive:
             self.world = HotWorld(
@@ -181,6 +178,39 @@ class Starting:
                 session=self.request.session,
             )
         self._start_calls(master, port)
+
+    def _where_each(self) -> list[p.ActorPlace]:
+        """Each placed actor's answer to `where`. An actor whose worker process died before it answered never ran
+        any code of the call: it is started again once, in its bundle, and said; a second such death is the clear
+        error of deaths.py."""
+        for again in (False, True):
+            wheres = [a.where.remote(rank == 0) for rank, a in enumerate(self.actors)]
+            try:
+                return self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
+            except Exception as exc:
+                clear = not_registered(exc)  # Ray's bare words for a worker process that ended before it answered
+                if clear is None:
+                    raise
+                if again:
+                    raise clear from exc
+                for rank in self._died_before_answering(wheres):
+                    self.events.put(p.RankOutput(self.job, rank, f"air_magic: {RESTARTED}\n"))
+                    self.ray.kill(self.actors[rank], no_restart=True)
+                    self.actors[rank] = self.placement.actor(
+                        self.launcher.actor_class(), self.pg, rank, self.runtime_env
+                    )
+        raise AssertionError("unreachable")
+
+    def _died_before_answering(self, wheres: list[Any]) -> list[int]:
+        """The ranks whose `where` ended in a death of the kind `not_registered` reads (their actors are dead)."""
+        dead = []
+        for rank, ref in enumerate(wheres):
+            try:
+                self.ray.get(ref, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - every death is read; an unfinished answer raises GetTimeoutError
+                if not_registered(exc) is not None:
+                    dead.append(rank)
+        return dead
 
     def _start_calls(self, master: str, port: int) -> None:
         req = self.request
