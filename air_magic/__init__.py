@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .accelerators import AcceleratorType, GPUType
-from .attached import attach
-from .background import DistributedCall
+from .calls.attached import attach
+from .calls.handle import DistributedCall
 from .decorator import distributed
 from .errors import (
     AirMagicError,

@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from . import accelerators, launch, sessions
+from . import accelerators, launch
+from .calls import sessions
 from .errors import ConfigurationError
 from .job import JobResult, JobSpec
 from .watching import check_watch
 
 if TYPE_CHECKING:
-    from .background import DistributedCall
+    from .calls.handle import DistributedCall
 
 #: Three hours, in seconds.
 DEFAULT_TIMEOUT: float = 3 * 60 * 60
@@ -85,7 +86,7 @@ class Settings:
     num_nodes: int = 1
     #: Times every rank starts again after a rank fails; 0 = the call fails with the first failure.
     max_restarts: int = 0
-    #: Run in this session's ranks, which keep what calls build (sessions.py); None = each call is whole.
+    #: Run in this session's ranks, which keep what calls build (calls/sessions.py); None = each call is whole.
     session: str | None = None
     #: The ranks of the session that run the call; None = every rank.
     ranks: tuple[int, ...] | None = None
@@ -94,7 +95,7 @@ class Settings:
     #: Watch the call for stragglers and hangs (docs/watching.md); `on_hang`: "report", "stop" or "restart".
     watch: bool = True
     on_hang: str = "report"
-    #: The call runs in a process of its own that outlives the kernel (detached.py); `air_magic.attach` finds it.
+    #: The call runs in a process of its own that outlives the kernel (calls/detached.py); `air_magic.attach` finds it.
     detach: bool = False
 
     def __post_init__(self) -> None:
@@ -196,7 +197,7 @@ class DistributedFunction(Generic[P, R]):
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         if self.settings.detach:
             return self.spawn(*args, **kwargs).job().raise_for_status()
-        from .background import run
+        from .calls.handle import run
 
         return run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
 
@@ -206,11 +207,11 @@ class DistributedFunction(Generic[P, R]):
         `handle.result()` waits for the per-rank values (or raises what `.distributed` would raise); see
         `air_magic.DistributedCall`. A call whose GPUs other calls hold waits for them (`wait=False`: fails).
         """
-        from .background import spawn
+        from .calls.handle import spawn
 
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         if self.settings.detach:
-            from .attached import spawn_detached
+            from .calls.attached import spawn_detached
 
             return spawn_detached(self.settings.spec(self._func, args, kwargs, name))
         return spawn(self.settings.spec(self._func, args, kwargs, name), wait=self.settings.wait)

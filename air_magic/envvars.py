@@ -21,7 +21,7 @@ DISPLAY = "AIR_MAGIC_DISPLAY"
 FORCE_CPU = "AIR_MAGIC_FORCE_CPU"
 #: A rank's pickled return value above this many MiB gets a ResultSizeWarning.
 LARGE_RESULT_MIB = "AIR_MAGIC_LARGE_RESULT_MIB"
-#: CPU worker slots of this node that calls running at once share (ledger.py); default: the core count.
+#: CPU worker slots of this node that calls running at once share (calls/ledger.py); default: the core count.
 CPU_SLOTS = "AIR_MAGIC_CPU_SLOTS"
 
 #: Seconds of no progress from which a watched call names a hung rank, at least (default 30; docs/watching.md).

@@ -16,7 +16,7 @@ everywhere. That makes it a collective: call it on every rank, at the same
 point of the loop.
 
 Not for: ending a call at once (that is Cancel, launch/stopper.py), finding
-the call a Stop is for (call_table.py), or anything the notebook's display
+the call a Stop is for (calls/table.py), or anything the notebook's display
 does with the request (display/widgets.py).
 This module imports neither torch nor IPython; it reads torch.distributed
 only when the rank's code has imported it.

@@ -1,6 +1,6 @@
 """`air_magic.sweep(fn, [kwargs, ...])`: one background call per trial, run as GPUs (or CPU slots) free up.
 
-Every trial is spawned at once (background.py); the ledger (ledger.py) starts each when its GPUs are free,
+Every trial is spawned at once (calls/handle.py); the ledger (calls/ledger.py) starts each when its GPUs are free,
 first come first served. With MLflow on, the trials are child runs of one parent run made for the sweep
 (itself a child of the notebook's active run, if there is one), which ends when the last trial does:
 FINISHED if every trial finished, else FAILED. `Sweep.chart()` compares the trials' last metric values
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .background import FINISHED, DistributedCall, spawn
+from .calls.handle import FINISHED, DistributedCall, spawn
 from .decorator import DistributedFunction, distributed
 from .errors import ConfigurationError
 from .job import JobSpec

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = """
 import json, statistics, sys, time
 import psutil
-from air_magic import distributed, runner
+from air_magic import distributed
+from air_magic.calls import runner
 
 def job():
     import time

@@ -73,8 +73,9 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/bench")
 from launch_phases import job_logging
-from air_magic import distributed, runner
-from air_magic.listeners import Listener
+from air_magic import distributed
+from air_magic.calls import runner
+from air_magic.calls.listeners import Listener
 ranks, mlflow_on, log, pause = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1", float(sys.argv[5])
 if pause:  # as a notebook user: load the extension (helper, MLflow's preparation), then think for `pause` s
     from IPython.core.interactiveshell import InteractiveShell

@@ -87,7 +87,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from air_magic import distributed, ray_init, runner
+    from air_magic import distributed, ray_init
+    from air_magic.calls import runner
     from air_magic.decorator import Settings
     from air_magic.launch.ray import ray_launcher
 

@@ -84,7 +84,7 @@ def cell_text(cell: nbformat.NotebookNode) -> str:
 
 
 def runs_root(env: dict[str, str]) -> Path:
-    """Where air_magic puts run directories for a kernel with this environment (see air_magic.runner)."""
+    """Where air_magic puts run directories for a kernel with this environment (see air_magic.launch.files.rundir.runs_root)."""
     if env.get("AIR_MAGIC_RUNS_DIR"):
         return Path(env["AIR_MAGIC_RUNS_DIR"])
     cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

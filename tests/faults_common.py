@@ -13,10 +13,11 @@ import cloudpickle
 import psutil
 from helpers import leftover_processes
 
-from air_magic import distributed, runner
+from air_magic import distributed
+from air_magic.calls import runner
+from air_magic.calls.listeners import Listener, RunContext
 from air_magic.job import JobResult, RankState
 from air_magic.launch.files.rundir import RunDir
-from air_magic.listeners import Listener, RunContext
 
 _LOGS_IN = re.compile(r"air_magic: .* logs in (\S+)")
 

@@ -106,7 +106,7 @@ def test_a_foreground_call_waiting_for_slots_says_so_on_stdout(bg_kernel, workdi
         "until(lambda: 'working' in a.logs(1) and 'working' in b.logs(1))"
     ).check()
     out = bg_kernel.execute(
-        "import threading, air_magic.ledger as ledger_module\n"
+        "import threading, air_magic.calls.ledger as ledger_module\n"
         "def free_when_waiting():\n"
         "    until(lambda: bool(ledger_module.node()._queue))  # the foreground call is in the waiting line\n"
         f"    pathlib.Path({flag!r}).touch()\n"

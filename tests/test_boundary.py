@@ -8,10 +8,10 @@ import pytest
 from faults_common import Recorder
 from helpers import run_id_of
 
-from air_magic import runner
+from air_magic.calls import runner
+from air_magic.calls.listeners import Listener
 from air_magic.errors import ListenerWarning
 from air_magic.job import JobStatus, RankState
-from air_magic.listeners import Listener
 
 #: Runs started here keep their directories under pytest's temporary directory (see faults_common).
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]

@@ -44,10 +44,10 @@ def test_a_detached_calls_breakpoint_is_debugged_from_a_kernel_that_attached_it(
         second.execute("%load_ext air_magic").check()
         second.execute(f"%distributed_attach {call_id[:24]}").check()
         own = second.execute(  # the panel's MLflow link is this kernel's UI over the call's store, not the owner's
-            "from air_magic import call_table, call_record\nfrom air_magic.tracking import ui\n"
-            "h = call_table.table().running()[-1]\nrecord = call_record.load(h.run_dir)\n"
-            "print('OWN', h.link.startswith(ui.local_ui(record['tracking_uri'], None).direct_url), "
-            "h.link != record['link'])"
+            "from air_magic.calls import record, table\nfrom air_magic.tracking import ui\n"
+            "h = table.table().running()[-1]\nrec = record.load(h.run_dir)\n"
+            "print('OWN', h.link.startswith(ui.local_ui(rec['tracking_uri'], None).direct_url), "
+            "h.link != rec['link'])"
         ).check()
         assert "OWN True True" in own.stdout, own.stdout
         listed = second.execute("%distributed_calls").check().stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import Kernel, kernel_env
 
-from air_magic import call_record
+from air_magic.calls import record as call_record
 
 pytestmark = pytest.mark.slow
 

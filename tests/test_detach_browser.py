@@ -12,7 +12,7 @@ import time
 import psutil
 from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
 
-from air_magic import call_record
+from air_magic.calls import record as call_record
 
 pytestmark = BROWSER_MARKS
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from air_magic import call_record
+from air_magic.calls import record as call_record
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from helpers import kernel_env, process_env
 pytestmark = pytest.mark.slow
 
 HOLDER = """
-from air_magic import leases, ledger
+from air_magic.calls import leases, ledger
 leases.set_role("cli")
 ledger.node().take("call hold-1", 2, ledger.CPU, "call hold-1 (holder)")
 print("HELD", flush=True)

@@ -415,9 +415,10 @@ def test_a_script_prints_rank_prefixed_lines_and_the_link_once(tmp_path):
     script.write_text(
         """
 import sys
-from air_magic import distributed, runner
+from air_magic import distributed
+from air_magic.calls import runner
 from air_magic.display import make_display
-from air_magic.listeners import Listener
+from air_magic.calls.listeners import Listener
 
 class Link(Listener):
     def on_start(self, ctx):

@@ -13,13 +13,8 @@ import ray_cluster
 from faults_common import Recorder, alive
 from helpers import ROOT, Kernel, process_env
 
-from air_magic import (
-    JobCancelledError,
-    WorkerDiedError,
-    distributed,
-    ray_init,
-    runner,
-)
+from air_magic import JobCancelledError, WorkerDiedError, distributed, ray_init
+from air_magic.calls import runner
 from air_magic.errors import AirMagicError, RemoteTraceback
 from air_magic.job import JobResult, JobStatus, RankState
 from air_magic.launch.ray import ray_launcher

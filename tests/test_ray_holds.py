@@ -12,7 +12,8 @@ import pytest
 import ray_cluster
 from faults_common import Recorder
 
-from air_magic import distributed, ray_init, runner, sessions
+from air_magic import distributed, ray_init
+from air_magic.calls import runner, sessions
 from air_magic.job import JobResult, JobStatus
 from air_magic.launch.ray import ray_launcher
 

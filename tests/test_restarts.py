@@ -306,7 +306,8 @@ def test_a_ray_node_removed_mid_run_restarts_the_call_on_the_nodes_left(ray_clus
     import ray_cluster
     from faults_common import Recorder
 
-    from air_magic import distributed, runner
+    from air_magic import distributed
+    from air_magic.calls import runner
 
     cluster = ray_cluster_of_three
     removed: dict[str, str] = {}

@@ -8,7 +8,8 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from air_magic import RankHungError, distributed, runner
+from air_magic import RankHungError, distributed
+from air_magic.calls import runner
 from air_magic.job import JobResult
 from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir

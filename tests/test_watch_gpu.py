@@ -10,7 +10,8 @@ import cloudpickle
 import pytest
 from helpers import REAL_NODE, gpu_count
 
-from air_magic import distributed, ledger, runner
+from air_magic import distributed
+from air_magic.calls import ledger, runner
 from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir
 

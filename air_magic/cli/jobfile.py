@@ -5,7 +5,7 @@ anything starts: an unknown or misspelled field (with the close name), a missing
 value or a dependency that is not installed is a `JobFileError` naming it. `Job.spec()` builds the same
 `JobSpec` as the notebook's doors (decorator.Settings), so the call takes the same path: `command` becomes
 `run_command` on every rank, `function: module:name` the function itself. Not for: starting or following
-the call (cli/main.py, detached.py).
+the call (cli/main.py, calls/detached.py).
 """
 
 from __future__ import annotations

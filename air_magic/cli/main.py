@@ -1,10 +1,10 @@
 """`air-magic`: the command line, a thin skin over the same owner of calls as the notebook.
 
 `run -f job.yaml` checks the workload file (cli/jobfile.py), builds the JobSpec both notebook doors build,
-and starts it as a detached call (detached.py): it prints the call's id and returns, or with `--watch`
+and starts it as a detached call (calls/detached.py): it prints the call's id and returns, or with `--watch`
 follows it (cli/watch.py) and exits with the call's code. `list`, `get`, `logs`, `cancel`, `stop` and
 `attach` read and control every call of this user on the machine, the command line's and every kernel's,
-through their run directories (call_record.py; cli/reading.py shapes what they print), and `ui` serves the
+through their run directories (calls/record.py; cli/reading.py shapes what they print), and `ui` serves the
 MLflow UI of a local store (cli/mlflow_ui.py). Each takes `--json` for scripts. Exit codes: 0 finished
 (or done), 1 failed, 130 cancelled, 2 a bad command line, workload file or call id (nothing started).
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import call_record
+from ..calls import record as call_record
 from ..errors import AirMagicError
 from .mlflow_ui import cmd_ui
 from .reading import UsageError, failures, find, print_json, ranks_of, summary, when
@@ -32,7 +32,7 @@ CANCEL_WAIT = 20.0
 
 # -- commands ---------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from .. import detached, leases
+    from ..calls import detached, leases
     from .jobfile import load
 
     job = load(args.file, args.override)
@@ -78,7 +78,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print_json([summary(r) for r in records])
         return 0
-    from ..attached import machine_table
+    from ..calls.attached import machine_table
 
     print(machine_table())
     return 0

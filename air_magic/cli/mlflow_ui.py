@@ -6,7 +6,7 @@ the call's owner ends with the owner, so a command that follows a call (`run --w
 first click, on 127.0.0.1) and prints its link; a command that returns at once (`get`) prints the link only
 while one works after it returns, else the `air-magic ui ID` that serves it. `air-magic ui [ID]` serves the UI
 of this machine's local store (the call's, or the environment's MLflow store) in the foreground, on 127.0.0.1,
-until Ctrl-C. Not for: a kernel's links (tracking/ui.py, attached.py).
+until Ctrl-C. Not for: a kernel's links (tracking/ui.py, calls/attached.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from .. import call_record
+from ..calls import record as call_record
 from ..errors import AirMagicError
 
 

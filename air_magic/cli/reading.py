@@ -1,5 +1,5 @@
 """What the command line reads of a call and prints: its summary, each rank's state and value or error, how it
-failed. The run directory's formats are call_record.py's and launch/files/'s; this module only shapes them for
+failed. The run directory's formats are calls/record.py's and launch/files/'s; this module only shapes them for
 `get`, `list`, `--watch` and `--json`. Not for: controlling a call (cli/main.py).
 """
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import call_record
+from ..calls import record as call_record
 from ..errors import AirMagicError
 
 #: Fields of a call in `list --json`.

@@ -1,7 +1,7 @@
 """Following a call from a terminal: every rank's lines as they come, prefixed by rank, and a status line.
 
 `follow(path)` reads the ranks' logs in the run directory from their first byte (display/follow.py's
-`LogReader`, as a notebook's panel drawn again does) and the call's live record (call_record.py) until the
+`LogReader`, as a notebook's panel drawn again does) and the call's live record (calls/record.py) until the
 call ends, and returns its status, with the link to its MLflow run once it has one. On a terminal the status
 line is drawn by `rich` under the lines; when the output is not a terminal, plain lines only (a status line
 each time the status changes). Ctrl-C asks the call's owner to cancel it, and the following goes on to its
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from .. import call_record
+from ..calls import record as call_record
 from ..display.follow import LogReader
 from .mlflow_ui import follow_link
 

@@ -1,6 +1,6 @@
-"""`%distributed_calls` as text: one line per call of this process's table (call_table.py), by number.
+"""`%distributed_calls` as text: one line per call of this process's table (calls/table.py), by number.
 
-Not for: finding a call (call_table.py) or drawing one's panel (follow.py).
+Not for: finding a call (calls/table.py) or drawing one's panel (follow.py).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..call_record import RUNNING, WAITING
+from ..calls.record import RUNNING, WAITING
 from ..launch.files import debug_channel
 
 if TYPE_CHECKING:
-    from ..background import DistributedCall
+    from ..calls.handle import DistributedCall
 
 #: What `table` says before the first call.
 NO_CALL = "No background call in this kernel yet: start one with fn.spawn(...) or %%distributed --background."

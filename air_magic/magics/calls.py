@@ -1,6 +1,6 @@
 """The magics of calls: %distributed_calls lists this process's calls, %distributed_show draws one's panel,
 %distributed_stop asks one to stop after its step. Each finds its call one way, in the table of calls
-(call_table.py, through `background.find`); the calls themselves are background.py's and stopping.py's."""
+(calls/table.py, through `calls.handle.find`); the calls themselves are calls/handle.py's and stopping.py's."""
 
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ class CallMagics(Magics):
     def distributed_calls(self, line: str = "") -> None:
         """List this kernel's calls, background and foreground: number, function or cell, status, ranks, GPUs,
         started, elapsed, MLflow."""
-        from .. import background
+        from ..calls.handle import calls
 
         if parse_argstring(self.distributed_calls, line).all:
-            from ..attached import machine_table
+            from ..calls.attached import machine_table
 
             print(machine_table())
             return
         from ..display.calls import table
 
-        print(table(background.calls()))
+        print(table(calls()))
 
     @magic_arguments()
     @options.call_id("The call's id (%%distributed_calls --all; a unique start of it is enough).", required=True)
@@ -47,7 +47,7 @@ class CallMagics(Magics):
 
             h = %distributed_attach 20260105-101500-train
         """
-        from ..attached import attach
+        from ..calls.attached import attach
 
         args = parse_argstring(self.distributed_attach, line)
         try:
@@ -61,11 +61,11 @@ class CallMagics(Magics):
     def distributed_show(self, line: str = "") -> None:
         """Draw a background call's panel in this cell: live, with every line its ranks wrote so far, while it runs;
         its record once it ended."""
-        from .. import background
+        from ..calls.handle import find
 
         args = parse_argstring(self.distributed_show, line)
         try:
-            call = background.find(args.id)
+            call = find(args.id)
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None
         call.show()
@@ -86,15 +86,16 @@ class CallMagics(Magics):
             %distributed_stop
             %distributed_stop 3
         """
-        from .. import background, stopping
+        from .. import stopping
+        from ..calls.handle import calls, find
 
         args = parse_argstring(self.distributed_stop, line)
-        known = background.calls()
+        known = calls()
         running = [call for call in known if not call.done()]
         if args.id is None and not known:
             raise UsageError("no call is running in this kernel, so there is nothing to stop.")
         try:
-            call = running[-1] if args.id is None and running else background.find(args.id)
+            call = running[-1] if args.id is None and running else find(args.id)
             if call.done():
                 raise UsageError(f"call {call.short} has ended ({call.status}): there is nothing to stop.")
             run_dir = call.run_dir

@@ -1,5 +1,5 @@
 """%distributed_debug: pdb on a rank, a post-mortem of a session's last error or a rank waiting at breakpoint().
-The debugger's plumbing is air_magic/debugging.py."""
+The debugger's plumbing is air_magic/calls/debugging.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import magic_arguments, parse_argstring
 
-from .. import sessions
+from ..calls import sessions
 from ..errors import ConfigurationError
 from . import options
 
@@ -37,7 +37,7 @@ class DebugMagics(Magics):
             %distributed_debug
             %distributed_debug --rank 1 --session gpt2
         """
-        from .. import debugging
+        from ..calls import debugging
 
         args = parse_argstring(self.distributed_debug, line)
         try:

@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
-from .. import sessions
+from ..calls import sessions
 from ..cell import CellProgram, ends_with_semicolon
 from ..decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_max_restarts, check_timeout
 from ..errors import ConfigurationError
@@ -275,20 +275,20 @@ class DistributedMagics(Magics):
             program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
         if args.detach:
-            from ..attached import spawn_detached
+            from ..calls.attached import spawn_detached
 
             detached = spawn_detached(settings.spec(program, (), {}, name, origin="cell"))
             if args.out:
                 shell.user_ns[args.out] = detached
             return None if args.out or ends_with_semicolon(cell) else detached
-        from .. import background
+        from ..calls.handle import run, spawn
 
         if args.background:
-            handle = background.spawn(settings.spec(program, (), {}, name, origin="cell"))
+            handle = spawn(settings.spec(program, (), {}, name, origin="cell"))
             if args.out:
                 shell.user_ns[args.out] = handle
             return None if args.out or ends_with_semicolon(cell) else handle
-        result = background.run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
+        result = run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
         self.last_result = result
         values = result.values
         if args.out:

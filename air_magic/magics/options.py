@@ -14,7 +14,7 @@ from typing import Any
 
 from IPython.core.magic_arguments import argument
 
-from .. import sessions
+from ..calls import sessions
 from ..decorator import check_keep_alive, check_max_restarts, check_timeout
 from ..errors import ConfigurationError
 

@@ -1,6 +1,6 @@
 """The magics of kept ranks: %distributed_session lists, ends or resets sessions, %distributed_push and
 %distributed_pull move values in and out of one, %distributed_release ends every hot rank. The logic is
-air_magic/sessions.py's and the launchers'."""
+air_magic/calls/sessions.py's and the launchers'."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .. import launch, sessions
+from .. import launch
+from ..calls import sessions
 from . import options
 
 

@@ -142,7 +142,7 @@ def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
 
 
 def call_link(record: dict[str, object]) -> str | None:
-    """The link to the MLflow run of a call's record (call_record.py) that works from this process while it lives.
+    """The link to the MLflow run of a call's record (calls/record.py) that works from this process while it lives.
 
     A configured server's link is the server's. A local store's link is this process's local UI over the call's
     store (started on demand, as for its own calls), not the one of the call's owner, which ends with it. A record

@@ -1,4 +1,4 @@
-"""The table of a process's calls (call_table.py): numbers, ids, finding a call one way, and the end event."""
+"""The table of a process's calls (calls/table.py): numbers, ids, finding a call one way, and the end event."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from air_magic.call_table import CallTable, UnknownCall
+from air_magic.calls.table import CallTable, UnknownCall
 from air_magic.errors import ConfigurationError
 
 
@@ -97,8 +97,8 @@ def _spec(name: str = "train"):
 
 def test_a_handles_run_directory_is_waited_for_on_an_event_and_names_the_call(tmp_path):
     """`run_dir` blocks until the runner's context arrives (no sleep loop); the id is then the directory's name."""
-    from air_magic.background import RUNNING, DistributedCall
-    from air_magic.listeners import RunContext
+    from air_magic.calls.handle import RUNNING, DistributedCall
+    from air_magic.calls.listeners import RunContext
 
     call = DistributedCall(_spec())
     call.status = RUNNING
@@ -111,7 +111,7 @@ def test_a_handles_run_directory_is_waited_for_on_an_event_and_names_the_call(tm
 
 
 def test_a_call_that_ended_without_a_run_directory_says_so_at_once():
-    from air_magic.background import DistributedCall
+    from air_magic.calls.handle import DistributedCall
     from air_magic.errors import AirMagicError
 
     call = DistributedCall(_spec())

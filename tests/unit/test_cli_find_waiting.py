@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from air_magic import call_table, debugging
+from air_magic.calls import debugging
+from air_magic.calls import table as call_table
 from air_magic.errors import ConfigurationError
 
 

@@ -14,7 +14,7 @@ import cloudpickle
 import pytest
 
 from air_magic import envvars
-from air_magic.debugging import DebugServer
+from air_magic.calls.debugging import DebugServer
 from air_magic.errors import DebuggerQuit
 from air_magic.launch.files import debug_channel
 from air_magic.launch.files.rundir import RunDir

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from air_magic import call_record
+from air_magic.calls import record as call_record
 from air_magic.errors import AirMagicError
 from air_magic.job import JobSpec
 

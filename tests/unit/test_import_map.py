@@ -77,19 +77,24 @@ def _crossings(source: tuple[str, ...], target: tuple[str, ...], unless: tuple[s
     )
 
 
+#: The listeners the owner of calls is handed (calls/setup.py names them), and what they draw with.
+_LISTENERS = ("display", "tracking", "watching", "resources")
+
+
 def test_the_map_is_read_from_the_source():
     """The reader finds known imports, inside functions too, and each wall sees them (a wall that reads nothing
     guards nothing)."""
-    imports = dict.fromkeys(_graph()["air_magic.call_setup"])
+    imports = dict.fromkeys(_graph()["air_magic.calls.setup"])
     assert ("air_magic.launch.interface", True) in imports
     assert ("air_magic.display", False) in imports
     assert "air_magic.launch.local.launcher imports air_magic.launch.boot" in _crossings(("",), ("launch.boot",))
-    assert "air_magic.call_setup imports air_magic.display" in _crossings(("",), ("display",), unless=("launch",))
+    assert "air_magic.calls.setup imports air_magic.display" in _crossings(("",), ("display",), unless=("launch",))
 
 
 def test_the_launchers_import_nothing_above_them():
-    """launch/ (the process boundary) imports no listener, display, front door, runner or session policy."""
-    above = ("tracking", "display", "magics", "decorator", "cell", "sessions", "runner", "outcome", "listeners")
+    """launch/ (the process boundary) imports no listener, display or front door, and nothing of the owner of calls
+    (calls/: the runner, its outcome, the listener interface, sessions, the ledger)."""
+    above = ("tracking", "watching", "display", "magics", "decorator", "cell", "cli", "calls")
     assert _crossings(("launch",), above) == []
 
 
@@ -118,6 +123,9 @@ def test_the_walls_of_the_layout_see_real_imports():
     assert "air_magic.launch.local.pool imports air_magic.launch.keeper" in _crossings(
         ("launch.local",), ("launch.keeper",)
     )
+    assert "air_magic.calls.runner imports air_magic.launch" in _crossings(("calls",), ("launch",))
+    assert "air_magic.magics.execution imports air_magic.calls.handle" in _crossings(("magics",), ("calls",))
+    assert "air_magic.calls.setup imports air_magic.display" in _crossings(("calls",), _LISTENERS)
 
 
 def test_only_load_ext_imports_the_magics():
@@ -127,10 +135,26 @@ def test_only_load_ext_imports_the_magics():
     assert "air_magic.magics imports air_magic.magics.execution" in _crossings(("magics",), ("magics.execution",))
 
 
+def test_the_owner_imports_no_front_door():
+    """calls/ (the owner of calls and kept worlds: a kernel, a command-line process, a detached call's owner)
+    imports no front door (magics/, cli/, decorator.py, cell.py, sweep.py) and no Jupyter glue, and reaches the
+    listeners it is handed (display/, tracking/, watching/, the resource sampler) only inside functions, when a
+    call uses them."""
+    assert _crossings(("calls",), ("magics", "cli", "decorator", "cell", "sweep", "jupyter")) == []
+    at_module_level = [
+        f"{module} imports {imported}"
+        for module, imports in _graph().items()
+        if _under(module, "calls")
+        for imported, top in imports
+        if top and _under(imported, *_LISTENERS)
+    ]
+    assert at_module_level == []
+
+
 def test_the_table_of_calls_assumes_no_kernel_and_no_runner():
-    """call_table.py (every call of the process that makes them: a kernel, a command line, a detached call) imports
-    only the errors: no handle, runner, launcher, display or IPython glue."""
-    imported = {i for i, _ in _graph()["air_magic.call_table"]}
+    """calls/table.py (every call of the process that makes them: a kernel, a command line, a detached call)
+    imports only the errors: no handle, runner, launcher, display or IPython glue."""
+    imported = {i for i, _ in _graph()["air_magic.calls.table"]}
     assert imported == {"air_magic.errors"}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from air_magic import launch
+from air_magic.calls.runner import check_supported
 from air_magic.display.starting import waiting_for
 from air_magic.errors import ConfigurationError
 from air_magic.job import JobSpec
@@ -15,7 +16,6 @@ from air_magic.launch import protocol as p
 from air_magic.launch.files.rundir import RunDir
 from air_magic.launch.interface import JobHandle, Launcher
 from air_magic.launch.local import LocalLauncher
-from air_magic.runner import check_supported
 
 
 class Plain(Launcher):
@@ -122,8 +122,8 @@ def test_the_phase_text_follows_the_runners_phases():
 def test_a_private_variable_a_library_sets_keeps_the_world_of_hot_ranks(monkeypatch):
     """Importing MLflow adds _MLFLOW_TELEMETRY_SESSION_ID to os.environ: hot ranks stay the same world; a real
     variable (NCCL_DEBUG) makes another world."""
+    from air_magic.calls.runner import world_key
     from air_magic.job import JobSpec
-    from air_magic.runner import world_key
 
     spec = JobSpec(target=print, args=(), kwargs={}, name="f", world_size=2, accelerator_type="CPU", timeout=None)
     monkeypatch.delenv("_MLFLOW_TELEMETRY_SESSION_ID", raising=False)

@@ -3,8 +3,8 @@ once given back."""
 
 from __future__ import annotations
 
-from air_magic.leases import Leases
-from air_magic.ledger import CPU, GPU, Ledger
+from air_magic.calls.leases import Leases
+from air_magic.calls.ledger import CPU, GPU, Ledger
 
 
 def test_two_ledgers_on_one_lease_directory_never_share_a_unit(tmp_path):

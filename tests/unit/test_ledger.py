@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from air_magic.calls.ledger import CPU, GPU, Kept, Ledger
 from air_magic.errors import ConfigurationError, JobCancelledError
-from air_magic.ledger import CPU, GPU, Kept, Ledger
 
 
 def test_calls_at_once_get_disjoint_gpus_and_a_third_gets_none_until_one_gives_back():

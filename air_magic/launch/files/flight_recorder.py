@@ -15,7 +15,7 @@ itself when a collective times out (TORCH_NCCL_DUMP_ON_TIMEOUT).
 and `collectives_summary`, a pure function, turns them into one sentence:
 "rank 3 waits in all_reduce #1204; ranks 5 and 6 never reached it".
 
-Not for: the stacks themselves (stacks.py), or deciding when to ask (runner.py).
+Not for: the stacks themselves (stacks.py), or deciding when to ask (calls/runner.py).
 """
 
 from __future__ import annotations

@@ -223,22 +223,22 @@ class RunDir:
 
     @property
     def cancel_flag(self) -> Path:
-        """The file another process of this user leaves to cancel the call (call_record.py); its owner polls for it."""
+        """The file another process of this user leaves to cancel the call (calls/record.py); its owner polls for it."""
         return self.path / "cancel"
 
     @property
     def owner_lock(self) -> Path:
-        """The lock its owner process holds while the call is live (call_record.py): free once that process is gone."""
+        """The lock its owner process holds while the call is live (calls/record.py): free once that process is gone."""
         return self.path / "owner.lock"
 
     @property
     def owner_log(self) -> Path:
-        """A detached call's owner process writes its own output here (detached.py)."""
+        """A detached call's owner process writes its own output here (calls/detached.py)."""
         return self.path / "owner.log"
 
     @property
     def detached_call(self) -> Path:
-        """What a detached call's owner process runs: the call and its settings, pickled (detached.py)."""
+        """What a detached call's owner process runs: the call and its settings, pickled (calls/detached.py)."""
         return self.path / "detached.pkl"
 
     @property

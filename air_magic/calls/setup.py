@@ -14,14 +14,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import envvars
-from .errors import ConfigurationError
-from .job import JobSpec
-from .launch import protocol as p
-from .launch.env import cpu_launch_env
-from .launch.files import flight_recorder
-from .launch.files.rundir import RunDir
-from .launch.interface import Launcher
+from .. import envvars
+from ..errors import ConfigurationError
+from ..job import JobSpec
+from ..launch import protocol as p
+from ..launch.env import cpu_launch_env
+from ..launch.files import flight_recorder
+from ..launch.files.rundir import RunDir
+from ..launch.interface import Launcher
 from .listeners import Listener
 
 
@@ -120,13 +120,13 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
 
     The sampler comes first so that it has logged its last sample to the run before the tracker ends it.
     """
-    from .display import make_display
-    from .resources import ResourceSampler
+    from ..display import make_display
+    from ..resources import ResourceSampler
 
     sampler = ResourceSampler()
     listeners: list[Listener] = [sampler]
     if spec.mlflow:
-        from .tracking.listener import MlflowTracker, make_tracker
+        from ..tracking.listener import MlflowTracker, make_tracker
 
         tracker = make_tracker(spec)
         if tracker is not None:
@@ -134,13 +134,13 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
             if isinstance(tracker, MlflowTracker):
                 sampler.sinks.append(tracker.log_system_metrics)
     if spec.watch:
-        from .watching.listener import Watcher
+        from ..watching.listener import Watcher
 
         watcher = Watcher(spec)
         listeners.insert(1, watcher)  # before tracking and the display, which show what it found
         watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
     listeners.append(make_display(spec, sampler))
-    from .call_record import LiveRecord
+    from .record import LiveRecord
 
     listeners.append(LiveRecord(listeners))  # the call's record on disk, live, for every process of this user
     return listeners

@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import AirMagicError, ConfigurationError
-from .launch.files import debug_channel
-from .launch.files.debug_channel import Prompt
-from .launch.files.rundir import RunDir
+from ..errors import AirMagicError, ConfigurationError
+from ..launch.files import debug_channel
+from ..launch.files.debug_channel import Prompt
+from ..launch.files.rundir import RunDir
 
 #: Seconds a rank being stepped keeps the turn after an answer, before another rank's prompt is served.
 FOCUS = 2.0
@@ -133,7 +133,7 @@ def find_waiting(ident: str | None = None) -> Path:
     """The run directory of the call `ident` names (a run directory's path, a call of this process's table: its
     number, its id or a unique start of it, or the id of any call of this user on the machine), or, without
     `ident`, the latest call of this process with a rank waiting at a debugger prompt now."""
-    from .call_table import table
+    from .table import table
 
     if ident:
         path = Path(ident).expanduser()
@@ -142,7 +142,7 @@ def find_waiting(ident: str | None = None) -> Path:
         try:
             return table().find(ident).run_dir
         except AirMagicError as exc:
-            from . import call_record
+            from . import record as call_record
 
             try:  # the id of a call of another process on the machine: a detached call, the command line's
                 if not ident.isdigit():

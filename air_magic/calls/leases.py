@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launch.files.rundir import runs_root
+from ..launch.files.rundir import runs_root
 
 #: What kind of process this is, as a waiting call names the holder: "kernel", "cli" or "detached".
 ROLE = {"name": "kernel"}

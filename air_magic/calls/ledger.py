@@ -27,9 +27,9 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .envvars import CPU_SLOTS
-from .errors import ConfigurationError, JobCancelledError
-from .job import JobSpec
+from ..envvars import CPU_SLOTS
+from ..errors import ConfigurationError, JobCancelledError
+from ..job import JobSpec
 from .leases import Lease, Leases
 
 GPU = "GPU"
@@ -182,7 +182,7 @@ class Ledger:
 
 
 def _visible_gpus() -> list[str]:
-    from . import accelerators
+    from .. import accelerators
 
     count = accelerators.detect().gpu_count
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

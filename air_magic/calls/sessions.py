@@ -1,13 +1,11 @@
 """Sessions as the notebook sees them: which exist, what their ranks hold, how each ended, and the calls on them.
 
-The state itself lives on the ranks (launch/rank/session.py) and the processes in
-the launcher's hot ranks (launch/local/pool.py, launch/ray/hot.py); this module keeps the
-notebook's record of each session, so that a cell asking for another world
-under a session's name is refused before anything starts, an end is never
-silent (said when it is seen, and again in the `NameError` of a name the lost
-ranks held), and `%distributed_session` answers without asking a busy rank.
-It also runs the calls that act on a session itself (push, pull, reset) and
-ends sessions. Both front doors go through `run`. No IPython here (magics/).
+The state itself lives on the ranks (launch/rank/session.py) and the processes in the launcher's hot ranks
+(launch/local/pool.py, launch/ray/hot.py); this module keeps the notebook's record of each session, so that a cell
+asking for another world under a session's name is refused before anything starts, an end is never silent (said when
+it is seen, and again in the `NameError` of a name the lost ranks held), and `%distributed_session` answers without
+asking a busy rank. It also runs the calls that act on a session itself (push, pull, reset) and ends sessions. Both
+front doors go through `run`. No IPython here (magics/).
 
 Over 300 lines because the notebook's side of every session operation (refuse, record, push, pull, reset, end,
 post-mortem) shares one record.
@@ -26,14 +24,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import launch, ledger, runner
-from .call_table import table as call_table
-from .errors import ConfigurationError, annotate
-from .job import JobResult, JobSpec
-from .launch.interface import ENDED_BY_USER
-from .launch.keeper import RELEASED
-from .launch.rank.session import Pull, Push, Reset, SessionOp
+from .. import launch
+from ..errors import ConfigurationError, annotate
+from ..job import JobResult, JobSpec
+from ..launch.interface import ENDED_BY_USER
+from ..launch.keeper import RELEASED
+from ..launch.rank.session import Pull, Push, Reset, SessionOp
+from . import ledger, runner
 from .listeners import Listener
+from .table import table as call_table
 
 #: The session of `--session` given without a name.
 DEFAULT_SESSION = "default"
@@ -223,7 +222,7 @@ def run(
 
     `listeners` replace the default ones and `claim` is the call's place in the ledger (a background call's);
     `run_dir` a run directory made before the call started (runner.run). `call`: the call's handle in the table of
-    calls (background.DistributedCall, made by the front doors); a session it runs in is not busy for it.
+    calls (handle.DistributedCall, made by the front doors); a session it runs in is not busy for it.
     """
     if spec.session is not None:
         before(spec)
@@ -378,8 +377,8 @@ def with_session(spec: JobSpec, name: str | None, ranks: tuple[int, ...] | None)
 
 def post_mortem(session: str, rank: int | None = None) -> None:
     """Open the debugger on the error that `rank` of `session` keeps (default: the rank that raised first)."""
+    from ..launch.rank.debugger import LastError, PostMortem
     from .debugging import NOT_IN_SESSION
-    from .launch.rank.debugger import LastError, PostMortem
 
     alive = live()
     if session not in alive:

@@ -1,7 +1,7 @@
 """A call of another process, reached through its run directory: `air_magic.attach(ID)` and `%distributed_attach`.
 
 `AttachedCall` is a `DistributedCall` that reads the call's record and files instead of running it: its
-status follows the live record (call_record.py), `result()` waits for the final one and reads each rank's
+status follows the live record (record.py), `result()` waits for the final one and reads each rank's
 value or error from the run directory, `cancel()` leaves the cancel request the owner polls, `stop()` the
 Stop flag, and `show()` draws the live panel with every line the ranks wrote so far (display/follow.py),
 fed by a thread that follows the files. Any kernel of the same user may attach: the call's owner may be a
@@ -16,12 +16,12 @@ import threading
 import time
 from pathlib import Path
 
-from . import call_record
-from .background import DistributedCall
-from .call_table import table as call_table
-from .job import JobSpec, RankState
-from .launch.files.rundir import RunDir
+from ..job import JobSpec, RankState
+from ..launch.files.rundir import RunDir
+from . import record as call_record
+from .handle import DistributedCall
 from .listeners import RunContext
+from .table import table as call_table
 
 #: Seconds between two looks at an attached call's record.
 _LOOK = 0.2
@@ -64,7 +64,7 @@ class AttachedCall(DistributedCall):
                 self.watch.on_rank_state(rank, RankState.RUNNING)
         self.status, self.waiting_for = record["status"], record.get("waiting_for") or ""
         if record.get("run_id") and self.ctx is not None and "mlflow" not in self.ctx.links:
-            from .tracking.ui import call_link  # this kernel's UI over the call's store: the owner's ends with it
+            from ..tracking.ui import call_link  # this kernel's UI over the call's store: the owner's ends with it
 
             link = call_link(record)
             if link:
@@ -125,11 +125,11 @@ def spawn_detached(spec: JobSpec) -> DistributedCall:
     env: dict[str, str] = {}
     experiment_id = None
     if spec.mlflow:
-        from .tracking import prepare
+        from ..tracking import prepare
 
         prepare.wait()  # mlflow may be half imported by the extension's preparation (then in sys.modules)
     if "mlflow" in sys.modules and spec.mlflow:
-        from .tracking import _compat
+        from ..tracking import _compat
 
         mlflow = sys.modules["mlflow"]
         env["MLFLOW_TRACKING_URI"] = str(mlflow.get_tracking_uri())

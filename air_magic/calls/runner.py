@@ -9,11 +9,11 @@ knows no process, file layout of a rank, widget or tracking store: those
 belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
 
-A call's parts are put together in call_setup.py: `run` takes the launcher
+A call's parts are put together in setup.py: `run` takes the launcher
 that `launch.launcher_for` picks (unless given one) and the listeners of
 `default_listeners` (the resource sampler, MLflow tracking, the display).
 When and how a call's ranks are stopped (a failure, the timeout, Cancel, a
-Stop, the flight recorder read first) is call_stops.py, the runner's base.
+Stop, the flight recorder read first) is stops.py, the runner's base.
 
 Restarts are its policy too: when a rank of an attempt fails (raises, dies,
 is killed, loses its node) and the call has `max_restarts` left, every rank
@@ -34,22 +34,22 @@ import uuid
 import warnings
 from typing import Any
 
-from . import payload
-from .call_setup import check_supported, default_listeners, job_request, world_key
-from .call_stops import CallStops
+from .. import payload
+from ..errors import AirMagicError, ListenerWarning, RankHungError, RunDirectoryFullError, annotate
+from ..job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
+from ..launch import launcher_for, used
+from ..launch import protocol as p
+from ..launch.files import flight_recorder
+from ..launch.files.rundir import RunDir, attempt_marker
+from ..launch.interface import JobHandle, Launcher
+from ..launch.rank import session
+from ..launch.stopper import STOP_GRACE
+from ..phase import Phase
 from .debugging import DebugServer
-from .errors import AirMagicError, ListenerWarning, RankHungError, RunDirectoryFullError, annotate
-from .job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
-from .launch import launcher_for, used
-from .launch import protocol as p
-from .launch.files import flight_recorder
-from .launch.files.rundir import RunDir, attempt_marker
-from .launch.interface import JobHandle, Launcher
-from .launch.rank import session
-from .launch.stopper import STOP_GRACE
 from .listeners import Listener, RunContext
 from .outcome import raised_in_collective
-from .phase import Phase
+from .setup import check_supported, default_listeners, job_request, world_key
+from .stops import CallStops
 
 _POLL = 0.05
 __all__ = ["STOP_GRACE", "check_supported", "default_listeners", "run", "world_key"]

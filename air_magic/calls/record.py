@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import AirMagicError, JobCancelledError, RankFailedError
-from .job import JobResult, JobSpec, JobStatus, RankResult, RankState
-from .launch.files.rank_files import outcome
-from .launch.files.rundir import RunDir, runs_root, write_private
+from ..errors import AirMagicError, JobCancelledError, RankFailedError
+from ..job import JobResult, JobSpec, JobStatus, RankResult, RankState
+from ..launch.files.rank_files import outcome
+from ..launch.files.rundir import RunDir, runs_root, write_private
 from .leases import ROLE
 from .listeners import Listener, RunContext
 
@@ -275,7 +275,7 @@ def find_dir(call_id: str, root: Path | None = None) -> Path:
 
 
 def write(call: Any) -> None:
-    """Write `call`'s record (a background.DistributedCall) into its run directory (nothing if it never had one), and
+    """Write `call`'s record (a handle.DistributedCall) into its run directory (nothing if it never had one), and
     let go of its owner lock: the call ended."""
     path = call.ctx.run_dir if call.ctx is not None else getattr(call, "_run_dir", None)
     if path is None:
@@ -323,7 +323,7 @@ def spec_of(record: dict[str, Any]) -> JobSpec:
 
 
 def rebuild(cls: Any, path: Path) -> Any:
-    """An ended call's handle (of class `cls`, background.DistributedCall) from its run directory: status, record,
+    """An ended call's handle (of class `cls`, handle.DistributedCall) from its run directory: status, record,
     logs, exit codes, results or error."""
     record = load(path)
     if record is None:

@@ -27,9 +27,9 @@ import shutil
 import warnings
 from pathlib import Path
 
-from .envvars import LARGE_RESULT_MIB as LARGE_RESULT_MIB_ENV
-from .envvars import RUNS_DIR
-from .errors import (
+from ..envvars import LARGE_RESULT_MIB as LARGE_RESULT_MIB_ENV
+from ..envvars import RUNS_DIR
+from ..errors import (
     AirMagicError,
     DistributedTimeoutError,
     JobCancelledError,
@@ -40,11 +40,11 @@ from .errors import (
     annotate,
     describe_returncode,
 )
-from .job import JobResult, JobSpec, StopReason
-from .launch import protocol as p
-from .launch.files.rundir import RunDir
-from .launch.files.stack_dumps import death_tail, where_ranks_were
-from .payload import _user_stacklevel as user_stacklevel
+from ..job import JobResult, JobSpec, StopReason
+from ..launch import protocol as p
+from ..launch.files.rundir import RunDir
+from ..launch.files.stack_dumps import death_tail, where_ranks_were
+from ..payload import _user_stacklevel as user_stacklevel
 
 #: Characters of an earlier attempt's failure kept in the note of the call's error.
 FAILURE_LINE_CHARS = 300

@@ -2,7 +2,7 @@
 call's context at its start, its result at its end) and passes every hook on to the panels drawn again for the call
 (display/follow.py), none of which can change the call.
 
-Not for the handle itself (background.py) nor for drawing anything (display/).
+Not for the handle itself (handle.py) nor for drawing anything (display/).
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-from .job import JobResult, RankState
+from ..job import JobResult, RankState
 from .listeners import Listener, RunContext
 
 
 class Handle(Protocol):
-    """What the listener tells: a call's handle (background.DistributedCall)."""
+    """What the listener tells: a call's handle (handle.DistributedCall)."""
 
     result_: JobResult | None
 

@@ -6,9 +6,9 @@ spawning cell's context (its display writes to that cell), so the kernel is free
 the panel's button). Its GPUs or CPU slots come from the ledger (ledger.py): it is `waiting` until they are free.
 Its run directory, whose name is its id, is made when it is spawned.
 
-Every handle is in the process's table of calls (call_table.py); it learns what the runner does through the listener
+Every handle is in the process's table of calls (table.py); it learns what the runner does through the listener
 it puts first (handle_listener.py). `%distributed_calls` is display/calls.py; the record
-on disk and the handle rebuilt from it, call_record.py; a panel drawn again, display/follow.py. No IPython here.
+on disk and the handle rebuilt from it, record.py; a panel drawn again, display/follow.py. No IPython here.
 
 Over 300 lines because one handle answers all users ask of a call (status, result, logs, panel, stop, rebuilding).
 """
@@ -24,13 +24,14 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from . import ledger, payload, sessions
-from .call_table import table as call_table
-from .errors import AirMagicError, ConfigurationError, JobCancelledError
+from .. import payload
+from ..errors import AirMagicError, ConfigurationError, JobCancelledError
+from ..job import Alert, JobResult, JobSpec, JobStatus
+from ..launch.files.rundir import RunDir
+from . import ledger, sessions
 from .handle_listener import HandleListener
-from .job import Alert, JobResult, JobSpec, JobStatus
-from .launch.files.rundir import RunDir
 from .listeners import Listener, RunContext
+from .table import table as call_table
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
@@ -43,7 +44,7 @@ class DistributedCall:
     Made by `fn.spawn(...)` or `%%distributed --background` (it runs on a thread of its own), and by every
     foreground call (finished when the cell returns); `DistributedCall.from_run_dir(path)` rebuilds the handle of
     an ended call from its run directory. `id` is the run directory's name (unique on the machine; until the call
-    has one, its number); `number` is its small number in this process (call_table.py).
+    has one, its number); `number` is its small number in this process (table.py).
     """
 
     def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None) -> None:
@@ -128,7 +129,7 @@ class DistributedCall:
                         f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
                     )
             self._run_dir = RunDir.create(self.spec.name, self.spec.world_size).path  # its id, from now on
-            from .call_record import begin
+            from .record import begin
 
             begin(self._run_dir, self.spec, WAITING, waiting_for=self.waiting_for)  # every process sees it wait
         except BaseException as exc:
@@ -263,7 +264,7 @@ class DistributedCall:
     def stop(self) -> None:
         """Ask the ranks to stop after their current step: `air_magic.should_stop()` is True on every rank from now
         on, and a loop that checks it returns normally. A call whose code never asks goes on to its end."""
-        from .stopping import request_stop
+        from ..stopping import request_stop
 
         request_stop(self.run_dir)
 
@@ -273,7 +274,7 @@ class DistributedCall:
 
     def show(self) -> None:
         """Draw this call's panel here: live while it runs, with every line written so far; its record once ended."""
-        from .display.follow import show
+        from ..display.follow import show
 
         show(self)
 
@@ -329,7 +330,7 @@ class DistributedCall:
 
     # -- the record on disk ------------------------------------------------
     def _write_record(self) -> None:
-        from .call_record import write
+        from .record import write
 
         write(self)
 
@@ -337,7 +338,7 @@ class DistributedCall:
     def from_run_dir(cls, path: str | Path) -> DistributedCall:
         """The handle of an ended call, rebuilt from its run directory (after a kernel restart, say): its status,
         record, logs, exit codes and, where the ranks left them, its results or its error."""
-        from .call_record import rebuild
+        from .record import rebuild
 
         call: DistributedCall = rebuild(cls, Path(path))
         return call

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
-from . import stopping
-from .job import StopReason
-from .launch.files import flight_recorder
-from .launch.interface import JobHandle
-from .launch.stopper import STOP_GRACE
+from .. import stopping
+from ..job import StopReason
+from ..launch.files import flight_recorder
+from ..launch.interface import JobHandle
+from ..launch.stopper import STOP_GRACE
 from .listeners import RunContext
 from .outcome import AttemptOutcome
 

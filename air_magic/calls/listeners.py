@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .job import Alert, JobResult, JobSpec, RankState
-from .phase import Phase
+from ..job import Alert, JobResult, JobSpec, RankState
+from ..phase import Phase
 
 
 @dataclass

@@ -3,7 +3,7 @@
 `start(spec)` (from `detach=True`, `%%distributed --detach` or `air-magic run`) checks the call pickles, makes
 its run directory (whose name is the call's id), writes into it what to run (`detached.pkl`: the payload the
 ranks would get, the job's settings, sys.path, working directory, MLflow experiment) and starts
-`python -m air_magic.detached RUN_DIR` in a new session with its output in `owner.log`, so the death of its
+`python -m air_magic.calls.detached RUN_DIR` in a new session with its output in `owner.log`, so the death of its
 starter (a kernel's SIGKILL, a restart, a closed terminal) does not reach it. It returns the run directory
 once the owner holds the call (its live record names it).
 
@@ -11,7 +11,7 @@ The owner process (`main`) is an owner like a kernel, with the same code: it tak
 slots in the machine-wide ledger (waiting, and saying for what, in its record), runs the call through
 `sessions.run` and the runner with the default listeners (MLflow run, live record, text display), and leaves
 the final record; the ranks' results are in the run directory for any process to read
-(call_record.py, attached.py). A cancel asked from any process (the `cancel` file) or a SIGTERM cancels the
+(record.py, attached.py). A cancel asked from any process (the `cancel` file) or a SIGTERM cancels the
 call; if the owner is killed, its helper and ranks go with it, as a kernel's do. Not for: reading or
 showing a call from another process (attached.py).
 """
@@ -30,10 +30,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import call_record, leases, payload
-from .errors import AirMagicError
-from .job import JobSpec
-from .launch.files.rundir import RunDir, write_private
+from .. import payload
+from ..errors import AirMagicError
+from ..job import JobSpec
+from ..launch.files.rundir import RunDir, write_private
+from . import leases
+from . import record as call_record
 
 #: Seconds `start` waits for the owner process to take its call.
 READY_WAIT = 120.0
@@ -77,7 +79,7 @@ def start(
     fd = os.open(run.owner_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "air_magic.detached", str(run.path)],
+            [sys.executable, "-m", "air_magic.calls.detached", str(run.path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -115,8 +117,8 @@ def _listeners(spec: JobSpec, hand_off: dict[str, Any]) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """The owner process of one detached call: run it, record how it ended; 0 if it finished."""
+    from ..launch.rank.carried import load_call
     from . import ledger, sessions
-    from .launch.rank.carried import load_call
 
     path = Path((argv or sys.argv[1:])[0])
     run = RunDir(path)
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         target, args, kwargs, _ = load_call(hand_off["blob"])
         spec: JobSpec = dataclasses.replace(hand_off["spec"], target=target, args=args, kwargs=kwargs)
         if spec.num_nodes > 1:  # the cluster its starter had joined ($RAY_ADDRESS), else this machine's `ray start`
-            from .launch import ray_init
+            from ..launch import ray_init
 
             ray_init(os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     except BaseException as exc:  # noqa: BLE001 - the call could not be made here: that is how it ended

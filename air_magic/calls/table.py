@@ -9,8 +9,8 @@ found one way, `find`, by
 
 Sessions ("is this session busy?"), the ledger's holders, `%distributed_calls`, `%distributed_stop`,
 `%distributed_show` and `%distributed_debug` read it; nothing else keeps a record of the calls running here.
-A call is anything with the `Call` shape (background.DistributedCall is the one handle). Not for: calls of
-other processes (call_record.py reads those from disk), or running a call (background.py, sessions.py).
+A call is anything with the `Call` shape (handle.DistributedCall is the one handle). Not for: calls of
+other processes (record.py reads those from disk), or running a call (handle.py, sessions.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = ["Call", "CallTable", "UnknownCall", "table"]
 
