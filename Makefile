@@ -40,7 +40,7 @@ test: $(VENV)/.installed browser
 	@# --reruns 1: a test that fails is run once more, and the summary lists every rerun ("R" in the progress line).
 	@# Behaviour tests drive kernels, ranks and a simulated Ray cluster on two cores; the rare failure that does not
 	@# come back on a second run is the machine's load, not the product (each rerun is still read as a bug to fix).
-	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=25 --reruns 1 -rR
+	$(PY) -m pytest -n 4 --dist loadfile --no-loadscope-reorder --durations=25 --reruns 1 -rR
 
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check air_magic tests bench

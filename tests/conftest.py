@@ -26,28 +26,53 @@ STARTS_PROCESSES = ("kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
 
 
 #: The modules that take longest alone (measured on the 2-core machine), longest first. `make test` hands whole
-#: modules to its three workers (--dist loadfile --no-loadscope-reorder) in collection order, so these start first and
-#: no long module is left to run alone at the end; the others follow in their usual order.
+#: modules to its workers (--dist loadfile --no-loadscope-reorder, scheduled by `pytest_xdist_make_scheduler`) in
+#: collection order, so these start first and no long module is left to run alone at the end; the others follow in
+#: their usual order. The Ray modules come first, each group of ray_cluster.RAY_GROUPS together: one worker each.
 LONGEST_FIRST = (
     "test_ray.py",
-    "test_mlflow_speed.py",
-    "test_demos_sharded.py",  # two DeepSpeed calls (its CPU communication op is built by make's install step)
+    "test_ray_holds.py",
+    "test_cli_ray.py",
     "test_code_travels.py",
     "test_ray_sessions.py",
     "test_restarts.py",
-    "test_data_cache.py",
-    "test_tracking.py",
-    "test_core.py",
-    "test_faults.py",
-    "test_data_checkpoint.py",
-    "test_hang.py",
-    "test_demos_ddp.py",
-    "test_data_dataset.py",
-    "test_sessions.py",
-    "test_frameworks.py",
-    "test_boundary.py",
+    "test_mlflow_speed.py",
     "test_demos.py",
+    "test_demos_sharded.py",  # two DeepSpeed calls (its CPU communication op is built by make's install step)
+    "test_tracking.py",
+    "test_cli_mlflow_ui.py",
+    "test_hang.py",
+    "test_cli.py",
+    "test_browser.py",
+    "test_frameworks.py",
+    "test_core.py",
+    "test_panel.py",
+    "test_sessions.py",
+    "test_faults_kernels.py",
+    "test_mlflow_link_browser.py",
+    "test_faults.py",
+    "test_cli_attached_debug.py",
+    "test_background.py",
+    "test_watch.py",
+    "test_demos_ddp.py",
+    "test_hot.py",
 )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadfile, with each group of Ray modules (ray_cluster.RAY_GROUPS) one unit of work: its modules run one
+    after another on one worker, which starts one cluster for them all."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from ray_cluster import RAY_GROUPS
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayGroupsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return RAY_GROUPS.get(Path(path).name, path)
+
+    return RayGroupsTogether(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

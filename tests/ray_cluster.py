@@ -6,10 +6,14 @@ process listens on 127.0.0.1 only (on Linux Ray otherwise takes the machine's
 network address). The head holds no CPUs, so a job's ranks land on the two
 worker nodes, and `num_nodes=2` means those two.
 
-Registered as a pytest plugin (tests/conftest.py): the fixture `cluster` is one such cluster for every Ray test of
-a pytest process (one per worker of `make test`), started by the first test that asks for it. A test that removes a
-node adds one back (`add_node`), and one that adds a node removes it (`remove_node`); after each test that used the
-cluster, `two_worker_nodes` puts it back to two worker nodes, so the next test finds the cluster it expects.
+Registered as a pytest plugin (tests/conftest.py): the fixture `cluster` is one such cluster for the Ray tests of a
+pytest process, started by the first test that asks for it. The modules that use it fall in two groups
+(`RAY_GROUPS`); `make test` runs each group's modules one after another on one of its workers (tests/conftest.py
+collects them first and schedules each group as one unit), so at most two clusters run at once, and a cluster ends
+as soon as its worker goes on to a module without Ray (not at the end of the whole run, where an idle cluster would
+have cost the other workers CPU all along). A test that removes a node adds one back (`add_node`), and one that adds
+a node removes it (`remove_node`); after each test that used the cluster, `two_worker_nodes` puts it back to two
+worker nodes, so the next test finds the cluster it expects.
 """
 
 from __future__ import annotations
@@ -43,30 +47,75 @@ NODE_CPUS = 2
 WORKER_NODES = 2
 
 
+#: The modules that use the cluster, by group: a group's modules run one after another in one pytest process.
+RAY_GROUPS = {
+    "test_ray.py": "ray-a",
+    "test_ray_holds.py": "ray-a",
+    "test_cli_ray.py": "ray-a",
+    "test_code_travels.py": "ray-b",
+    "test_ray_sessions.py": "ray-b",
+    "test_restarts.py": "ray-b",
+}
+
+#: The cluster of this pytest process while its Ray modules run.
+_running: list = []
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The simulated cluster shared by the Ray tests of this pytest process, this process joined to it as a notebook
     would be (spare actors off: the spares' test turns them on). `cluster.address` is what kernels join."""
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from air_magic import ray_init
 
     c = start_cluster(WORKER_NODES)
+    _running.append(c)
     ray_init(c.address, log_to_driver=False, spares=False)
-    try:
-        yield c
-    finally:
+    yield c
+    _stop()
+
+
+def _stop() -> None:
+    """End this process's cluster, if it runs (this process leaves it first)."""
+    while _running:
+        import ray
+
         ray.shutdown()
-        c.shutdown()
+        _running.pop().shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A module that uses the cluster but is in no group would start a cluster of its own beside the groups'."""
+    strays = sorted({i.path.name for i in items if "cluster" in getattr(i, "fixturenames", ())} - set(RAY_GROUPS))
+    if strays:
+        raise pytest.UsageError(
+            f"these modules use the Ray cluster: add them to RAY_GROUPS in tests/ray_cluster.py: {strays}"
+        )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test of this process's Ray modules (the next test's module has no Ray, or none is next), the
+    cluster ends: the test's own fixtures were torn down first (trylast)."""
+    if _running and (nextitem is None or nextitem.path.name not in RAY_GROUPS):
+        _stop()
+
+
+def pytest_sessionfinish() -> None:
+    _stop()
 
 
 @pytest.fixture(autouse=True)
 def two_worker_nodes(request):
     """After a test that used the shared cluster, it has two worker nodes again (one lost by a failed node-loss
     test is added back, one a test added is removed)."""
-    yield
     if "cluster" not in request.fixturenames:
+        yield
         return
     c = request.getfixturevalue("cluster")
+    if not _running:
+        pytest.fail(f"this process's cluster ended after its Ray modules; keep {request.path.name} in RAY_GROUPS")
+    yield
     while len(c.worker_nodes) > WORKER_NODES:
         remove_node(c, list(c.worker_nodes)[-1])
     while len(c.worker_nodes) < WORKER_NODES:
