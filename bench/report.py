@@ -95,6 +95,18 @@ NOTES = {
     "launch-1xH100-calls-before.json": "the code before one table of calls, the watch, the command line and "
     "machine-wide leases; `launch-1xH100-calls-after.json` is the code with them, measured in the same run on the "
     "same H100 (3 repeats each: differences under about 10 % are within the runs' spread).",
+    "sessions-1xH100-calls-before.json": (
+        "the code before one table of calls, the watch, the command line, machine-wide leases and the owner's "
+        "folder (abe6809), run between `sessions-1xH100-calls-after.json` and `sessions-1xH100-calls-after-again.json` "
+        "(the code with them) on the same H100 in one session: after 0.167 s / 0.163 s per session call against "
+        "0.183 s before, hot 3.86 s / 3.42 s against 4.88 s, warm 25.3 s / 25.6 s against 26.0 s: no slowdown."
+    ),
+    "call_patterns-1xH100-calls-before-after.txt": (
+        "the same before/after/after-again run of `call_patterns.py --ranks 1` on that H100 (medians of calls 2-5): "
+        "warm 1.557 s / 1.510 s against 1.540 s before; a sweep's bare call 1.481 s / 1.486 s against 1.457 s; a hot "
+        "call logging to MLflow 0.081 s / 0.098 s against 0.088 s; a bare hot call 0.068 s / 0.059 s against "
+        "0.051 s: 8-17 ms more per bare hot call, the only pattern slower by more than its spread."
+    ),
     "launch-1xH200.json": "each round runs the methods in turn, so a hot call follows a fresh-process call and "
     "waits for that call's ranks to finish exiting (results come back before the exits; the next call starts after "
     "them), which is most of the 0.12 s.",
@@ -655,6 +667,8 @@ def raw_records() -> list[str]:
         "Logs and printed output kept as they were written (not tables); their first line:",
         "",
         *table(["file", "first line"], rows),
+        "",
+        *notes(p.name for p in sorted(RESULTS.iterdir()) if p.suffix in {".txt", ".log"}),
     ]
 
 
@@ -695,6 +709,7 @@ def sessions() -> list[str]:
         *table(["machine", "date", "load", "model", "way", "first call", "median call", "× session"], rows),
         source_line(names),
         "",
+        *notes(names),
     ]
 
 
