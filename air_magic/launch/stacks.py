@@ -39,12 +39,14 @@ from dataclasses import dataclass
 #: The signal a rank answers with its stacks: a real-time one, which user code and its libraries leave alone
 #: (PyTorch Lightning takes SIGUSR1 on SLURM). None where the platform has none.
 STACKS_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
-#: At most this long is spent waiting for the dumps of one `request`, in seconds.
-REQUEST_LIMIT = 0.6
+#: At most this long is spent waiting for the dumps of one `request`, in seconds (py-spy's reading of native frames
+#: aside). A healthy rank answers in milliseconds; on a machine whose cores are all busy, a process can wait most of a
+#: second before it is scheduled to write its dump.
+REQUEST_LIMIT = 2.0
 #: A process's dump is complete when its log has not grown for this long, in seconds.
 _SETTLED = 0.015
 #: One process gets at most this long to write its dump, in seconds.
-_ONE_LIMIT = 0.25
+_ONE_LIMIT = 1.0
 #: Stop dumps of one process closer together than this are one stop heard twice (a stop that also releases the
 #: hot ranks it stops).
 _AGAIN_AFTER = 2.0
@@ -206,7 +208,9 @@ def request(
     try:
         while any(queues.values()) and time.monotonic() < deadline:
             turn = [q.pop(0) for q in queues.values() if q]
-            asked += _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT))
+            done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT))
+            asked += done
+            deadline += native_s  # py-spy's time is not taken from the processes still to answer (a rank's children)
     finally:
         for target in (t for q in queues.values() for t in q):
             if target.fd is not None:
@@ -236,8 +240,9 @@ def request_in_background(ranks: Iterable[int], others: Iterable[int] = (), why:
         request(ranks, others, why)  # no process to spare: ask from here
 
 
-def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
-    """Header and signal to each target (each writes to a different log), then wait until every log settles."""
+def _dump_round(turn: list[_Target], why: str, deadline: float) -> tuple[int, float]:
+    """Header and signal to each target (each writes to a different log), then wait until every log settles; the
+    number asked, and the seconds py-spy took to read the ranks' native frames."""
     assert STACKS_SIGNAL is not None
     clock = time.strftime("%H:%M:%S")
     waiting: dict[int, tuple[int, float]] = {}  # fd -> (its size when last seen to change, when)
@@ -268,7 +273,9 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
                 waiting[fd] = (current, now)
             elif fd in grown and now - since >= _SETTLED:
                 del waiting[fd]
+    native_start = time.monotonic()
     natives = native_stacks([t.pid for t in turn if t.fd is not None and t.role == RANK_ROLE])
+    native_s = time.monotonic() - native_start
     for target in turn:
         if target.fd is not None:
             try:
@@ -279,7 +286,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> int:
                 pass
             os.close(target.fd)
             target.fd = None
-    return asked
+    return asked, native_s
 
 
 # -- native frames ----------------------------------------------------------------------

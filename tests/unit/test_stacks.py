@@ -5,8 +5,10 @@ from __future__ import annotations
 import faulthandler
 import os
 import threading
+import time
 from pathlib import Path
 
+from air_magic.launch import stacks
 from air_magic.launch.files import stack_dumps
 from air_magic.launch.files.stack_dumps import StackScanner, parse, where_ranks_were
 from air_magic.launch.stacks import STOPPING
@@ -193,3 +195,34 @@ def test_a_fatal_dump_keeps_the_dying_thread_and_the_last_output_in_a_short_tail
     assert not any("_flush_loop" in line or "Extension modules" in line for line in kept)
     assert kept[-1] == "(the stacks of 2 other thread(s) are in the full log)"
     assert compact_fatal_dump(["plain", "output"]) == ["plain", "output"]
+
+
+def test_a_ranks_child_sharing_its_log_is_asked_even_when_reading_native_frames_outlasts_the_request(
+    tmp_path, monkeypatch
+):
+    """py-spy's reading of a rank's native frames (up to seconds on a busy machine) is not taken from the time the
+    processes after it have: the rank's DataLoader worker, which writes to the same log, still gets its turn."""
+    log = tmp_path / "rank-0.log"
+    log.write_text("")
+    rank, child = 101, 102
+    monkeypatch.setattr(stacks, "catches", lambda pid: True)
+    monkeypatch.setattr(stacks, "_parent", lambda pid: rank)
+    monkeypatch.setattr(
+        stacks,
+        "_open_target",
+        lambda pid, role: stacks._Target(pid, os.open(log, os.O_WRONLY | os.O_APPEND), (1, 1), role),
+    )
+
+    def kill(pid: int, sig: int) -> None:  # each process answers at once with a dump of one frame
+        with open(log, "a") as f:
+            f.write(f'Thread 0x1 (most recent call first):\n  File "/user/train.py", line {pid} in step_{pid}\n')
+
+    def slow_native(pids: list[int]) -> dict[int, str]:
+        if pids:  # the rank's turn (its child is not a rank: py-spy is not run for it)
+            time.sleep(stacks.REQUEST_LIMIT + 0.3)
+        return {}
+
+    monkeypatch.setattr(stacks.os, "kill", kill)
+    monkeypatch.setattr(stacks, "native_stacks", slow_native)
+    assert stacks.request([rank], [child], why="on request") == 2
+    assert [d.pid for d in parse(log.read_text())] == [rank, child]
