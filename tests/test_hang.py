@@ -139,7 +139,7 @@ def test_cancel_keeps_every_ranks_stacks_and_a_silent_rank_is_marked_quiet(lab_k
     seen: dict[str, float] = {}
 
     def drive(m: WidgetMirror) -> None:
-        if not m.of_model("TabModel") or not all("training" in log for log in m.panel()["logs"]):
+        if "cancel" in seen or not m.of_model("TabModel") or not all("training" in log for log in m.panel()["logs"]):
             return
         view = _stacks_view(m)
         both = "waiting_for_the_slow_rank" in view and "stuck_in_data_loading" in view

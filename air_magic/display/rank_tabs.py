@@ -15,7 +15,7 @@ from pathlib import Path
 import ipywidgets as w
 
 from ..job import RankState
-from ..launch.files.stack_dumps import Dump, StackScanner
+from ..launch.files.stack_dumps import STOPPING, Dump, StackScanner
 from ..resources import Peak, Usage, peak_text, usage_text
 from .tail import TailBuffer
 
@@ -91,8 +91,14 @@ class RankTabs:
                 self.last_output[rank] = time.monotonic()
 
     def take_dumps(self, rank: int, dumps: list[Dump]) -> None:
-        """Keep the newest stacks of each process of the rank: its own first, then its children's."""
+        """Keep the newest stacks of each process of the rank: its own first, then its children's. Once the rank has
+        stacks taken before stopping it, those stay: a request answered later (a Stacks click racing the stop) does
+        not replace what the record keeps."""
         kept = {d.pid: d for d in self.dumps.get(rank, [])}
+        if any(d.why == STOPPING for d in kept.values()):
+            dumps = [d for d in dumps if d.why == STOPPING]
+            if not dumps:
+                return
         for dump in dumps:
             if dump.of_rank:
                 kept = {}  # a new request: children not heard from again are gone
