@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -124,6 +125,19 @@ def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     paths = [str(ROOT), (extra or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     return env
+
+
+def air_magic_cli(cwd: Path, env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """`air-magic ARGS` as a user runs it: a process in `cwd` with `env`, its output captured, its exit code kept."""
+    return subprocess.run(
+        [sys.executable, "-m", "air_magic.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
 
 
 class Kernel:

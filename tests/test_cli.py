@@ -8,10 +8,11 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import kernel_env, process_env
+from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -67,16 +68,7 @@ def cli(tmp_path_factory):
     (root / "fjob.yaml").write_text(FUNCTION_JOB)
     env = process_env(kernel_env(root))
 
-    def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "air_magic.cli", *args],
-            check=False,
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+    run = partial(air_magic_cli, root, env)
 
     run.root = root  # type: ignore[attr-defined]
     run.env = env  # type: ignore[attr-defined]

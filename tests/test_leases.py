@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
-from helpers import kernel_env, process_env
+from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +41,7 @@ def test_a_run_waits_for_slots_another_process_holds_until_that_process_is_kille
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "HELD"
 
-        def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [sys.executable, "-m", "air_magic.cli", *args],
-                cwd=tmp_path,
-                env=env,
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=600,
-            )
+        cli = partial(air_magic_cli, tmp_path, env)
 
         started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
         deadline = time.monotonic() + 300

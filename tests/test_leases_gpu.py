@@ -4,11 +4,10 @@ them, says who holds them, and runs once the command-line run ends. Skipped on m
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from functools import partial
 
 import pytest
-from helpers import REAL_NODE, gpu_count, process_env
+from helpers import REAL_NODE, air_magic_cli, gpu_count, process_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -37,16 +36,7 @@ def test_a_kernels_call_waits_for_the_gpus_a_command_line_run_holds_then_runs(ke
     (workdir / "hold.py").write_text(HOLD)
     env = process_env({**REAL_NODE, "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "MLFLOW_TRACKING_URI": ""})
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "air_magic.cli", *args],
-            cwd=workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=600,
-        )
+    cli = partial(air_magic_cli, workdir, env)
 
     started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
     kernel.execute("%load_ext air_magic").check()

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..errors import AirMagicError, JobCancelledError, RankFailedError
 from ..job import JobResult, JobSpec, JobStatus, RankResult, RankState
 from ..launch.files.rank_files import outcome
@@ -210,15 +212,7 @@ def owner_alive(path: Path, record: dict[str, Any]) -> bool:
         fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         pid = (record.get("owner") or {}).get("pid")
-        if not isinstance(pid, int):
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return isinstance(pid, int) and psutil.pid_exists(pid)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:

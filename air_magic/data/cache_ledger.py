@@ -26,6 +26,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psutil
+
 _PART = re.compile(r"^(?P<key>.+)\.(?P<pid>[0-9]+)\.(?P<size>[0-9]+)\.part$")
 
 # flock belongs to the open file description, which a forked child shares: a lock held by one thread
@@ -53,16 +55,8 @@ os.register_at_fork(
 )
 
 
-def alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: A process of this pid exists (one of another user's counts as alive).
+alive = psutil.pid_exists
 
 
 def cache_key(url: str, size: int, version: str) -> str:
