@@ -28,24 +28,23 @@ def given(value: Any, default: Any) -> Any:
 
 
 # -- types: the text of an option -> its value ---------------------------------------------
-def count(text: str) -> int:
+def _at_least_one(text: str, of: str) -> int:
+    """A whole number of at least 1 (`of`: what is counted, "worker" or "machine"), or the error that says so."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of workers such as 2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number of {of}s such as 2, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}")
+        raise argparse.ArgumentTypeError(f"needs at least 1 {'node' if of == 'machine' else of}, got {value}")
     return value
+
+
+def count(text: str) -> int:
+    return _at_least_one(text, "worker")
 
 
 def nodes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of machines such as 2, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"needs at least 1 node, got {value}")
-    return value
+    return _at_least_one(text, "machine")
 
 
 def seconds(text: str) -> float | None:
