@@ -1,6 +1,6 @@
 """A hot rank's loop, the same for both launchers: say a call ended, wait for the next one, run it.
 
-A hot rank (one of a kept world) serves one call after another until a call fails in a way that leaves it unusable
+A hot rank (one of a kept world) serves one call after another until a call fails in a way that makes it unfit for more
 or it is released. `serve` is that loop and what the rank does between calls (its hooks reset, a tidy-up while it
 waits); a `Transport` carries the rest: the helper's pipes for a local rank (`Pipes`, here), the actor's methods for
 a Ray rank (launch/ray/rank.py). Not for running one call (worker.py, handed to the loop as `Calls`) nor for
