@@ -26,6 +26,7 @@ request, and py-spy's native frames.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -208,6 +209,9 @@ def request(
     try:
         while any(queues.values()) and time.monotonic() < deadline:
             turn = [q.pop(0) for q in queues.values() if q]
+            waited = time.monotonic()
+            turn = _take_turns(turn, time.monotonic() + REQUEST_LIMIT)
+            deadline += time.monotonic() - waited  # another asker's dump in the same log is not this one's time
             done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT))
             asked += done
             deadline += native_s  # py-spy's time is not taken from the processes still to answer (a rank's children)
@@ -238,6 +242,34 @@ def request_in_background(ranks: Iterable[int], others: Iterable[int] = (), why:
         )
     except OSError:
         request(ranks, others, why)  # no process to spare: ask from here
+
+
+def _take_turns(turn: list[_Target], deadline: float) -> list[_Target]:
+    """The targets whose log this process now holds for one dump (an exclusive `flock` on it, released when the
+    target's descriptor is closed), waiting until `deadline` for another process's dump in the same log to end.
+
+    Askers in different processes (a Stacks click's short-lived process, the helper stopping the ranks) would
+    otherwise write their headers one after another before either dump, and the dumps would be read under the
+    wrong header. A log that cannot be locked is asked at once; one still held at `deadline` is not asked.
+    """
+    held = []
+    for target in turn:
+        assert target.fd is not None
+        while True:
+            try:
+                fcntl.flock(target.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(_POLL)
+                    continue
+                os.close(target.fd)
+                target.fd = None
+                break
+            except OSError:
+                pass  # not a file that takes locks: asked without a turn
+            held.append(target)
+            break
+    return held
 
 
 def _dump_round(turn: list[_Target], why: str, deadline: float) -> tuple[int, float]:

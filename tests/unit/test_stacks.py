@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import fcntl
 import os
 import threading
 import time
@@ -226,3 +227,40 @@ def test_a_ranks_child_sharing_its_log_is_asked_even_when_reading_native_frames_
     monkeypatch.setattr(stacks, "native_stacks", slow_native)
     assert stacks.request([rank], [child], why="on request") == 2
     assert [d.pid for d in parse(log.read_text())] == [rank, child]
+
+
+def test_a_request_waits_for_another_askers_dump_in_the_same_log_to_end(tmp_path, monkeypatch):
+    """Another process (here another open file of the log, as a Stacks click's process has) is writing a dump into
+    the rank's log: a stop's request writes its header only after that dump's trailer, so each dump is read under
+    its own header with its own frames."""
+    log = tmp_path / "rank-0.log"
+    log.write_text("")
+    frames = 'Thread 0x1 (most recent call first):\n  File "/user/train.py", line 9 in {}\n'
+    other = os.open(log, os.O_WRONLY | os.O_APPEND)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    os.write(other, b"air_magic: stacks of pid 101 (the rank), on request at 12:00:00, most recent call first:\n")
+
+    def finish_the_other_dump() -> None:
+        os.write(other, (frames.format("asked_first") + "air_magic: end of the stacks of pid 101\n").encode())
+        os.close(other)
+
+    def kill(pid: int, sig: int) -> None:
+        with open(log, "a") as f:
+            f.write(frames.format("stopped_here"))
+
+    monkeypatch.setattr(stacks, "catches", lambda pid: True)
+    monkeypatch.setattr(
+        stacks,
+        "_open_target",
+        lambda pid, role: stacks._Target(pid, os.open(log, os.O_WRONLY | os.O_APPEND), (1, 1), role),
+    )
+    monkeypatch.setattr(stacks.os, "kill", kill)
+    monkeypatch.setattr(stacks, "native_stacks", lambda pids: {})
+    timer = threading.Timer(0.3, finish_the_other_dump)
+    timer.start()
+    try:
+        assert stacks.request([101], why=STOPPING) == 1
+    finally:
+        timer.join()
+    found = [(d.why, d.user_frame().function if d.user_frame() else None) for d in parse(log.read_text())]
+    assert found == [("on request", "asked_first"), (STOPPING, "stopped_here")], log.read_text()
