@@ -2,13 +2,14 @@
 #   make demo   - create .venv, install air_magic, run the quickstart notebook on this machine
 #   make test   - create .venv, install air_magic with its test tools, lint and type-check, build the docs, run the test suite
 #   make docs   - build the documentation site into docs/_build/html (warnings are errors)
-#   make check  - the quick tier: lint, types and the tests not marked slow (no kernel, cluster or process started)
+#   make check  - the quick tier: lint, types and the tests not marked slow (no kernel, cluster or process started),
+#                 the three at once
 VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test check docs bench browser
+.PHONY: demo test check docs bench browser lint types quick
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -33,19 +34,24 @@ demo: $(VENV)/.installed
 	$(PY) demo_notebooks/run.py demo_notebooks/quickstart.ipynb
 
 test: $(VENV)/.installed browser
-	$(VENV)/bin/ruff format --check air_magic tests bench
-	$(VENV)/bin/ruff check air_magic tests bench
-	$(VENV)/bin/mypy air_magic
-	$(MAKE) docs VENV=$(VENV)
+	@# lint, types and the docs at once (each is one process; together they use both cores), then the suite
+	$(MAKE) -j 3 lint types docs VENV=$(VENV)
 	@# --reruns 1: a test that fails is run once more, and the summary lists every rerun ("R" in the progress line).
 	@# Behaviour tests drive kernels, ranks and a simulated Ray cluster on two cores; the rare failure that does not
 	@# come back on a second run is the machine's load, not the product (each rerun is still read as a bug to fix).
 	$(PY) -m pytest -n 4 --dist loadfile --no-loadscope-reorder --durations=25 --reruns 1 -rR
 
 check: $(VENV)/.installed
+	$(MAKE) -j 3 lint types quick VENV=$(VENV)
+
+lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check air_magic tests bench
 	$(VENV)/bin/ruff check air_magic tests bench
+
+types: $(VENV)/.installed
 	$(VENV)/bin/mypy air_magic
+
+quick: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow" -q
 
 # -W --keep-going: every warning (a broken link, a name autodoc cannot find) fails the build, all reported at once.

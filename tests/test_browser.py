@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import uuid
 
 import psutil
 import pytest
@@ -186,10 +187,11 @@ def _settles_busy(read, ended=lambda: False, within: float = 2.0) -> str:
 def test_first_call_keeps_the_kernel_busy_shows_at_once_fits_1280_px_and_draws_charts(lab):
     """A kernel's first call: the panel shows at once, the kernel reads busy throughout (server and JupyterLab),
     the header's status line shows whole at 1280 px, metrics are charted live, and Cancel still works mid-cell."""
-    write_notebook(lab.root / "train.ipynb", TRAIN_CELLS)
+    name = f"train-{uuid.uuid4().hex[:6]}.ipynb"  # a kernel of its own, first widget included, on a rerun too
+    write_notebook(lab.root / name, TRAIN_CELLS)
     with browser_page(1280, 800) as page:
-        nb = Notebook(page, lab, "train.ipynb")
-        (session,) = [s for s in lab.api("sessions") if s["path"].endswith("train.ipynb")]
+        nb = Notebook(page, lab, name)
+        (session,) = [s for s in lab.api("sessions") if s["path"].endswith(name)]
         kernel = session["kernel"]["id"]
         nb.run(0)
         nb.wait_done(0)
