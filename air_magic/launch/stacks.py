@@ -67,6 +67,9 @@ _NO_NATIVE = "air_magic: no native stacks of pid {pid}: {why}"
 NATIVE_RE = re.compile(r"^air_magic: native stacks of pid (\d+) \(py-spy dump --native\):$")
 NO_NATIVE_RE = re.compile(r"^air_magic: no native stacks of pid (\d+): (.*)$")
 NATIVE_MARK = "  | "
+#: A stop waits this long for another asker's dump in a rank's log to end before it asks for its own (the stop's stacks
+#: are what the record keeps; a Stacks request's dump, native frames included, ends within this), in seconds.
+STOP_TURN_WAIT = 20.0
 #: At most this long is spent on the native frames of one `request`, in seconds (py-spy reads the
 #: symbols of every library the rank loaded: about 0.3 s for a torch rank on a quiet machine).
 NATIVE_LIMIT = 15.0
@@ -210,7 +213,7 @@ def request(
         while any(queues.values()) and time.monotonic() < deadline:
             turn = [q.pop(0) for q in queues.values() if q]
             waited = time.monotonic()
-            turn = _take_turns(turn, time.monotonic() + REQUEST_LIMIT)
+            turn = _take_turns(turn, time.monotonic() + (STOP_TURN_WAIT if why == STOPPING else REQUEST_LIMIT))
             deadline += time.monotonic() - waited  # another asker's dump in the same log is not this one's time
             done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT))
             asked += done
