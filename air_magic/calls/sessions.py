@@ -102,11 +102,10 @@ def _end(name: str, why: str) -> Ended | None:
 
 def _notice_ends() -> None:
     """Say each session that ended outside a call (idle, released) since the last look, once."""
-    for launcher in launch.used_launchers():
-        for name, why in launcher.ended_sessions():
-            ended = _end(name, why)
-            if ended is not None:
-                print(ended.line(), file=sys.stderr)
+    for name, why in launch.ended_sessions():
+        ended = _end(name, why)
+        if ended is not None:
+            print(ended.line(), file=sys.stderr)
 
 
 def live() -> dict[str, Record]:
@@ -311,8 +310,7 @@ def released() -> list[str]:
         ended = _end(name, RELEASED)
         if ended is not None:
             lines.append(ended.line())
-    for launcher in launch.used_launchers():
-        launcher.ended_sessions()  # already said here
+    launch.ended_sessions()  # already said here
     return lines
 
 

@@ -2,9 +2,11 @@
 
 In the notebook:
   interface.py  the Launcher and JobHandle the runner talks to (this module picks one: `launcher_for`)
-  local/launcher.py, ray/  the launchers' notebook side (Ray's whole launcher runs in the notebook)
+  local/launcher.py, local/worlds.py, ray/  the launchers' notebook side (Ray's whole launcher runs in the
+                notebook)
 In the helper (one supervisor process per kernel, local calls only):
-  local/        supervisor loop, preload cache, hot pools, spawning (everything but local/launcher.py)
+  local/        supervisor loop, preload cache, hot pools, spawning (everything but local/launcher.py and
+                local/worlds.py)
   rendezvous.py the rendezvous store's own small process
 In a rank (forked by the helper, spawned fresh, or a Ray actor):
   rank/         worker (runs a call), session namespace, carried notebook code, the rank's debugger
@@ -12,7 +14,8 @@ The run directory's formats (one module per file kind; every reader and writer u
   files/        rundir (every path), rank_files (logs, usage, metrics), errorfile, stack_dumps,
                 debug_channel, flight_recorder
 Shared by every process:
-  keeper.py     the rules of kept worlds (hot, session, spare) that local/pool.py and ray/hot.py adapt
+  keeper.py     the one keeper of kept worlds (hot, session, spare) of the process that makes calls, shared by
+                local/worlds.py (the helper's pools) and ray/hot.py (Ray's actors)
   protocol.py   the typed requests and events that cross a process
   env.py        the torchrun variables of a rank, for every launcher
   boot.py       how air_magic's own processes start (boot line, package location, internal-error exit code)
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_shape",
+    "ended_sessions",
     "launcher_for",
     "prepare_hooks",
     "ray_init",
@@ -80,6 +84,14 @@ def release_hot() -> None:
     """End the idle hot ranks of every launcher this kernel has used."""
     for launcher in used_launchers():
         launcher.release_hot()
+
+
+def ended_sessions() -> list[tuple[str, str]]:
+    """(session, why) for each session whose ranks ended outside any call (idle, released) since last asked, on
+    any launcher: the record of this process's keeper of kept worlds."""
+    from .keeper import kept
+
+    return kept().ended_sessions()
 
 
 def shutdown() -> None:

@@ -99,10 +99,6 @@ class Launcher(ABC):
         holds and for how long; [] if none."""
         return []
 
-    def ended_sessions(self) -> list[tuple[str, str]]:
-        """(session, why) for each session whose ranks ended outside any call (idle, released) since last asked."""
-        return []
-
     def shutdown(self) -> None:
         """Stop whatever this launcher still runs (at exit, or when the extension is unloaded); it may be used again."""
 

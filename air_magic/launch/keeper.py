@@ -8,24 +8,25 @@ A kept world is the ranks of a call that stay alive after it, in one of three ki
 - spare (Ray): started ahead of the next cold call of a shape, never ran user code; only a call that
   places takes it (`take_spare`).
 
-The rules, written once here and adapted by each launcher (the helper's pools,
-launch/local/pool.py, for processes and pipes; Ray's hot worlds, launch/ray/hot.py, for
-actors and placement groups), as torch elastic's agent holds the policy its local agent
-carries out:
+One keeper per process that makes calls (`kept()`: the notebook's kernel, a command-line process, a detached
+call's owner), shared by both launchers, as torch elastic's agent holds the policy its local agent carries out.
+Each launcher's `World` subclass carries an end out (`World.end`: the local helper's pool, launch/local/worlds.py,
+ended by an `EndPool` request; Ray's actors and placement group, launch/ray/hot.py); the helper only runs and
+reports. The rules:
 
 - who may take a world: a plain call takes an idle hot world of its key and shape, never a
   session's or a spare; a session call takes its session's world, which must be idle and of its
   shape, else `SessionBusy` says what holds the name and how to end it;
 - what a call leaves: a world whose call every rank finished stays; a session's stays also when
-  each rank that raised came back usable (`keeps`); anything else ends;
-- what ends a world: idle `keep_alive` s (`expire`), a failed or stopped call, a lost rank, a
-  release (sessions spared where asked), the kernel's end; the reason is said once, for a
-  session's world, through `said`;
+  each rank that raised came back usable (`keeps`, used by both launchers); anything else ends;
+- what ends a world: idle `keep_alive` s (one timer per idle world, or `expire` with a clock), a failed or
+  stopped call, a lost rank, a release (sessions spared where asked), the kernel's end; the reason is said once
+  for a session's world: to its running call (`World.said`), or, idle, in `ended_sessions`;
 - what a world holds (`World.holds`: GPUs or CPU worker slots), so that one ledger can count
   what kept worlds and running calls hold.
 
-Thread-safe: Ray's worlds are kept by the notebook's threads and timers; the helper's by its
-single loop. This module imports nothing of either launcher.
+Thread-safe: worlds are kept by the notebook's threads, the helper's event reader and timers. This module imports
+nothing of either launcher.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 # -- the reasons said for a world's end, written once for both launchers and the notebook ----------------------
 #: %distributed_release (or a call waiting for resources) ended the idle worlds.
@@ -59,7 +60,7 @@ class SessionBusy(RuntimeError):
 
 @dataclass(eq=False)
 class World:
-    """What the keeper knows of one kept world; each launcher extends it with its own handles."""
+    """What the keeper knows of one kept world; each launcher extends it with its own handles and its `end`."""
 
     #: What a call must share with it to run in it (interpreter, environment, accelerator type, ...).
     key: str
@@ -77,6 +78,8 @@ class World:
     generation: int = 0
     #: What it holds for the ledger: ("gpu", index) or ("cpu", slot) per rank.
     holds: tuple[tuple[str, int], ...] = ()
+    #: Ends it once it has been idle `keep_alive` s (armed by `Keeper.done`).
+    timer: threading.Timer | None = field(default=None, repr=False)
 
     @property
     def busy(self) -> bool:
@@ -86,34 +89,38 @@ class World:
         """How a refusal names it, e.g. "2 rank(s)"."""
         return f"{self.shape} rank(s)"
 
+    def end(self, why: str) -> None:
+        """Carry the end out (the launcher's part: stop processes, end actors); the keeper no longer holds it."""
+
+    def said(self, why: str) -> None:
+        """A session's world ended while a call runs in it: that call says `why` (its launcher's SessionEnded)."""
+
 
 W = TypeVar("W", bound=World)
 
 
-class Keeper(Generic[W]):
-    """The kept worlds of one launcher and the rules above; `end` carries an end out, `said` tells of a session's."""
+class Keeper:
+    """The kept worlds of this process, both launchers', and the rules above."""
 
-    def __init__(
-        self,
-        end: Callable[[list[W]], None],
-        said: Callable[[W, str], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._worlds: list[W] = []
+    def __init__(self, clock: Callable[[], float] = time.monotonic, timers: bool = True) -> None:
+        self._worlds: list[World] = []
         self._lock = threading.RLock()
-        self._end = end
-        self._said = said
         self._clock = clock
+        #: Arm a timer per idle world (off: only `expire` ends idle worlds, as unit tests drive it).
+        self._timers = timers
+        #: (session, why) of each session whose world ended outside a call, oldest first (`ended_sessions`).
+        self._session_ends: list[tuple[str, str]] = []
 
     # -- who may take a world ------------------------------------------------
-    def take(self, key: str, shape: str, call: str, session: str | None = None) -> W | None:
-        """The world this call runs in, now busy with it; None if it must start its own ranks.
+    def take(self, key: str, shape: str, call: str, session: str | None = None, kind: type[W] = World) -> W | None:  # type: ignore[assignment]
+        """The world of `kind` this call runs in, now busy with it; None if it must start its own ranks.
 
         A session's world that runs a call or holds another shape is a `SessionBusy`.
         """
         with self._lock:
+            world: W | None
             if session is not None:
-                world = self.session(session)
+                world = self.session(session, kind)
                 if world is not None and (world.busy or world.shape != shape):
                     raise SessionBusy(
                         f"session {session!r} holds {world.describe()}"
@@ -124,7 +131,7 @@ class Keeper(Generic[W]):
                 world = next(
                     (
                         w
-                        for w in self._worlds
+                        for w in self.worlds(kind)
                         if not w.busy and not w.spare and w.session is None and w.key == key and w.shape == shape
                     ),
                     None,
@@ -132,18 +139,20 @@ class Keeper(Generic[W]):
             if world is not None:
                 world.call, world.idle_since = call, None
                 world.generation += 1
+                _cancel(world)
             return world
 
-    def take_spare(self, key: str) -> W | None:
+    def take_spare(self, key: str, kind: type[W] = World) -> W | None:  # type: ignore[assignment]
         """The spare set of `key`, no longer kept (the call that takes it owns it now); None if there is none."""
         with self._lock:
-            spare = next((w for w in self._worlds if w.spare and w.key == key), None)
+            spare = next((w for w in self.worlds(kind) if w.spare and w.key == key), None)
             if spare is not None:
                 self._worlds.remove(spare)
+                _cancel(spare)
             return spare
 
     # -- what a call leaves -----------------------------------------------------
-    def add(self, world: W) -> None:
+    def add(self, world: World) -> None:
         """Keep `world`: a call's new ranks (busy with it) or a spare set (idle)."""
         with self._lock:
             if world not in self._worlds:
@@ -151,13 +160,20 @@ class Keeper(Generic[W]):
             if not world.busy and world.idle_since is None:
                 world.idle_since = self._clock()
 
-    def done(self, world: W) -> int:
-        """The call in `world` is over and left it usable: it waits `keep_alive` s. Returns its generation."""
+    def done(self, world: World) -> int:
+        """The call in `world` is over and left it usable: it waits `keep_alive` s (a timer ends it then, unless a
+        call takes it). Returns its generation."""
         with self._lock:
             if world not in self._worlds:
                 self._worlds.append(world)
             world.call, world.idle_since = "", self._clock()
-            return world.generation
+            generation = world.generation
+            _cancel(world)
+            if self._timers:
+                world.timer = threading.Timer(world.keep_alive, self.expire_one, args=(world, generation))
+                world.timer.daemon = True
+                world.timer.start()
+            return generation
 
     @staticmethod
     def keeps(world: World | None, clean: bool, usable: bool) -> bool:
@@ -166,34 +182,39 @@ class Keeper(Generic[W]):
         return world is not None and (clean or (world.session is not None and usable))
 
     # -- what ends a world ------------------------------------------------------
-    def release(self, world: W, why: str, say: bool = True) -> bool:
+    def release(self, world: World, why: str, say: bool = True) -> bool:
         """End `world` now (its call, if any, ends as stopped); False if it was not kept."""
         with self._lock:
             if world not in self._worlds:
                 return False
             self._worlds.remove(world)
-        if say and world.session is not None and self._said is not None:
-            self._said(world, why)
-        self._end([world])
+            _cancel(world)
+            busy = world.busy
+            if say and world.session is not None and not busy:
+                self._session_ends.append((world.session, why))
+        if say and world.session is not None and busy:
+            world.said(why)
+        world.end(why)
         return True
 
-    def drop(self, world: W) -> None:
+    def drop(self, world: World) -> None:
         """`world` is ending by its call's hand (failed, stopped, lost a rank): no call may take it."""
         with self._lock:
             if world in self._worlds:
                 self._worlds.remove(world)
+            _cancel(world)
 
-    def release_where(self, pick: Callable[[W], bool], why: str, say: bool = True) -> list[W]:
+    def release_where(self, pick: Callable[[World], bool], why: str, say: bool = True) -> list[World]:
         """End every kept world `pick` chooses; the ones ended."""
         with self._lock:
             chosen = [w for w in self._worlds if pick(w)]
         return [w for w in chosen if self.release(w, why, say)]
 
-    def release_idle(self, why: str, sessions: bool = True) -> list[W]:
-        """End every idle world (spares included); `sessions=False` spares the sessions' worlds."""
-        return self.release_where(lambda w: not w.busy and (sessions or w.session is None), why)
+    def release_idle(self, why: str, sessions: bool = True, kind: type[World] = World) -> list[World]:
+        """End every idle world of `kind` (spares included); `sessions=False` spares the sessions' worlds."""
+        return self.release_where(lambda w: isinstance(w, kind) and not w.busy and (sessions or w.session is None), why)
 
-    def expire(self, now: float | None = None) -> list[W]:
+    def expire(self, now: float | None = None) -> list[World]:
         """End each world idle for its `keep_alive` s."""
         now = self._clock() if now is None else now
         with self._lock:
@@ -204,7 +225,7 @@ class Keeper(Generic[W]):
             ]
         return [w for w in idle if self.release(w, self.idle_reason(w))]
 
-    def expire_one(self, world: W, generation: int) -> bool:
+    def expire_one(self, world: World, generation: int) -> bool:
         """End `world` after its keep-alive, unless a call took it since `generation` (a timer's end)."""
         with self._lock:
             if world.busy or world.generation != generation or world not in self._worlds:
@@ -215,22 +236,48 @@ class Keeper(Generic[W]):
     def idle_reason(world: World) -> str:
         return f"idle for {world.keep_alive:g} s (its keep-alive)"
 
-    def end_all(self, why: str, say: bool = True) -> list[W]:
-        """End every kept world, a call's or not (the kernel's end)."""
-        return self.release_where(lambda w: True, why, say)
+    def end_all(self, why: str, say: bool = True, kind: type[World] = World) -> list[World]:
+        """End every kept world of `kind`, a call's or not (the kernel's end)."""
+        return self.release_where(lambda w: isinstance(w, kind), why, say)
+
+    # -- sessions ended outside a call --------------------------------------------
+    def session_ended(self, name: str, why: str) -> None:
+        """Session `name`'s world was found ended outside a call (say, lost when a call came): said once."""
+        with self._lock:
+            self._session_ends.append((name, why))
+
+    def ended_sessions(self) -> list[tuple[str, str]]:
+        """(session, why) for each session whose world ended outside any call since last asked, oldest first."""
+        with self._lock:
+            ends, self._session_ends = self._session_ends, []
+        return ends
 
     # -- what is kept -----------------------------------------------------------
-    def session(self, name: str) -> W | None:
-        """The world that holds session `name`, if it is kept."""
+    def session(self, name: str, kind: type[W] = World) -> W | None:  # type: ignore[assignment]
+        """The world of `kind` that holds session `name`, if it is kept."""
         with self._lock:
-            return next((w for w in self._worlds if w.session == name), None)
+            return next((w for w in self.worlds(kind) if w.session == name), None)
 
-    def worlds(self) -> list[W]:
-        """Every kept world, idle or running a call."""
+    def worlds(self, kind: type[W] = World) -> list[W]:  # type: ignore[assignment]
+        """Every kept world of `kind`, idle or running a call."""
         with self._lock:
-            return list(self._worlds)
+            return [w for w in self._worlds if isinstance(w, kind)]
 
     def holds(self) -> list[tuple[str, int]]:
         """What every kept world holds (GPUs, CPU slots), for the ledger."""
         with self._lock:
             return [held for w in self._worlds for held in w.holds]
+
+
+def _cancel(world: World) -> None:
+    if world.timer is not None:
+        world.timer.cancel()
+        world.timer = None
+
+
+_kept = Keeper()
+
+
+def kept() -> Keeper:
+    """The one keeper of this process: every kept world of every launcher."""
+    return _kept

@@ -129,8 +129,11 @@ class LaunchJob(Message):
     hooks: list[str] = field(default_factory=list)
     restart_count: int = 0
     max_restarts: int = 0
-    #: JobRequest.session: run in that session's hot ranks, or start them.
+    #: JobRequest.session: the ranks keep a namespace between calls (launch/rank/session.py).
     session: str | None = None
+    #: The kept world to run in, an id chosen by the caller's keeper (launch/keeper.py): run in that pool if the
+    #: helper has it, else start new ranks and keep them under that id. None: plain ranks that exit with the call.
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,10 +153,11 @@ class StopJob(Message):
 
 
 @dataclass(frozen=True)
-class EndSession(Message):
-    """End a session's ranks now (idle or not: a running call's ranks are stopped with it), saying `why`."""
+class EndPool(Message):
+    """End a kept pool now, saying `why` (idle or not: a call running in it is stopped with it). The caller's keeper
+    decided it; the helper carries it out."""
 
-    session: str
+    pool: str
     why: str
 
 
@@ -167,11 +171,6 @@ class DumpStacks(Message):
 @dataclass(frozen=True)
 class Retire(Message):
     """Finish the jobs in hand, take no new ones, then exit."""
-
-
-@dataclass(frozen=True)
-class ReleaseHot(Message):
-    """End every idle hot rank now (their GPU memory is freed)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +237,9 @@ class RankExited(Event):
     #: Wall time the rank's end was seen (it said it was done just before exiting, or its exit was reaped).
     at: float
     outcome: RankOutcome = field(default_factory=RankOutcome, metadata={"wire": False})
+    #: A kept rank's call is over and its process stays usable for the next call (it succeeded, or a session's
+    #: rank raised in user code); whether its world stays is the caller's keeper's decision.
+    usable: bool = True
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,15 @@ class SessionEnded(Event):
     job: str
     session: str
     reason: str
+
+
+@dataclass(frozen=True)
+class PoolEnded(Event):
+    """A kept pool ended by the helper's own observation (a rank of it died, its rendezvous store died, its call was
+    stopped, retirement, the helper's close), or by `EndPool`; `why` is said for a session's."""
+
+    pool: str
+    why: str
 
 
 @dataclass(frozen=True)

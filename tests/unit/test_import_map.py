@@ -120,7 +120,7 @@ def test_the_walls_of_the_layout_see_real_imports():
     assert "air_magic.launch.rank.worker imports air_magic.launch.files.rundir" in _crossings(
         ("launch.rank",), ("launch.files",)
     )
-    assert "air_magic.launch.local.pool imports air_magic.launch.keeper" in _crossings(
+    assert "air_magic.launch.local.worlds imports air_magic.launch.keeper" in _crossings(
         ("launch.local",), ("launch.keeper",)
     )
     assert "air_magic.calls.runner imports air_magic.launch" in _crossings(("calls",), ("launch",))

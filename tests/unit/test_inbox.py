@@ -58,9 +58,9 @@ def test_a_launch_waits_for_the_preparation_its_ranks_need_and_interrupts_one_th
 
 def test_any_other_request_and_a_closed_pipe_interrupt_it(pipe):
     inbox, w = pipe
-    _send(w, p.ReleaseHot())
+    _send(w, p.EndPool("p", "released"))
     assert inbox.must_give_way("hook", print, lambda payload: ["hook"])
-    assert isinstance(inbox.next(), p.ReleaseHot)
+    assert isinstance(inbox.next(), p.EndPool)
     assert not inbox.must_give_way("hook", print, lambda payload: ["hook"])
     os.close(w)
     assert inbox.must_give_way("hook", print, lambda payload: ["hook"])

@@ -24,19 +24,22 @@ SAMPLES: list[p.Message] = [
         hooks=["air_magic.tracking.hook"],
         restart_count=1,
         max_restarts=2,
+        session="s",
+        pool="p1",
     ),
     p.StopJob(job="j1", reason="cancelled", grace=3.0),
     p.StopJob(job="j1", reason="a rank failed", grace=3.0, interrupt_after=3.0),
-    p.EndSession(session="default", why="%distributed_session --end ended it"),
+    p.EndPool(pool="p1", why="%distributed_session --end ended it"),
     p.DumpStacks(job="j1"),
     p.Retire(),
-    p.ReleaseHot(),
+    p.PoolEnded(pool="p1", why="rank 1 (pid 12) was killed by SIGKILL"),
     p.PrepareHooks(hooks=["air_magic.tracking.hook"], env={"MLFLOW_TRACKING_URI": "sqlite:////tmp/ü/mlflow.db"}),
     p.HotCall(run_dir="/runs/y", env={"RANK": "0", "ü": "ß"}),
     p.Event(),
     p.RankStarted(job="j1", rank=1, pid=43),
     p.RankOutput(job="j1", rank=0, text="line\n\u2603"),
     p.RankExited(job="j1", rank=1, returncode=-9, at=1.5),
+    p.RankExited(job="j1", rank=0, returncode=1, at=1.5, usable=True),
     p.LaunchFailed(job="j1", message="no store"),
     p.Stale(job="j1", reason="torch changed on disk"),
     p.SessionEnded(job="", session="default", reason="idle for 3600 s (its keep-alive)"),
@@ -87,7 +90,16 @@ def test_launch_job_defaults_keep_old_lines_readable():
         }
     )
     msg = p.decode(line)
-    assert isinstance(msg, p.LaunchJob) and msg.hooks == [] and msg.keep_alive is None
+    assert isinstance(msg, p.LaunchJob) and msg.hooks == [] and msg.keep_alive is None and msg.pool is None
+
+
+def test_a_rank_exit_says_whether_the_rank_stays_usable():
+    """RankExited carries `usable` over the wire (the caller's keeper decides from it); old lines read as usable."""
+    line = p.encode(p.RankExited("j", 0, 1, 1.0, usable=False))
+    event = p.decode(line)
+    assert isinstance(event, p.RankExited) and event.usable is False
+    old = json.dumps({"type": "RankExited", "job": "j", "rank": 0, "returncode": 0, "at": 1.0})
+    assert p.decode(old) == p.RankExited("j", 0, 0, 1.0)
 
 
 def _request(**kw) -> p.JobRequest:

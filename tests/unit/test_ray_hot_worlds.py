@@ -12,6 +12,14 @@ from air_magic.launch.ray.hot import HotWorld, world_key
 from air_magic.launch.ray.launcher import RayLauncher
 
 
+@pytest.fixture(autouse=True)
+def own_keeper(monkeypatch):
+    """Each test's launcher holds its worlds in a keeper of its own (the process's one is shared by every launcher)."""
+    from air_magic.launch import keeper
+
+    monkeypatch.setattr(keeper, "_kept", keeper.Keeper())
+
+
 @pytest.fixture
 def ended(monkeypatch):
     """The actors of every hot world ended, instead of asking Ray to end them."""

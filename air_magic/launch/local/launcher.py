@@ -7,7 +7,10 @@ it hears into the launcher events the runner reads. Each rank writes to its
 log file in the run directory, the loss-free record; the job handle tails
 those files into `RankOutput` events and reads each rank's result or error
 file into its `RankExited`. When the kernel dies, the supervisor reads
-end-of-file on stdin and stops every worker it has.
+end-of-file on stdin and stops every worker it has. Which kept pool a call runs
+in, what it leaves and when one ends are decided here, in the caller's process,
+by the one keeper of kept worlds (worlds.py, launch/keeper.py); the supervisor
+carries them out.
 
 Over 300 lines because the client of the helper, its restarts when stale, and each job's handle share one pipe
 and its reader.
@@ -31,7 +34,10 @@ from ..boot import PACKAGE_PARENT, boot_command, warm_default
 from ..files.rank_files import LogTail, outcome
 from ..files.rundir import RunDir, helper_log, write_private
 from ..interface import ENDED_BY_USER, JobHandle, Launcher, drain
+from ..keeper import RELEASED, SessionBusy, kept
 from ..stopper import STOP_GRACE, close_by_eof
+from . import worlds
+from .worlds import CallWorld, LocalWorld
 
 #: The supervisor's module: its command line names it.
 SUPERVISOR_MODULE = "air_magic.launch.local.supervisor"
@@ -58,8 +64,30 @@ class LocalJob(JobHandle):
         self.gone = threading.Event()
         self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
         self.client = launcher.client()
+        try:
+            world = worlds.take(kept(), request, self.client, self.wire.put)
+        except SessionBusy as exc:  # said as the helper would say a failed launch; nothing started
+            self.world = CallWorld(kept(), None, request.world_size)
+            self.wire.put(p.LaunchFailed(self.job_id, str(exc)))
+            self.wire.put(p.JobGone(self.job_id))
+            self.gone.set()
+            return
+        #: The kept world the call runs in, and what the call leaves of it.
+        self.world = CallWorld(kept(), world, request.world_size)
         self.client.attach(self)
-        self.client.send(launcher.launch_message(request, run_dir))
+        self.client.send(launcher.launch_message(request, run_dir, world))
+
+    def receive(self, event: p.Event) -> None:
+        """An event of this job from the helper (its reader thread): what it leaves of the kept world, then queued."""
+        if isinstance(event, p.RankExited):
+            self.world.exited(event)
+        elif isinstance(event, p.LaunchFailed):
+            self.world.failed = True
+        elif isinstance(event, p.LauncherDied):
+            self.world.lost()
+        elif isinstance(event, p.JobGone):
+            self.world.gone()
+        self.wire.put(event)
 
     # -- events ------------------------------------------------------------
     def next_events(self, timeout: float) -> list[p.Event]:
@@ -98,9 +126,13 @@ class LocalJob(JobHandle):
         """Start this job on a fresh supervisor; the helpers' log says why the last one was replaced."""
         self.client.note(f"replaced by a fresh helper: {why}")
         self.client.detach(self.job_id)
-        self.client = self.launcher.client(replace=self.client)
+        old, world = self.client, self.world.world
+        if world is not None:
+            world.client = None  # the old helper's end of its pool is not this world's
+        self.client = self.launcher.client(replace=old)
+        worlds.moved(kept(), old, self.client, world)
         self.client.attach(self)
-        self.client.send(self.launcher.launch_message(self.request, self.run_dir))
+        self.client.send(self.launcher.launch_message(self.request, self.run_dir, world))
 
     # -- control -----------------------------------------------------------
     def stop(self, reason: str, grace: float, interrupt_after: float | None = None) -> None:
@@ -141,8 +173,6 @@ class SupervisorClient:
         finally:
             os.close(fd)
         self._jobs: dict[str, LocalJob] = {}
-        #: Sessions whose ranks ended outside any call (idle, released): (session, why), oldest first.
-        self.session_ends: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="air_magic-supervisor-events", daemon=True)
         self._reader.start()
@@ -166,12 +196,13 @@ class SupervisorClient:
                 event = p.decode(line)
             except (ValueError, TypeError):
                 continue
+            if isinstance(event, p.PoolEnded):
+                worlds.pool_ended(kept(), self, event)
+                continue
             with self._lock:
                 job = self._jobs.get(getattr(event, "job", ""))
-                if job is None and isinstance(event, p.SessionEnded):
-                    self.session_ends.append((event.session, event.reason))
             if job is not None and isinstance(event, p.Event):
-                job.wire.put(event)
+                job.receive(event)
                 if isinstance(event, p.JobGone):
                     job.gone.set()
         with self._lock:
@@ -189,7 +220,7 @@ class SupervisorClient:
                     except OSError:
                         pass
         for job in jobs:
-            job.wire.put(
+            job.receive(
                 p.LauncherDied(job.job_id, f"air_magic's supervisor process died{how}; its log: {self.log_path}")
             )
             job.gone.set()
@@ -273,7 +304,7 @@ class LocalLauncher(Launcher):
         client = self._client
         return client.proc.pid if client is not None and client.alive else None
 
-    def launch_message(self, request: p.JobRequest, run_dir: RunDir) -> p.LaunchJob:
+    def launch_message(self, request: p.JobRequest, run_dir: RunDir, world: LocalWorld | None = None) -> p.LaunchJob:
         # hot ranks are forks of the warm helper, whatever `warm` says
         fork = bool(request.keep_alive) or (warm_default() if request.warm is None else request.warm)
         return p.LaunchJob(
@@ -291,6 +322,7 @@ class LocalLauncher(Launcher):
             restart_count=request.restart_count,
             max_restarts=request.max_restarts,
             session=request.session,
+            pool=world.pool if world is not None else None,
         )
 
     def start(self, request: p.JobRequest, run_dir: RunDir) -> LocalJob:
@@ -314,30 +346,20 @@ class LocalLauncher(Launcher):
     def release_hot(self) -> None:
         """End every idle hot rank now (a running call's ranks end with it)."""
         self.wait_ended()  # a call that just returned still holds its hot ranks until its end is confirmed
-        client = self._client
-        if client is not None and client.alive:
-            client.send(p.ReleaseHot())
+        kept().release_idle(RELEASED, kind=LocalWorld)
 
     def end_session(self, name: str, why: str = ENDED_BY_USER) -> None:
-        """End session `name`'s ranks now, if the supervisor holds them, saying `why`."""
+        """End session `name`'s ranks now, if they are kept, saying `why` (a call running in them is stopped)."""
         self.wait_ended()
-        client = self._client
-        if client is not None and client.alive:
-            client.send(p.EndSession(name, why))
-
-    def ended_sessions(self) -> list[tuple[str, str]]:
-        """(session, why) for each session whose ranks ended outside any call since last asked (or died with it)."""
-        client = self._client
-        if client is None:
-            return []
-        with client._lock:
-            ends, client.session_ends = client.session_ends, []
-        return ends
+        world = kept().session(name, LocalWorld)
+        if world is not None:
+            kept().release(world, why)
 
     def shutdown(self) -> None:
         """Stop the supervisor and everything it runs (at exit, or on %unload_ext)."""
         with self._lock:
             client, self._client = self._client, None
+        kept().end_all("the kernel shut down", say=False, kind=LocalWorld)
         if client is not None:
             client.close()
 

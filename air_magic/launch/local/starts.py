@@ -1,9 +1,9 @@
-"""How the helper starts a job's ranks: in an idle pool of the same world (or its session's), or as new workers,
-forked from the warm state or spawned, with the job's rendezvous store; and how it says what happened.
+"""How the helper starts a job's ranks: in the kept pool the job names (chosen by the caller's keeper), or as new
+workers, forked from the warm state or spawned, with the job's rendezvous store; and how it says what happened.
 
 `Starts` is the supervisor's base class (supervisor.py): it acts on the job table the supervisor keeps and declares
 here. Not for the loop, the ends of ranks or stopping a job (supervisor.py), nor for forking and spawning itself
-(spawn.py) or the rules of kept worlds (pool.py, launch/keeper.py).
+(spawn.py) or the rules of kept worlds (launch/keeper.py, in the caller's process).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Starts:
     spawner: Spawner
 
     def launch(self, msg: p.LaunchJob) -> None:
-        in_session = msg.session is not None and self.pools.session(msg.session) is not None
+        in_session = msg.session is not None and self.pools.get(msg.pool) is not None
         if msg.fork and self.warm and not in_session:  # a session's live ranks are what they are
             reason = self.preloaded.stale_reason(msg)
             if reason is not None:
@@ -52,12 +52,13 @@ class Starts:
             self.preloaded.ask(msg.hooks, msg.env)
         job = Job(msg.job, msg.world_size)
         self.jobs[job.id] = job
-        hot = bool(msg.keep_alive) and msg.fork
+        hot = msg.pool is not None and msg.fork
         if not (hot and self.run_hot(job, msg)):
             self.start_workers(job, msg, hot)
 
     def start_workers(self, job: Job, msg: p.LaunchJob, hot: bool) -> None:
-        """New workers for `job` (and its rendezvous store); with `hot`, they become a pool that outlives the call."""
+        """New workers for `job` (and its rendezvous store); with `hot`, they become the pool `msg.pool` that outlives
+        the call."""
         if msg.fork and self.warm:
             needed = self.preloaded.needed_by(RunDir(Path(msg.run_dir)).payload)
             if needed:  # the ranks import what these bring: once here, to the end, rather than in every rank
@@ -75,9 +76,7 @@ class Starts:
         loopback_sockets(env)
         pool = None
         if hot:
-            pool = job.pool = Pool(
-                msg.world_key, str(job.world_size), float(msg.keep_alive or 0), msg.session, call=job.id, port=port
-            )
+            pool = job.pool = Pool(str(msg.pool), job.world_size, msg.session, call=job.id, port=port)
             pool.store_pid, job.store_pid = job.store_pid, None  # the store lives as long as the pool
             self.pools.add(pool)
             pipes = {rank: (os.pipe(), os.pipe()) for rank in range(job.world_size)}
@@ -104,10 +103,13 @@ class Starts:
             emit(p.RankStarted(job.id, rank, pid))
 
     def run_hot(self, job: Job, msg: p.LaunchJob) -> bool:
-        """Run `job` in an idle pool of the same world (or in its session's), if there is one; True if it did."""
-        pool = self.pools.take(msg.world_key, str(job.world_size), job.id, msg.session)  # the keeper's rules
+        """Run `job` in the pool it names, if this helper holds it (a replaced helper does not); True if it did."""
+        pool = self.pools.get(msg.pool)
         if pool is None:
             return False
+        if pool.call or pool.world_size != job.world_size:
+            raise RuntimeError(f"the helper's pool {pool.id} is not free for a call of {job.world_size} rank(s)")
+        pool.call = job.id
         job.pool, job.port = pool, pool.port
         env = {**msg.env, JOB: job.id, SUPERVISOR_PID: str(os.getpid())}
         loopback_sockets(env)

@@ -5,7 +5,7 @@ It reads requests on stdin and writes events on stdout, one JSON line each, as
 defined in protocol.py. This module keeps the job table and the loop, the ends
 of ranks and the stops; the rest of its work lives beside it:
 
-- starts.py: a job's ranks started, in an idle pool of the same world or as new
+- starts.py: a job's ranks started, in the pool the caller named or as new
   workers with their rendezvous store (the supervisor's base class).
 - preload.py: with `--warm` it imports torch once, never initializes CUDA, and
   forks each worker from that state (milliseconds); the child takes the
@@ -22,12 +22,12 @@ of ranks and the stops; the rest of its work lives beside it:
   `--warm`, or for a job that asks for fresh interpreters, every worker is
   started by posix_spawn. The supervisor stays single-threaded so forking is
   safe: even the rendezvous store runs in a process of its own (rendezvous.py).
-- pool.py: hot ranks, adapted to the keeper of kept worlds (launch/keeper.py),
-  which holds the rules: which call takes a pool, what a call leaves, what ends
-  one and why. A job with `keep_alive` leaves its workers alive after the call;
-  the keeper lets the next job of the same world (or session) run in them. Idle
-  past `keep_alive`, after a failure or a stop, on ReleaseHot, retirement or
-  close, the pool's whole tree is stopped.
+- pool.py: hot ranks by the pool id the caller's keeper chose (launch/keeper.py,
+  in the process that makes calls, holds the rules: which call takes a pool, what
+  a call leaves, when an idle one ends). A job that names a pool leaves its workers
+  alive after the call; a later job naming it runs in them. On `EndPool`, and when
+  the helper sees a pool end by itself (a dead rank or store, a stopped call,
+  retirement, close), the pool's whole tree is stopped and `PoolEnded` says why.
 - Ends: a rank that succeeded says on a pipe of its own, just before it exits, that
   its result is written; its RankExited goes out then, so the caller need not wait
   for the exit.
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 from ...errors import describe_returncode
 from .. import protocol as p
 from ..come_back import Interrupt
-from ..keeper import RELEASED, STOPPED, SessionBusy, stopped, unusable
+from ..keeper import STOPPED, stopped
 from ..stopper import STOP_GRACE, Stopper, become_subreaper
 from .inbox import Inbox
 from .jobs import Job
@@ -88,7 +88,7 @@ class Supervisor(Starts):
         if warm:
             log_timing(f"preloaded {', '.join(self.preloaded.modules) or 'nothing'}", time.monotonic() - started)
         self.warm = warm
-        self.pools = Pools(on_session_end=lambda pool, why: _emit(p.SessionEnded(pool.call, pool.session or "", why)))
+        self.pools = Pools()
         self.done: dict[int, tuple[str, int]] = {}  # read end of a rank's done pipe -> (job, rank)
         self.done_buffers: dict[int, bytes] = {}
         self.spawner = Spawner(self.preloaded, lambda: (*(self.wake or ()), *self.pools.fds(), *self.done))
@@ -99,8 +99,7 @@ class Supervisor(Starts):
             try:
                 self.launch(msg)
             except Exception as exc:  # noqa: BLE001 - reported to the runner
-                said = str(exc) if isinstance(exc, SessionBusy) else f"{type(exc).__name__}: {exc}"
-                _emit(p.LaunchFailed(msg.job, said))
+                _emit(p.LaunchFailed(msg.job, f"{type(exc).__name__}: {exc}"))
                 job = self.jobs.get(msg.job)
                 if job is not None:
                     self.stop(job, 0.0)
@@ -108,11 +107,11 @@ class Supervisor(Starts):
                     _emit(p.JobGone(msg.job))
         elif isinstance(msg, p.Retire):
             self.retiring = True
-            self.pools.release_idle("the helper was replaced")
-        elif isinstance(msg, p.ReleaseHot):
-            self.pools.release_idle(RELEASED)
-        elif isinstance(msg, p.EndSession):
-            self.end_session(msg.session, msg.why)
+            for pool in self.pools.pools:
+                if not pool.call:
+                    self.end_pool(pool, "the helper was replaced")
+        elif isinstance(msg, p.EndPool):
+            self.end_pool_asked(msg.pool, msg.why)
         elif isinstance(msg, p.PrepareHooks):
             if self.warm:
                 self.preloaded.ask(msg.hooks, msg.env)
@@ -144,9 +143,8 @@ class Supervisor(Starts):
             job = self.jobs.get(pool.call)
             if job is not None and rank not in job.exited:
                 job.exited[rank] = code
-                self.report_exit(job, rank, code)
-                if not self.pools.keeps(pool, code == 0, usable):  # the next call gets fresh ranks
-                    self.pools.release(pool, unusable(rank))
+                pool.spent = pool.spent or not usable  # its processes are no longer excluded from the job's
+                self.report_exit(job, rank, code, usable)
 
     def read_said(self, fd: int) -> None:
         """A rank said on its done pipe that its outcome is written: report it now, while its process exits."""
@@ -169,11 +167,28 @@ class Supervisor(Starts):
         self.done_buffers.pop(fd, None)
         os.close(fd)
 
-    def report_exit(self, job: Job, rank: int, code: int) -> None:
-        """RankExited, once per rank: when it says it is done, or when its exit is reaped, whichever is first."""
+    def report_exit(self, job: Job, rank: int, code: int, usable: bool | None = None) -> None:
+        """RankExited, once per rank: when it says it is done, or when its exit is reaped, whichever is first.
+
+        `usable`: a kept rank's process stays fit for the next call (the caller's keeper decides what it leaves)."""
         if rank not in job.reported:
             job.reported.add(rank)
-            _emit(p.RankExited(job.id, rank, code, time.time()))
+            _emit(p.RankExited(job.id, rank, code, time.time(), usable=code == 0 if usable is None else usable))
+
+    def end_pool(self, pool: Pool, why: str) -> None:
+        """Stop `pool`'s process tree and say so (`PoolEnded`), once."""
+        if self.pools.end(pool):
+            _emit(p.PoolEnded(pool.id, why))
+
+    def end_pool_asked(self, pool_id: str, why: str) -> None:
+        """EndPool: the caller's keeper ended this pool; a job running in it is stopped with it."""
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            return
+        job = self.jobs.get(pool.call)
+        if job is not None:
+            self.stop(job, STOP_GRACE, why)
+        self.end_pool(pool, why)
 
     # -- process trees -----------------------------------------------------
     def processes(self, job: Job) -> dict[int, psutil.Process]:
@@ -184,7 +199,7 @@ class Supervisor(Starts):
         """
         known = set(self.owner) | {j.store_pid for j in self.jobs.values() if j.store_pid is not None}
         found = job_processes(job.id, job.live_workers, job.seen, job.started, known | self.pools.store_pids())
-        if job.pool is not None and job.pool in self.pools.pools:
+        if job.pool is not None and job.pool in self.pools.pools and not job.pool.spent:
             kept = {proc.pid for proc in job.pool.processes()}
             found = {pid: proc for pid, proc in found.items() if pid not in kept}
         return found
@@ -205,7 +220,7 @@ class Supervisor(Starts):
             job.stopper = Stopper(lambda: self.processes(job).values(), lambda: job.live_workers, grace)
             job.stopper.begin()
             if job.pool is not None:  # a stopped call leaves no hot ranks: their state is unknown
-                self.pools.release(job.pool, why)
+                self.end_pool(job.pool, why)
 
     def interrupt_session(self, job: Job, interrupt: Interrupt) -> None:
         """KeyboardInterrupt in each rank of a session call still running; stacks and a stop if they don't come back."""
@@ -245,7 +260,7 @@ class Supervisor(Starts):
             for pool in self.pools.holding(pid):  # a hot rank died (crash, OOM, kill): the rest of its world is no use
                 rank = next(r for r, q in pool.pids.items() if q == pid)
                 how = describe_returncode(os.waitstatus_to_exitcode(status))
-                self.pools.release(pool, f"rank {rank} (pid {pid}) {how}")
+                self.end_pool(pool, f"rank {rank} (pid {pid}) {how}")
             if owner is None:
                 self.store_exited(pid, os.waitstatus_to_exitcode(status))
                 continue  # the store, or an adopted orphan
@@ -259,7 +274,7 @@ class Supervisor(Starts):
         """A job's rendezvous store died under it: ranks would wait minutes for it, so stop the job and say why."""
         for pool in [q for q in self.pools.pools if q.store_pid == pid]:
             pool.store_pid = None
-            self.pools.release(pool, "its rendezvous store died")
+            self.end_pool(pool, "its rendezvous store died")
             if pool.call in self.jobs:
                 self.jobs[pool.call].store_pid = pid  # reported below like any job's store
         for job in self.jobs.values():
@@ -302,7 +317,7 @@ class Supervisor(Starts):
                 for fd in [fd for fd, (owner, _) in self.done.items() if owner == job.id]:
                     self.close_said(fd)  # a rank's own children may still hold its write end
                 if job.pool is not None and job.pool in self.pools.pools:
-                    self.pools.done(job.pool)  # ready for the next call
+                    job.pool.call = ""  # ready for the next call that names it
                     for rank, pid in job.pool.pids.items():
                         self.owner[pid] = ("", rank)
                 _emit(p.JobGone(job.id))
@@ -360,17 +375,8 @@ class Supervisor(Starts):
         self.closing = True
         for job in self.jobs.values():
             self.stop(job, STOP_GRACE)
-        self.pools.end_all("the kernel shut down")
-
-    def end_session(self, name: str, why: str) -> None:
-        """End session `name`'s ranks, idle or running a call (which then ends as stopped)."""
-        pool = self.pools.session(name)
-        if pool is None:
-            return
-        job = self.jobs.get(pool.call)
-        if job is not None:
-            self.stop(job, STOP_GRACE, why)
-        self.pools.release(pool, why)
+        for pool in self.pools.pools:
+            self.end_pool(pool, "the kernel shut down")
 
 
 def main() -> None:

@@ -6,9 +6,9 @@ next call of the same world (`world_key`, node count, ranks per node, GPU or
 not) runs in them, with the first call's MASTER_ADDR and MASTER_PORT. A
 session's world is found by its name; spare actor sets (spares.py, `spare`)
 wait beside them for a call that places. Which call takes a world, what a call
-leaves and what ends one are the keeper's rules; this module carries them out
-with Ray: a timer per idle world for its keep-alive, `placement.end_actors` for
-an end, and the record of session ends outside a call for `ended_sessions`.
+leaves and what ends one (its keep-alive's timer included) are the rules of the
+one keeper of this process (`kept()`), which the local launcher shares; this
+module carries them out with Ray: `placement.end_actors` for an end.
 Ray-only rule kept here: a call of another world that waits for resources ends
 idle hot worlds and spares, not sessions (starting.py).
 """
@@ -16,11 +16,10 @@ idle hot worlds and spares, not sessions (starting.py).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 from .. import protocol as p
-from ..keeper import RELEASED, Keeper, World
+from ..keeper import RELEASED, Keeper, World, kept
 from .cluster import require_connected
 from .placement import end_actors
 
@@ -45,12 +44,15 @@ class HotWorld(World):
             key, key.split("/", 1)[-1], keep_alive, session=session, spare=spare, call="a call" if busy else ""
         )
         self.actors, self.pg, self.places, self.master, self.port = actors, pg, places, master, port
-        #: Ends it once it has been idle `keep_alive` s.
-        self.timer: threading.Timer | None = None
 
     def describe(self) -> str:
         nodes = len({pl.node_id for pl in self.places})
         return f"{len(self.actors)} rank(s) on {nodes} node(s)"
+
+    def end(self, why: str) -> None:
+        """Its actors and placement group end (a notebook no longer connected holds nothing)."""
+        with contextlib.suppress(Exception):
+            end_actors(require_connected(), self.actors, self.pg, 3.0, ran=not self.spare)
 
 
 def world_key(request: p.JobRequest) -> str:
@@ -58,19 +60,11 @@ def world_key(request: p.JobRequest) -> str:
     return f"{request.world_key}/{request.num_nodes}x{request.world_size // request.num_nodes}/{request.use_gpu}"
 
 
-def _cancel(world: HotWorld) -> None:
-    if world.timer is not None:
-        world.timer.cancel()
-
-
 class HotWorlds:
-    """The hot worlds of this notebook, idle or running a call (thread-safe): the keeper, with Ray's ends."""
+    """The hot worlds of this notebook, idle or running a call: Ray's view of the process's keeper."""
 
-    def __init__(self) -> None:
-        self.keeper: Keeper[HotWorld] = Keeper(self._end, self._said)
-        self._lock = threading.Lock()
-        #: (session, why) of each session world that ended outside a call, oldest first (`ended_sessions`).
-        self._session_ends: list[tuple[str, str]] = []
+    def __init__(self, keeper: Keeper | None = None) -> None:
+        self.keeper = keeper if keeper is not None else kept()
 
     def take_hot(self, request: p.JobRequest) -> HotWorld | None:
         """An idle hot world of this call's world (or its session's), now busy; None if there is none.
@@ -80,45 +74,24 @@ class HotWorlds:
         if not request.keep_alive:
             return None
         key = world_key(request)
-        world = self.keeper.take(key, key.split("/", 1)[-1], request.job_id, request.session)
-        if world is not None:
-            _cancel(world)
-        return world
+        return self.keeper.take(key, key.split("/", 1)[-1], request.job_id, request.session, kind=HotWorld)
 
     def keep(self, world: HotWorld) -> None:
         """A call in `world` is over and every rank succeeded (or a spare set was asked for): it waits
         `keep_alive` s for the next call."""
-        generation = self.keeper.done(world)
-        _cancel(world)
-        world.timer = threading.Timer(world.keep_alive, self.keeper.expire_one, args=(world, generation))
-        world.timer.daemon = True
-        world.timer.start()
+        self.keeper.done(world)
 
     def take_spare(self, key: str) -> HotWorld | None:
         """The spare set of shape `key`, no longer kept here (the call that takes it ends it); None if there is none."""
-        spare = self.keeper.take_spare(key)
-        if spare is not None:
-            _cancel(spare)
-        return spare
-
-    def _said(self, world: HotWorld, why: str) -> None:
-        with self._lock:
-            self._session_ends.append((str(world.session), why))
+        return self.keeper.take_spare(key, kind=HotWorld)
 
     def session_lost(self, name: str, why: str) -> None:
         """Session `name`'s world was found lost when a call came; that call starts another."""
-        with self._lock:
-            self._session_ends.append((name, why))
-
-    def ended_sessions(self) -> list[tuple[str, str]]:
-        """(session, why) for each session world that ended outside a call since last asked."""
-        with self._lock:
-            ends, self._session_ends = self._session_ends, []
-        return ends
+        self.keeper.session_ended(name, why)
 
     def end_idle_session(self, name: str, why: str) -> bool:
         """End session `name`'s world now if it is idle; False if it runs a call (or there is none)."""
-        world = self.keeper.session(name)
+        world = self.keeper.session(name, kind=HotWorld)
         if world is None or world.busy:
             return False
         return self.keeper.release(world, why, say=False)
@@ -126,43 +99,34 @@ class HotWorlds:
     def drop(self, world: HotWorld) -> None:
         """`world` is ending (its call failed, was stopped, or lost a rank): no call may take it."""
         self.keeper.drop(world)
-        _cancel(world)
-
-    def _end(self, worlds: list[HotWorld]) -> None:
-        for world in worlds:
-            _cancel(world)
-        with contextlib.suppress(Exception):  # a notebook no longer connected holds nothing
-            ray = require_connected()
-            for world in worlds:
-                end_actors(ray, world.actors, world.pg, 3.0, ran=not world.spare)
 
     def hot_worlds(self) -> list[HotWorld]:
         """The hot worlds kept now, idle or running a call."""
-        return [w for w in self.keeper.worlds() if not w.spare]
+        return [w for w in self.keeper.worlds(HotWorld) if not w.spare]
 
     def spare_sets(self) -> list[HotWorld]:
         """The spare actor sets kept now (spares.py)."""
-        return [w for w in self.keeper.worlds() if w.spare]
+        return [w for w in self.keeper.worlds(HotWorld) if w.spare]
 
     def holding(self) -> bool:
         """Hot worlds or spares are kept now (they may hold what a call waiting for resources needs)."""
-        return bool(self.keeper.worlds())
+        return bool(self.keeper.worlds(HotWorld))
 
     def release_spares(self) -> None:
         """End every spare set now (ray_init(spares=False))."""
-        self.keeper.release_where(lambda w: w.spare, "spares were turned off", say=False)
+        self.keeper.release_where(lambda w: isinstance(w, HotWorld) and w.spare, "spares were turned off", say=False)
 
     def release_hot(self, sessions: bool = True) -> None:
         """End every idle hot world and spare set now: actors and placement group (a running call's ranks end with it).
 
         `sessions=False` leaves the sessions' worlds (a call waiting for resources ends only plain hot ranks).
         """
-        self.keeper.release_idle(RELEASED, sessions=sessions)
+        self.keeper.release_idle(RELEASED, sessions=sessions, kind=HotWorld)
 
     def idle_sessions(self) -> list[HotWorld]:
         """The sessions' worlds that wait for a call now."""
-        return [w for w in self.keeper.worlds() if w.session is not None and not w.busy]
+        return [w for w in self.keeper.worlds(HotWorld) if w.session is not None and not w.busy]
 
     def end_all(self) -> None:
         """End every hot world, a call's or not (at shutdown)."""
-        self.keeper.end_all("the notebook shut Ray down", say=False)
+        self.keeper.end_all("the notebook shut Ray down", say=False, kind=HotWorld)

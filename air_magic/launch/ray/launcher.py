@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import re
+import threading
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ class RayLauncher(JobLauncher, Launcher):
 
     def __init__(self) -> None:
         super().__init__()
+        self._lock = threading.Lock()
         self._jobs: set[RayJob] = set()
         self._actor_class: Any = None
         self._probe: Any = None
