@@ -184,8 +184,12 @@ class Keeper:
     # -- what ends a world ------------------------------------------------------
     def release(self, world: World, why: str, say: bool = True) -> bool:
         """End `world` now (its call, if any, ends as stopped); False if it was not kept."""
+        return self._release_if(world, why, say, lambda: True)
+
+    def _release_if(self, world: World, why: str, say: bool, still: Callable[[], bool]) -> bool:
+        """`release`, if `world` is kept and `still()` holds, both read under the lock (the end runs outside it)."""
         with self._lock:
-            if world not in self._worlds:
+            if world not in self._worlds or not still():
                 return False
             self._worlds.remove(world)
             _cancel(world)
@@ -227,10 +231,9 @@ class Keeper:
 
     def expire_one(self, world: World, generation: int) -> bool:
         """End `world` after its keep-alive, unless a call took it since `generation` (a timer's end)."""
-        with self._lock:
-            if world.busy or world.generation != generation or world not in self._worlds:
-                return False
-        return self.release(world, self.idle_reason(world))
+        return self._release_if(
+            world, self.idle_reason(world), True, lambda: not world.busy and world.generation == generation
+        )
 
     @staticmethod
     def idle_reason(world: World) -> str:
