@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	else $(PY) -m pip install -q 'uv>=0.9,<1' torch==2.13.0; fi
 	$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[test,docs]'
 	DS_BUILD_OPS=0 $(UV) pip install -q --compile-bytecode --python $(PY) --no-build-isolation 'deepspeed>=0.16'
+	@# air_magic itself is installed editable (its source is run in place): compiled here for the same reason.
+	$(PY) -m compileall -q air_magic
 	@# A build of an op killed midway leaves a lock that later builds wait on forever: removed when no process holds it.
 	$(PY) -m air_magic.launch.rank.extension_locks
 	@# Without GPUs, DeepSpeed's first init_distributed compiles its CPU communication op (once per machine): built
