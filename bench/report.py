@@ -107,6 +107,19 @@ NOTES = {
         "call logging to MLflow 0.081 s / 0.098 s against 0.088 s; a bare hot call 0.068 s / 0.059 s against "
         "0.051 s: 8-17 ms more per bare hot call, the only pattern slower by more than its spread."
     ),
+    "sessions-cpu-keeper-before.json": (
+        "the code before one keeper of kept worlds in the calling process (0a1bf42), run between "
+        "`sessions-cpu-keeper-after.json` and `sessions-cpu-keeper-after-again.json` (the code with it) on the 2-core "
+        "machine, quiet, in one session, 1 rank: per call, session 1.55 s against 1.52 s / 1.49 s after, hot 3.52 s "
+        "against 3.35 s / 3.55 s, warm 7.98 s against 7.77 s / 7.92 s: no slowdown. The first `after` run came right "
+        "after a test run (its first warm call 30.5 s: cold caches)."
+    ),
+    "call_patterns-cpu-keeper-before.json": (
+        "the same before/after/after-again run of `call_patterns.py --cpu --ranks 1` (medians of calls 2-5): a bare "
+        "hot call 0.031 s against 0.054 s / 0.032 s after, a hot call logging to MLflow 0.050 s against 0.075 s / "
+        "0.050 s, a sweep's bare call 0.081 s against 0.091 s / 0.087 s. The first `after` run was slower in every "
+        "pattern (cold caches after a test run); the second matches `before`."
+    ),
     "launch-1xH200.json": "each round runs the methods in turn, so a hot call follows a fresh-process call and "
     "waits for that call's ranks to finish exiting (results come back before the exits; the next call starts after "
     "them), which is most of the 0.12 s.",
