@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import re
+import signal
 import sys
 
 import cloudpickle
@@ -106,9 +107,20 @@ def test_a_call_that_failed_leaves_every_cpu_free(joined):
     nothing_held()
 
 
-def test_a_call_that_was_interrupted_leaves_every_cpu_free(joined):
+@pytest.fixture
+def ctrl_c_live():
+    """Ctrl-C raises KeyboardInterrupt in this process, as in a notebook's kernel. A test process started with SIGINT
+    ignored (a background job of a non-interactive shell: `make test &`) keeps it ignored, and then
+    `_thread.interrupt_main()` does nothing at all, so the call would run to its end."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_call_that_was_interrupted_leaves_every_cpu_free(joined, ctrl_c_live):
     """Ctrl-C (KeyboardInterrupt in the notebook's thread) while both ranks run: the call ends KILLED with a
     KeyboardInterrupt, and every CPU is free."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     result = run(hangs, listener=WhenAll("READY", lambda listener: _thread.interrupt_main()))
     assert result.status == JobStatus.KILLED and isinstance(result.error, KeyboardInterrupt)
     nothing_held()
