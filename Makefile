@@ -15,10 +15,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	@# The CPU build of torch on machines without an NVIDIA driver; the default (CUDA) build elsewhere. pip takes
 	@# torch (it knows where a machine keeps its wheels); uv, installed beside it, takes the rest in seconds.
+	@# --compile-bytecode: uv, unlike pip, writes no .pyc files, and where PYTHONDONTWRITEBYTECODE is set nothing
+	@# writes them later, so every process (kernel, rank, MLflow server, Ray worker) compiled mlflow, ray and
+	@# ipykernel from source at each import (mlflow: 4.0 s instead of 1.4 s).
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q 'uv>=0.9,<1' torch; \
 	else $(PY) -m pip install -q 'uv>=0.9,<1' torch==2.13.0; fi
-	$(UV) pip install -q --python $(PY) -e '.[test,docs]'
-	DS_BUILD_OPS=0 $(UV) pip install -q --python $(PY) --no-build-isolation 'deepspeed>=0.16'
+	$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[test,docs]'
+	DS_BUILD_OPS=0 $(UV) pip install -q --compile-bytecode --python $(PY) --no-build-isolation 'deepspeed>=0.16'
+	@# air_magic itself is installed editable (its source is run in place): compiled here for the same reason.
+	$(PY) -m compileall -q air_magic
 	@# A build of an op killed midway leaves a lock that later builds wait on forever: removed when no process holds it.
 	$(PY) -m air_magic.launch.rank.extension_locks
 	@# Without GPUs, DeepSpeed's first init_distributed compiles its CPU communication op (once per machine): built
@@ -27,23 +32,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	b = g().create_op_builder("ShareMemCommBuilder"); b and b.load()'; fi
 	touch $@
 
-# Bytecode for every installed module and air_magic's own: uv, unlike pip, writes no .pyc files, and where
-# PYTHONDONTWRITEBYTECODE is set nothing writes them later, so each kernel, rank, MLflow server and Ray worker
-# compiled mlflow, ray and ipykernel from source at every start (import mlflow: 4.0 s instead of 1.4 s). Once here,
-# for the commands that start processes (make check starts none). A few files in packages' test data are not
-# Python 3; compileall names them and fails, and they are never imported, hence `|| true`.
-$(VENV)/.compiled: $(VENV)/.installed
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" air_magic \
-		>/dev/null 2>&1 || true
-	touch $@
-
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-demo: $(VENV)/.installed $(VENV)/.compiled
+demo: $(VENV)/.installed
 	$(PY) demo_notebooks/run.py demo_notebooks/quickstart.ipynb
 
-test: $(VENV)/.installed $(VENV)/.compiled browser
+test: $(VENV)/.installed browser
 	@# lint, types and the docs at once (each is one process; together they use both cores), then the suite
 	$(MAKE) -j 3 lint types docs VENV=$(VENV)
 	@# --reruns 1: a test that fails is run once more, and the summary lists every rerun ("R" in the progress line).
