@@ -22,8 +22,8 @@ reports. The rules:
 - what ends a world: idle `keep_alive` s (one timer per idle world, or `expire` with a clock), a failed or
   stopped call, a lost rank, a release (sessions spared where asked), the kernel's end; the reason is said once
   for a session's world: to its running call (`World.said`), or, idle, in `ended_sessions`;
-- what a world holds (`World.holds`: GPUs or CPU worker slots), so that one ledger can count
-  what kept worlds and running calls hold.
+- `World.holds` (GPUs or CPU worker slots) is not filled by either launcher yet: the ledger (calls/ledger.py)
+  counts what a session's world holds through the session call's claim.
 
 Thread-safe: worlds are kept by the notebook's threads, the helper's event reader and timers. This module imports
 nothing of either launcher.
