@@ -14,7 +14,7 @@ import ray_cluster
 from faults_common import Recorder
 
 from air_magic import distributed, ray_init
-from air_magic.calls import runner, sessions
+from air_magic.calls import runner, session_table
 from air_magic.job import JobResult, JobStatus
 from air_magic.launch.ray import ray_launcher
 
@@ -141,19 +141,19 @@ def test_spares_are_off_on_a_joined_cluster_and_on_when_asked_and_listed(joined)
     ray_init(spares=True)
     run(returns).raise_for_status()
     assert len(ray_launcher().spare_sets()) == 1
-    listing = sessions.table()
+    listing = session_table.table()
     assert re.search(r"Ray spare actors: 2 node\(s\) with 1 CPU each; idle \d+ s, ends after \d+ s more idle", listing)
     ray_init()  # the default again: off on this cluster, and the spare set kept now ends
     assert ray_launcher().spare_sets() == []
-    assert "Ray spare actors" not in sessions.table()
+    assert "Ray spare actors" not in session_table.table()
     nothing_held()
 
 
 def test_hot_ranks_are_listed_until_release(joined):
     """keep_alive: the hot ranks are listed with what they hold and when they end; release frees every CPU."""
     run(returns, keep_alive=120).raise_for_status()
-    listing = sessions.table()
+    listing = session_table.table()
     assert re.search(r"Ray hot ranks: 2 node\(s\) with 1 CPU each; idle \d+ s, ends after \d+ s more idle", listing)
     ray_launcher().release_hot()
-    assert "Ray hot ranks" not in sessions.table()
+    assert "Ray hot ranks" not in session_table.table()
     nothing_held()

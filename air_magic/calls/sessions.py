@@ -1,7 +1,8 @@
 """Sessions as the notebook sees them: which exist, what their ranks hold, how each ended, and the calls on them.
 
-The state itself lives on the ranks (launch/rank/session.py) and the processes in the launcher's hot ranks
-(launch/local/pool.py, launch/ray/hot.py); this module keeps the notebook's record of each session, so that a cell
+The state itself lives on the ranks (launch/rank/session.py), and the world that holds them in the keeper of kept
+worlds (launch/keeper.py), which decides when it ends. This module writes the calling side's record of each session
+on its world (`World.record`: pids, hosts, the names its ranks hold) and keeps the history of ends, so that a cell
 asking for another world under a session's name is refused before anything starts, an end is never silent (said when
 it is seen, and again in the `NameError` of a name the lost ranks held), and `%distributed_session` answers without
 asking a busy rank. It also runs the calls that act on a session itself (push, pull, reset) and ends sessions. Both
@@ -16,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import socket
 import sys
 import time
 import types
@@ -28,7 +28,7 @@ from .. import launch
 from ..errors import ConfigurationError, annotate
 from ..job import JobResult, JobSpec
 from ..launch.interface import ENDED_BY_USER
-from ..launch.keeper import RELEASED
+from ..launch.keeper import World, kept
 from ..launch.rank.session import Pull, Push, Reset, SessionOp
 from . import ledger, runner
 from .listeners import Listener
@@ -78,7 +78,7 @@ class Ended:
         return f"air_magic: session {self.record.name!r} ({self.record.shape()}) ended at {when}: {self.why}."
 
 
-_live: dict[str, Record] = {}
+#: The last end of each session, by name, with what its ranks held then (said again in a NameError).
 _ended: dict[str, Ended] = {}
 
 
@@ -91,46 +91,65 @@ def check_name(name: object) -> str:
     return name
 
 
-def _end(name: str, why: str) -> Ended | None:
-    record = _live.pop(name, None)
-    ledger.release_session(name)
-    if record is None:
-        return None
-    ended = _ended[name] = Ended(record, why)
+def _record_of(name: str) -> Record | None:
+    """The record of session `name`, which rides on its kept world (launch/keeper.py): None if no world of that
+    name is kept, or its first call has not finished."""
+    world = kept().session(name, World)
+    return world.record if world is not None else None
+
+
+def _finish(record: Record, why: str) -> Ended:
+    """Session `record` ended for `why`: kept in the history of ends; the GPUs the ledger counted for it are free
+    again unless a new world of that name is kept already (a call that started new ranks)."""
+    if kept().session(record.name, World) is None:
+        ledger.release_session(record.name)
+    ended = _ended[record.name] = Ended(record, why)
     return ended
 
 
-def _notice_ends() -> None:
-    """Say each session that ended outside a call (idle, released) since the last look, once."""
-    for name, why in launch.ended_sessions():
-        ended = _end(name, why)
-        if ended is not None:
+def _ends() -> list[tuple[World, Ended]]:
+    """Each session's world that ended outside a call (idle, released, lost) since the last look, now in the
+    history of ends; a world that never finished a call has no record, and nothing to say."""
+    return [(world, _finish(world.record, why)) for world, why in launch.ended_sessions() if world.record is not None]
+
+
+def _notice_ends(quiet: World | None = None) -> list[Ended]:
+    """Say each session that ended outside a call since the last look, once; the end of `quiet`'s world is
+    returned instead of said."""
+    own = []
+    for world, ended in _ends():
+        if world is quiet:
+            own.append(ended)
+        else:
             print(ended.line(), file=sys.stderr)
+    return own
 
 
 def live() -> dict[str, Record]:
-    """The sessions alive now, by name (ends noticed since the last look are said first)."""
+    """The sessions alive now, by name: the kept worlds of sessions that finished a call (ends noticed since the
+    last look are said first)."""
     _notice_ends()
-    return dict(_live)
+    return {w.session: w.record for w in kept().worlds(World) if w.session is not None and w.record is not None}
 
 
 def held_names(name: str | None) -> set[str]:
     """The names session `name`'s ranks assigned, as last reported: notebook globals of those names stay here."""
-    record = _live.get(name or "")
+    record = _record_of(name or "")
     return record.held() if record is not None else set()
 
 
-def before(spec: JobSpec) -> None:
-    """Refuse a call that asks for another world under a live session's name, before anything starts."""
+def before(spec: JobSpec) -> Record | None:
+    """Refuse a call that asks for another world under a live session's name, before anything starts; the
+    session's record as the call finds it (None: the call starts it)."""
     _notice_ends()
-    record = _live.get(spec.session or "")
+    record = _record_of(spec.session or "")
     if record is None:
         if spec.ranks is not None and max(spec.ranks) >= spec.world_size:
             raise ConfigurationError(
                 f"--ranks {','.join(map(str, spec.ranks))}: session {spec.session!r} would have ranks "
                 f"0-{spec.world_size - 1}; name ranks of the session."
             )
-        return
+        return None
     asked = Record(spec.session or "", spec.world_size, spec.accelerator_type, spec.num_nodes, 0.0)
     if asked.shape() != record.shape():
         raise ConfigurationError(
@@ -142,40 +161,44 @@ def before(spec: JobSpec) -> None:
         raise ConfigurationError(
             f"--ranks {','.join(map(str, spec.ranks))}: session {record.name!r} has ranks 0-{record.world_size - 1}."
         )
+    return record
 
 
-def after(spec: JobSpec, result: JobResult) -> None:
-    """Record what the call left: the session's pids and names, or its end (said in one line), and explain a
-    NameError for a name that ranks of an ended session held."""
+def after(spec: JobSpec, result: JobResult, found: Record | None = None) -> None:
+    """Record what the call left on the session's kept world: its pids and names, or its end (kept in the history
+    of ends), and explain a NameError for a name that ranks of an ended session held. `found`: the session's record
+    when the call came (`before`)."""
     _notice_ends()  # ranks found lost when this call came (Ray) ended with their reason before it started new ones
     name = spec.session or ""
-    record = _live.get(name)
+    world = kept().session(name, World)
+    record = world.record if world is not None else None
     pids = {r.rank: r.pid for r in result.ranks if r.pid is not None}
     if result.session_end is None and record is not None and pids and set(pids.values()) != set(record.pids.values()):
-        _end(name, "its ranks were gone when the next call came (the helper or the kernel's processes ended)")
+        _finish(record, "its ranks were gone when the next call came (the helper or the kernel's processes ended)")
         record = None
-    if result.session_restarted is not None and record is not None:  # the world before the restart is gone
-        _end(name, result.session_restarted)
+    if result.session_restarted is not None and (record or found) is not None:  # the world before it is gone
+        _finish(record or found, result.session_restarted)  # type: ignore[arg-type]
         record = None
-    if result.session_end is not None:
+    if result.session_end is not None:  # said to the call already; kept in the history with what its ranks held
+        ended = record or found
         noticed = _ended.get(name)
-        if record is None and (noticed is None or noticed.why != result.session_end):
-            record = Record(name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or 0.0)
-            _live[name] = record
-        if record is not None:  # an end noticed already keeps the names its ranks held
-            _end(name, result.session_end)
+        if ended is None and (noticed is None or noticed.why != result.session_end):
+            ended = Record(name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or 0.0)
+        if ended is not None:  # an end noticed already keeps the names its ranks held
+            _finish(ended, result.session_end)
         record = None
     # A call that restarted (max_restarts) ran its last attempt in new ranks, which the launcher keeps as the
     # session unless that attempt ended them: they are its world from now on.
-    if pids and result.session_end is None:
+    if world is not None and pids and result.session_end is None:
         if record is None:
-            record = _live[name] = Record(
+            record = Record(
                 name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or DEFAULT_IDLE, pids
             )
         record.pids, record.last_used = pids, time.monotonic()
         record.hosts = {r.rank: r.host for r in result.ranks if r.host}
         record.keep_alive = spec.keep_alive or record.keep_alive
         record.names.update(result.session_names)
+        world.record = record
     _explain_name_error(name, result.error)
 
 
@@ -223,8 +246,9 @@ def run(
     `run_dir` a run directory made before the call started (runner.run). `call`: the call's handle in the table of
     calls (handle.DistributedCall, made by the front doors); a session it runs in is not busy for it.
     """
+    found = None
     if spec.session is not None:
-        before(spec)
+        found = before(spec)
         call_table().check_free(spec.session, call)
     claim = claim or (call._claim() if call is not None else ledger.Claim(spec, uuid.uuid4().hex, spec.name))
     name = spec.name
@@ -236,7 +260,7 @@ def run(
         result = runner.run(held, listeners, run_dir=run_dir)
         if result.session_end is None:
             claim.keep()
-        after(held, result)
+        after(held, result, found)
         return result
 
 
@@ -269,9 +293,9 @@ def _on_session(name: str, op: SessionOp, ranks: tuple[int, ...] | None, what: s
         session=name,
         ranks=ranks,
     )
-    before(spec)
+    found = before(spec)
     result = runner.run(spec, listeners=[])
-    after(spec, result)
+    after(spec, result, found)
     return result.raise_for_status()
 
 
@@ -291,61 +315,21 @@ def pull(name: str, variable: str, rank: int | None = None) -> Any:
 def reset(name: str) -> None:
     """Empty session `name`'s namespaces; its processes, process group and imports stay."""
     _on_session(name, Reset(), None, "reset")
-    _live[name].names.clear()
+    _record(name).names.clear()
 
 
 def end(name: str) -> str:
     """End session `name`'s ranks now; the line that says so."""
     record = _record(name)
+    world = kept().session(name, World)
     launch.launcher_for(record.num_nodes).end_session(name, ENDED_BY_USER)
-    ended = _end(name, ENDED_BY_USER)
-    assert ended is not None
-    return ended.line()
+    own = _notice_ends(quiet=world)  # an idle world's end, said here rather than at the next look
+    return (own[0] if own else _finish(record, ENDED_BY_USER)).line()
 
 
 def released() -> list[str]:
-    """After %distributed_release: every live session ended with it; a line for each."""
-    lines = []
-    for name in list(_live):
-        ended = _end(name, RELEASED)
-        if ended is not None:
-            lines.append(ended.line())
-    launch.ended_sessions()  # already said here
-    return lines
-
-
-def table() -> str:
-    """Every live session: ranks, pids, node, device, memory in use, idle time left, and the names each holds; then
-    what else a launcher keeps between calls (Ray's hot ranks and spare actors: what they hold, for how long)."""
-    import psutil
-
-    sessions = live()
-    kept = [line for launcher in launch.used_launchers() for line in launcher.held()]  # hot ranks, spares
-    if not sessions:
-        return "\n".join(["No session is alive. Start one with a `%%distributed --session [NAME]` cell.", *kept])
-    host = socket.gethostname()
-    here = {a.address for addresses in psutil.net_if_addrs().values() for a in addresses}
-    lines: list[str] = []
-    for record in sessions.values():
-        left = max(0.0, record.keep_alive - (time.monotonic() - record.last_used))
-        lines.append(f"session {record.name!r}: {record.shape()}, ends after {left:,.0f} s more idle")
-        for rank in range(record.world_size):
-            pid = record.pids.get(rank)
-            node = record.hosts.get(rank, host if record.num_nodes == 1 else "(Ray)")
-            try:  # a process of another machine is not looked at here
-                local = pid and (record.num_nodes == 1 or node in here)
-                memory = f"{psutil.Process(pid).memory_info().rss / 2**20:,.0f} MiB" if local else "?"
-            except psutil.Error:
-                memory = "gone"
-            device = (
-                f"cuda:{rank % max(1, record.world_size // record.num_nodes)}"
-                if record.accelerator_type.startswith("GPU")
-                else "cpu"
-            )
-            names = record.names.get(rank, {})
-            held = "; ".join(f"{n}: {d}" for n, d in names.items()) or "(nothing assigned)"
-            lines.append(f"  rank {rank}: pid {pid}, {node}, {device}, {memory} in use; {held}")
-    return "\n".join(lines + kept)
+    """After %distributed_release: the sessions it ended; a line for each (said here, not again at the next look)."""
+    return [ended.line() for _, ended in _ends()]
 
 
 def check_ranks(ranks: object, session: str | None) -> tuple[int, ...]:

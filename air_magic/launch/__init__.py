@@ -40,6 +40,7 @@ from .ray.cluster import ray_init
 
 if TYPE_CHECKING:
     from .interface import Launcher
+    from .keeper import World
 
 __all__ = [
     "check_shape",
@@ -86,8 +87,8 @@ def release_hot() -> None:
         launcher.release_hot()
 
 
-def ended_sessions() -> list[tuple[str, str]]:
-    """(session, why) for each session whose ranks ended outside any call (idle, released) since last asked, on
+def ended_sessions() -> list[tuple[World, str]]:
+    """(world, why) for each session's world that ended outside any call (idle, released) since last asked, on
     any launcher: the record of this process's keeper of kept worlds."""
     from .keeper import kept
 

@@ -21,9 +21,12 @@ reports. The rules:
   each rank that raised came back usable (`keeps`, used by both launchers); anything else ends;
 - what ends a world: idle `keep_alive` s (one timer per idle world, or `expire` with a clock), a failed or
   stopped call, a lost rank, a release (sessions spared where asked), the kernel's end; the reason is said once
-  for a session's world: to its running call (`World.said`), or, idle, in `ended_sessions`;
-- `World.holds` (GPUs or CPU worker slots) is not filled by either launcher yet: the ledger (calls/ledger.py)
-  counts what a session's world holds through the session call's claim.
+  for a session's world: to its running call (`World.said`), or, idle, in `ended_sessions`.
+
+What else the calling side knows of a session's world (its ranks' pids, hosts, the names they hold) rides on the
+world itself (`World.record`, calls/sessions.py), so a session lives exactly as long as its kept world. The GPUs or
+CPU slots a session's world holds are counted by the machine-wide ledger (calls/ledger.py) through the claim of the
+call that made it, which is kept while the world is.
 
 Thread-safe: worlds are kept by the notebook's threads, the helper's event reader and timers. This module imports
 nothing of either launcher.
@@ -35,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 # -- the reasons said for a world's end, written once for both launchers and the notebook ----------------------
 #: %distributed_release (or a call waiting for resources) ended the idle worlds.
@@ -76,8 +79,9 @@ class World:
     idle_since: float | None = None
     #: Counts the calls taken: a timer armed for an idle world ends it only if no call took it since.
     generation: int = 0
-    #: What it holds for the ledger: ("gpu", index) or ("cpu", slot) per rank.
-    holds: tuple[tuple[str, int], ...] = ()
+    #: The calling side's record of a session's world (calls/sessions.Record: pids, hosts, the names its ranks
+    #: hold); None until a call of the session has finished in it.
+    record: Any = field(default=None, repr=False)
     #: Ends it once it has been idle `keep_alive` s (armed by `Keeper.done`).
     timer: threading.Timer | None = field(default=None, repr=False)
 
@@ -108,8 +112,8 @@ class Keeper:
         self._clock = clock
         #: Arm a timer per idle world (off: only `expire` ends idle worlds, as unit tests drive it).
         self._timers = timers
-        #: (session, why) of each session whose world ended outside a call, oldest first (`ended_sessions`).
-        self._session_ends: list[tuple[str, str]] = []
+        #: (world, why) of each session's world that ended outside a call, oldest first (`ended_sessions`).
+        self._session_ends: list[tuple[World, str]] = []
 
     # -- who may take a world ------------------------------------------------
     def take(self, key: str, shape: str, call: str, session: str | None = None, kind: type[W] = World) -> W | None:  # type: ignore[assignment]
@@ -195,7 +199,7 @@ class Keeper:
             _cancel(world)
             busy = world.busy
             if say and world.session is not None and not busy:
-                self._session_ends.append((world.session, why))
+                self._session_ends.append((world, why))
         if say and world.session is not None and busy:
             world.said(why)
         world.end(why)
@@ -244,13 +248,13 @@ class Keeper:
         return self.release_where(lambda w: isinstance(w, kind), why, say)
 
     # -- sessions ended outside a call --------------------------------------------
-    def session_ended(self, name: str, why: str) -> None:
-        """Session `name`'s world was found ended outside a call (say, lost when a call came): said once."""
+    def session_ended(self, world: World, why: str) -> None:
+        """A session's `world` was found ended outside a call (say, lost when a call came): said once."""
         with self._lock:
-            self._session_ends.append((name, why))
+            self._session_ends.append((world, why))
 
-    def ended_sessions(self) -> list[tuple[str, str]]:
-        """(session, why) for each session whose world ended outside any call since last asked, oldest first."""
+    def ended_sessions(self) -> list[tuple[World, str]]:
+        """(world, why) for each session's world that ended outside any call since last asked, oldest first."""
         with self._lock:
             ends, self._session_ends = self._session_ends, []
         return ends
@@ -265,11 +269,6 @@ class Keeper:
         """Every kept world of `kind`, idle or running a call."""
         with self._lock:
             return [w for w in self._worlds if isinstance(w, kind)]
-
-    def holds(self) -> list[tuple[str, int]]:
-        """What every kept world holds (GPUs, CPU slots), for the ledger."""
-        with self._lock:
-            return [held for w in self._worlds for held in w.holds]
 
 
 def _cancel(world: World) -> None:

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .. import launch
-from ..calls import sessions
+from ..calls import session_table, sessions
 from . import options
 
 
@@ -73,4 +73,4 @@ class SessionMagics(Magics):
             sessions.reset(args.reset)
             print(f"session {args.reset!r}: every rank's namespace is empty; its processes stay.")
         else:
-            print(sessions.table())
+            print(session_table.table())

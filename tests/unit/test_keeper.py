@@ -40,12 +40,17 @@ class Recorded(World):
 
 @pytest.fixture
 def kept_():
-    """A keeper without timers, on a clock of its own, whose ends are recorded; `said` reads ended_sessions."""
+    """A keeper without timers, on a clock of its own, whose ends are recorded; the third item reads
+    ended_sessions as (session, why)."""
     ended: list[World] = []
     clock = Clock()
     keeper = Keeper(clock, timers=False)
     keeper.ended_list = ended  # type: ignore[attr-defined]
-    return keeper, ended, keeper.ended_sessions, clock
+    return keeper, ended, lambda: named(keeper), clock
+
+
+def named(keeper: Keeper) -> list[tuple[str | None, str]]:
+    return [(world.session, why) for world, why in keeper.ended_sessions()]
 
 
 def idle(keeper: Keeper, key: str = "k", shape: str = "2", keep_alive: float = 60.0, **kw) -> World:
@@ -138,14 +143,6 @@ def test_what_a_call_leaves():
     assert not Keeper.keeps(None, clean=True, usable=True)
 
 
-def test_what_kept_worlds_hold_is_counted_for_the_ledger(kept_):
-    """holds() lists every device or slot kept worlds hold, busy or idle."""
-    keeper, _, _, _ = kept_
-    idle(keeper, holds=(("gpu", 0), ("gpu", 1)))
-    idle(keeper, key="c", holds=(("cpu", 0),))
-    assert sorted(keeper.holds()) == [("cpu", 0), ("gpu", 0), ("gpu", 1)]
-
-
 def test_a_busy_sessions_end_is_said_to_its_call_and_an_idle_ones_in_ended_sessions(kept_):
     """A session's world ended while a call runs in it tells that call; idle, the record of ends outside a call."""
     keeper, _, ended_sessions, _ = kept_
@@ -156,8 +153,9 @@ def test_a_busy_sessions_end_is_said_to_its_call_and_an_idle_ones_in_ended_sessi
     keeper.release(running, "ended by hand")
     assert ended_sessions() == [("idle", "released")]
     assert running.told == ["ended by hand"]  # type: ignore[attr-defined]
-    keeper.session_ended("lost", "its world was lost")
-    assert ended_sessions() == [("lost", "its world was lost")]
+    lost = World("k", "2", 1.0, session="lost")
+    keeper.session_ended(lost, "its world was lost")
+    assert keeper.ended_sessions() == [(lost, "its world was lost")], "the world itself, with what rides on it"
 
 
 def test_an_idle_worlds_timer_ends_it_unless_a_call_takes_it_first():
@@ -304,4 +302,4 @@ def test_a_replaced_helpers_idle_worlds_end_and_the_calls_own_moves():
     mine = worlds.take(keeper, request("j2"), old, lambda e: None)
     worlds.moved(keeper, old, new, mine)
     assert keeper.worlds() == [mine] and mine is not None and mine.client is new
-    assert keeper.ended_sessions() == [("s", "the helper was replaced")]
+    assert named(keeper) == [("s", "the helper was replaced")]

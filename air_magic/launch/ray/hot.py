@@ -85,9 +85,9 @@ class HotWorlds:
         """The spare set of shape `key`, no longer kept here (the call that takes it ends it); None if there is none."""
         return self.keeper.take_spare(key, kind=HotWorld)
 
-    def session_lost(self, name: str, why: str) -> None:
-        """Session `name`'s world was found lost when a call came; that call starts another."""
-        self.keeper.session_ended(name, why)
+    def session_lost(self, world: HotWorld, why: str) -> None:
+        """A session's `world` was found lost when a call came; that call starts another."""
+        self.keeper.session_ended(world, why)
 
     def end_idle_session(self, name: str, why: str) -> bool:
         """End session `name`'s world now if it is idle; False if it runs a call (or there is none)."""

@@ -118,7 +118,7 @@ class Starting:
             except self.ray.exceptions.RayActorError as exc:
                 why = f"a Ray actor of theirs died ({' '.join(str(exc).split())[:200]})"
         if world.session is not None:
-            self.launcher.session_lost(world.session, f"its ranks were lost: {why}")
+            self.launcher.session_lost(world, f"its ranks were lost: {why}")
             said = f"the ranks of session {world.session!r} were lost: {why}; starting new ranks (their names are gone)"
         else:
             said = f"the hot ranks of this world were lost: {why}; starting fresh ranks"
