@@ -186,6 +186,8 @@ def after(spec: JobSpec, result: JobResult, found: Record | None = None) -> None
             ended = Record(name, spec.world_size, spec.accelerator_type, spec.num_nodes, spec.keep_alive or 0.0)
         if ended is not None:  # an end noticed already keeps the names its ranks held
             _finish(ended, result.session_end)
+        if world is not None:  # still being ended: not live, and its end is not said again
+            world.record = None
         record = None
     # A call that restarted (max_restarts) ran its last attempt in new ranks, which the launcher keeps as the
     # session unless that attempt ended them: they are its world from now on.

@@ -150,3 +150,18 @@ def test_the_ledger_frees_a_sessions_gpus_only_when_no_world_of_its_name_is_kept
     keeper.release(new, "idle for 60 s (its keep-alive)")
     sessions.live()
     assert freed == ["s"]
+
+
+def test_an_end_said_to_its_call_while_the_world_is_still_being_ended_is_not_said_again(keeper, capsys):
+    """A launcher that ends the world after the call's result came back: the session is not live from the result
+    on, and the keeper's later end of that world says nothing more."""
+    call = spec()
+    world = session_call(keeper, call, (11, 12), session_names={0: {"w": "Tensor"}})
+    found = sessions.before(call)
+    keeper.take("key", "2", "c2", session="s")
+    sessions.after(call, result(call, (11, 12), session_end="rank 0 did not come back"), found)
+    assert sessions.live() == {} and sessions._ended["s"].record.held() == {"w"}
+    keeper.done(world)
+    keeper.release(world, "its ranks were stopped")
+    assert sessions.live() == {} and capsys.readouterr().err == ""
+    assert "did not come back" in sessions._ended["s"].why
