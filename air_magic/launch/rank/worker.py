@@ -110,18 +110,38 @@ def _write_result(path: Path, value: object, pickled: bool = False) -> None:
         raise
 
 
+#: The supervisor's SIGINT reached this session call before its user code started (while its payload loaded,
+#: which a busy machine makes long): raised as that code would start, so an early Ctrl-C is not lost.
+_interrupted_early = False
+
+
+def _note_early_interrupt(signum: int, frame: object) -> None:
+    global _interrupted_early
+    _interrupted_early = True
+
+
+def _expect_interrupts(spec: JobFile) -> None:
+    """A session call starts: from now on a SIGINT is for it (kept until its user code runs, then raised there)."""
+    global _interrupted_early
+    _interrupted_early = False
+    if spec.session is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _note_early_interrupt)
+
+
 def _run_in_session(target: object, args: tuple[object, ...], kwargs: dict[str, object], rank: int) -> object:
     """Run a session call with Ctrl-C live: the supervisor's SIGINT raises KeyboardInterrupt in the user's code.
 
-    Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does). A rank whose
-    call runs in another thread than the main one (a Ray actor's) is interrupted by its launcher instead
-    (session.interrupt_call).
+    Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does); one that came
+    while the call was loaded is raised before the user's code starts. A rank whose call runs in another thread
+    than the main one (a Ray actor's) is interrupted by its launcher instead (session.interrupt_call).
     """
     if threading.current_thread() is not threading.main_thread():
         with session.interruptible():
             return session.run(target, args, kwargs, rank)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if _interrupted_early:
+            raise KeyboardInterrupt
         return session.run(target, args, kwargs, rank)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -131,6 +151,7 @@ def run(path: Path, rank: int) -> int:
     """Run this rank's share of the job; return the process exit code."""
     run_dir = RunDir(path)
     spec = JobFile.from_bytes(run_dir.job.read_bytes())
+    _expect_interrupts(spec)
     _apply_caller_context(spec)
     faulthandler.enable()
     answer_stack_requests()  # STACKS_SIGNAL writes every thread's stack to the log (launch/stacks.py)
