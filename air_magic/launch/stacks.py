@@ -1,20 +1,15 @@
 """Asking ranks where they are: the signal that makes a rank write its threads' stacks to its log.
 
-A rank registers Python's `faulthandler` for `STACKS_SIGNAL` while a call runs
-(`install`): the handler is C code that writes every thread's Python stack to
-the rank's log (fd 2) from inside the signal handler, so it answers while the
-rank blocks in C (time.sleep, a gloo or NCCL wait, a DataLoader queue) and
-pauses a healthy rank for microseconds. Processes the rank forks (DataLoader
-workers) inherit the handler and the log. Between the calls of a hot rank the
-signal is ignored (`pause`), so an idle rank writes nothing into the log of
-a call that has ended.
+A rank registers Python's `faulthandler` for `STACKS_SIGNAL` while a call runs (`install`): the handler is C code
+that writes every thread's Python stack to the rank's log (fd 2) from inside the signal handler, so it answers while
+the rank blocks in C (time.sleep, a gloo or NCCL wait, a DataLoader queue) and pauses a healthy rank for
+microseconds. Processes the rank forks (DataLoader workers) inherit the handler and the log. Between the calls of a
+hot rank the signal is ignored (`pause`), so an idle rank writes nothing into the log of a call that has ended.
 
-`request(pids)` asks for dumps: only from processes that catch the signal (to
-one that does not, the signal's default action would be death), each dump
-between a header and a trailer line naming the process, written to its own
-fd 2 (through /proc). Processes that share a log (a rank and its DataLoader
-workers) take turns, so their dumps do not interleave; different logs are
-served at once. This module owns that format; stack_dumps.py reads it back.
+`request(pids)` asks for dumps: only from processes that catch the signal (to one that does not, the signal's
+default action would be death), each dump between a header and a trailer line naming the process, written to its
+own fd 2 (through /proc). Processes that share a log (a rank and its DataLoader workers) take turns, so their dumps
+do not interleave; different logs are served at once. This module owns that format; stack_dumps.py reads it back.
 
 A rank's own process also gets its native frames, from py-spy (`native_stacks`),
 written into the same dump: where in C, C++ or CUDA code each thread waits.
@@ -41,8 +36,8 @@ from dataclasses import dataclass
 #: (PyTorch Lightning takes SIGUSR1 on SLURM). None where the platform has none.
 STACKS_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 #: At most this long is spent waiting for the dumps of one `request`, in seconds (py-spy's reading of native frames
-#: aside). A healthy rank answers in milliseconds; on a machine whose cores are all busy, a process can wait most of a
-#: second before it is scheduled to write its dump.
+#: aside). A healthy rank answers in milliseconds; with every core busy, a process waits to be scheduled, the longer
+#: the more processes want each core: the limits here are stretched by `patience()`.
 REQUEST_LIMIT = 2.0
 #: A process's dump is complete when its log has not grown for this long, in seconds.
 _SETTLED = 0.015
@@ -183,17 +178,32 @@ def _size(fd: int) -> int:
         return -1
 
 
+_MOST_PATIENCE = 10.0  # a stop on an overloaded machine still ends within a bound
+
+
+def patience() -> float:
+    """How many times the limits above are stretched now: the load average per core, from 1 to _MOST_PATIENCE
+    (at a load of 17 on 2 cores, a process given 1 s on an idle machine is given 8.5 s)."""
+    try:
+        per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        return 1.0
+    return min(_MOST_PATIENCE, max(1.0, per_core))
+
+
 def request(
     ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request", limit: float = REQUEST_LIMIT
 ) -> int:
     """Have the processes `ranks` (each a rank's own process) and `others` (their descendants) write their stacks.
 
     Only processes that catch STACKS_SIGNAL are asked, and none twice before the same stop (`why` STOPPING).
-    Returns after the dumps are written, or after `limit` s; the number of processes asked.
+    Returns after the dumps are written, or after `limit` s times `patience()`; the number of processes asked.
     """
     if STACKS_SIGNAL is None:
         return 0
     now = time.monotonic()
+    stretch = patience()
+    limit *= stretch
     for pid, at in list(_recent.items()):
         if now - at > _AGAIN_AFTER:
             del _recent[pid]
@@ -215,7 +225,7 @@ def request(
             waited = time.monotonic()
             turn = _take_turns(turn, time.monotonic() + (STOP_TURN_WAIT if why == STOPPING else REQUEST_LIMIT))
             deadline += time.monotonic() - waited  # another asker's dump in the same log is not this one's time
-            done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT))
+            done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT * stretch))
             asked += done
             deadline += native_s  # py-spy's time is not taken from the processes still to answer (a rank's children)
     finally:

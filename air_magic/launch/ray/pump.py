@@ -42,7 +42,8 @@ from .starting import JobLauncher, Starting, Stopped
 
 #: Seconds an actor's poll waits for new output before it answers with none.
 POLL_WAIT = 0.5
-#: Seconds a stop waits for the stacks of ranks still running, and again for the output that carries them.
+#: Seconds a stop waits for the stacks of ranks still running, and again for the output that carries them, on a
+#: machine with a core free (stretched by stacks.patience() on a busy one).
 STACKS_WAIT = 5.0
 
 
@@ -253,16 +254,17 @@ class RayJob(Starting, JobHandle):
     def _stacks_before_stopping(self) -> None:
         """Ranks still running write their stacks to their logs, which are read here once more (STACKS_WAIT s at most
         for each: a busy node takes seconds to answer, and a stack read after the stop is lost)."""
-        from ..stacks import STOPPING
+        from ..stacks import STOPPING, patience
 
         running = sorted(self.started - self.exited)
         if not running:
             return
+        wait = STACKS_WAIT * patience()  # this machine's load: a node of a simulated or small cluster shares it
         with contextlib.suppress(Exception):
             asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
-            self.ray.wait(asked, num_returns=len(asked), timeout=STACKS_WAIT)
+            self.ray.wait(asked, num_returns=len(asked), timeout=wait)
             polls = {r: self.actors[r].poll.remote(self.received.offsets(r), 0) for r in running}
-            self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=STACKS_WAIT)
+            self.ray.wait(list(polls.values()), num_returns=len(polls), timeout=wait)
             for rank, ref in polls.items():
                 with contextlib.suppress(Exception):
                     self._output(rank, self.ray.get(ref, timeout=0))
