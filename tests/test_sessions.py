@@ -81,9 +81,9 @@ def test_an_interrupt_that_comes_while_a_rank_still_loads_the_call_is_not_lost(s
     """Ctrl-C while one rank still unpickles the cell's values (long on a busy machine): that rank raises
     KeyboardInterrupt as its code would start, so the call comes back and the session is kept, instead of the rank
     running the whole cell and the session ending for a rank that "did not come back"."""
-    session_kernel.execute(
-        "import os, time\n"
+    session_kernel.execute(  # no import in the notebook: later tests expect names such as `os` to be undefined there
         "def slow_load():\n"
+        "    import os, time\n"
         "    if os.environ['RANK'] == '1':\n"
         "        print('loading', flush=True)\n"
         "        time.sleep(3)\n"
@@ -102,6 +102,7 @@ def test_an_interrupt_that_comes_while_a_rank_still_loads_the_call_is_not_lost(s
     assert out.ename == "KeyboardInterrupt", out.traceback
     assert "session 'early' was kept" in out.traceback
     assert all(s < 600 for s in values(cell(session_kernel, f"--session early {CPU}", "steps")))
+    session_kernel.execute("del slow, SlowToLoad, slow_load").check()
 
 
 def test_a_rank_stuck_in_all_reduce_after_the_other_raised_ends_the_session_and_leaves_nothing(session_kernel):
