@@ -176,8 +176,9 @@ def after(spec: JobSpec, result: JobResult, found: Record | None = None) -> None
     if result.session_end is None and record is not None and pids and set(pids.values()) != set(record.pids.values()):
         _finish(record, "its ranks were gone when the next call came (the helper or the kernel's processes ended)")
         record = None
-    if result.session_restarted is not None and (record or found) is not None:  # the world before it is gone
-        _finish(record or found, result.session_restarted)  # type: ignore[arg-type]
+    before_restart = record or found  # the world before a restart is gone, with what its ranks held
+    if result.session_restarted is not None and before_restart is not None:
+        _finish(before_restart, result.session_restarted)
         record = None
     if result.session_end is not None:  # said to the call already; kept in the history with what its ranks held
         ended = record or found
