@@ -97,6 +97,23 @@ def unmarked_slow(items: list[pytest.Item]) -> list[str]:
     ]
 
 
+#: The first failure of each test that `--reruns 1` ran again, kept for the summary: a rerun that passed is still a
+#: fault to chase, and its log is the only record CI keeps.
+_RERUNS: list[pytest.TestReport] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "rerun":
+        _RERUNS.append(report)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """After pytest-rerunfailures' list of reruns, the error each rerun first failed with (its last 60 lines)."""
+    for report in _RERUNS:
+        terminalreporter.write_sep("-", f"why {report.nodeid} was run again ({report.when})")
+        terminalreporter.write_line("\n".join(report.longreprtext.splitlines()[-60:]))
+
+
 @pytest.fixture(scope="module")
 def loaded_kernel(kernel):
     """The module's kernel with air_magic loaded."""
