@@ -107,6 +107,26 @@ NOTES = {
         "call logging to MLflow 0.081 s / 0.098 s against 0.088 s; a bare hot call 0.068 s / 0.059 s against "
         "0.051 s: 8-17 ms more per bare hot call, the only pattern slower by more than its spread."
     ),
+    "launch-1xH100-owner-before.json": (
+        "the code before one owner of the kernel's calls and kept worlds (abe6809), run between "
+        "`launch-1xH100-owner-after.json` and `launch-1xH100-owner-after-again.json` (the code with it) on one H100 in "
+        "one session, 3 repeats each: warm 0.988 s / 1.001 s after against 0.982 s before; hot 0.102 s / 0.074 s "
+        "against 0.075 s; a hot call logging to MLflow 0.061 s / 0.051 s against 0.303 s (one slow before-run); no "
+        "slowdown beyond the runs' spread."
+    ),
+    "sessions-1xH100-owner-before.json": (
+        "the same before (abe6809) between `sessions-1xH100-owner-after.json` and "
+        "`sessions-1xH100-owner-after-again.json` on that H100: per session call 0.086 s / 0.092 s after against "
+        "0.088 s before, hot 2.10 s / 2.22 s against 2.39 s, warm 14.25 s / 15.01 s against 14.46 s: no slowdown. The "
+        "first warm call of the first run (20.1 s) came on a machine just started."
+    ),
+    "call_patterns-1xH100-owner-before.json": (
+        "the same before (abe6809) between `call_patterns-1xH100-owner-after.json` and "
+        "`call_patterns-1xH100-owner-after-again.json` on that H100 (medians of calls 2-5): a sweep's bare call "
+        "1.189 s / 1.191 s after against 1.187 s before, logging 1.208 s / 1.246 s against 1.254 s; a bare hot call "
+        "0.029 s / 0.029 s against 0.031 s, logging 0.042 s / 0.046 s against 0.054 s: no slowdown. The paused first "
+        "call misses its bound (2 x warm + 0.3 s) in all three runs, before as after: 2.96 s / 3.25 s against 3.07 s."
+    ),
     "sessions-cpu-keeper-before.json": (
         "the code before one keeper of kept worlds in the calling process (0a1bf42), run between "
         "`sessions-cpu-keeper-after.json` and `sessions-cpu-keeper-after-again.json` (the code with it) on the 2-core "
