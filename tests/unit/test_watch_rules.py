@@ -114,6 +114,32 @@ def test_the_rank_side_adds_up_steps_and_collectives(tmp_path):
     assert state.collective.op == "all_reduce" and state.collective.number == 1
 
 
+def test_a_stall_written_twice_is_the_same_stall_and_named_once(tmp_path, monkeypatch):
+    """A rank's unchanged state written again (as at a stop, or by a flush that raced a change) gives the same times,
+    however the wall clock moved against the rank's clock meanwhile; the hang rule names that stall once."""
+    path = tmp_path / "rank-1.steps.json"
+    recorder = rank_steps.Recorder(path, 1)
+    recorder.calls, recorder.after = 5, (rank_steps.DDP_ALL_REDUCE, 5, recorder.progress)
+    recorder.changes += 1
+    recorder.flush()
+    first = f.read(path)
+    real = rank_steps.time.time
+    monkeypatch.setattr(rank_steps.time, "time", lambda: real() + 0.5)  # a busy machine or a clock step between
+    recorder.changes += 1
+    recorder.flush()
+    again = f.read(path)
+    assert first is not None and again is not None and first.after is not None and again.after is not None
+    assert (again.progress, again.after.since) == (first.progress, first.after.since)
+    detector = Detector(2, hang_after=3.0)
+    waiting = _state(0, [], progress=first.progress, calls=6, collective=f.Collective("all_reduce", 6, first.progress))
+    alerts = []
+    for at, state in ((10.0, first), (20.0, again)):
+        detector.update(0, waiting, now=at)
+        detector.update(1, state, now=at)
+        alerts += detector.check(at + 5.0, WALL)
+    assert [(a.kind, a.rank) for a in alerts] == [("hang", 1)]
+
+
 def test_step_outside_a_watched_rank_does_nothing():
     """air_magic.step() in the notebook (no watched call) is a no-op."""
     rank_steps.step()

@@ -83,6 +83,13 @@ class Recorder:
         self.explicit = False
         self.changes = 0
         self.written = -1
+        #: The wall clock at one instant of this clock: every time the file gives is converted with this one pair,
+        #: so a moment written twice (a state flushed again unchanged, as at a stop) reads the same both times.
+        self.wall0, self.clock0 = time.time(), _clock()
+
+    def wall(self, at: float) -> float:
+        """The wall-clock time of `at` (this module's clock)."""
+        return self.wall0 + (at - self.clock0)
 
     def boundary(self, now: float) -> None:
         """A step ends (and the next begins) at `now`."""
@@ -102,17 +109,16 @@ class Recorder:
 
     def snapshot(self) -> f.RankSteps:
         """What the file says now (read from the flusher's thread)."""
-        wall, now = time.time(), _clock()
 
         def coll(c: tuple[str, int, float] | None) -> f.Collective | None:
-            return None if c is None else f.Collective(c[0], c[1], wall - (now - c[2]))
+            return None if c is None else f.Collective(c[0], c[1], self.wall(c[2]))
 
         return f.RankSteps(
             rank=self.rank,
             pid=os.getpid(),
-            now=wall,
+            now=self.wall(_clock()),
             count=self.count,
-            progress=wall - (now - self.progress),
+            progress=self.wall(self.progress),
             calls=self.calls,
             input_total=self.input_total,
             collective_total=self.collective_total,
