@@ -39,6 +39,7 @@ from ..errors import AirMagicError, ListenerWarning, RankHungError, RunDirectory
 from ..job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
 from ..launch import launcher_for, used
 from ..launch import protocol as p
+from ..launch.come_back import LONGEST_COME_BACK
 from ..launch.files import flight_recorder
 from ..launch.files.rundir import RunDir, attempt_marker
 from ..launch.interface import JobHandle, Launcher
@@ -216,9 +217,10 @@ class _Run(CallStops):
         )
 
     def wait_stopped(self) -> None:
-        """After Ctrl-C: wait for the launcher to confirm every process is gone."""
+        """After Ctrl-C: wait for the launcher to confirm every process is gone (a session's ranks are first given
+        their time to come back from KeyboardInterrupt, longer on a busy machine)."""
         assert self.handle is not None
-        limit = time.monotonic() + STOP_GRACE + 10
+        limit = time.monotonic() + STOP_GRACE + 10 + (LONGEST_COME_BACK if self.spec.session else 0.0)
         while time.monotonic() < limit:
             try:
                 if any(self.on_event(e) for e in self.handle.next_events(_POLL)):

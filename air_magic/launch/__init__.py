@@ -20,6 +20,7 @@ Shared by every process:
   env.py        the torchrun variables of a rank, for every launcher
   boot.py       how air_magic's own processes start (boot line, package location, internal-error exit code)
   come_back.py  how a session's call is asked to come back before its ranks are stopped
+  load.py       how much longer this machine's load makes the waits in which another process must answer
   stacks.py     asking a rank where it is (the rank installs the handler, the helper or actor asks)
   stopper.py    stopping process trees (SIGTERM, grace, SIGKILL)
 

@@ -32,12 +32,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .load import patience
+
 #: The signal a rank answers with its stacks: a real-time one, which user code and its libraries leave alone
 #: (PyTorch Lightning takes SIGUSR1 on SLURM). None where the platform has none.
 STACKS_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 #: At most this long is spent waiting for the dumps of one `request`, in seconds (py-spy's reading of native frames
 #: aside). A healthy rank answers in milliseconds; with every core busy, a process waits to be scheduled, the longer
-#: the more processes want each core: the limits here are stretched by `patience()`.
+#: the more processes want each core: the limits here are stretched by `load.patience()`.
 REQUEST_LIMIT = 2.0
 #: A process's dump is complete when its log has not grown for this long, in seconds.
 _SETTLED = 0.015
@@ -176,19 +178,6 @@ def _size(fd: int) -> int:
         return os.fstat(fd).st_size
     except OSError:
         return -1
-
-
-_MOST_PATIENCE = 10.0  # a stop on an overloaded machine still ends within a bound
-
-
-def patience() -> float:
-    """How many times the limits above are stretched now: the load average per core, from 1 to _MOST_PATIENCE
-    (at a load of 17 on 2 cores, a process given 1 s on an idle machine is given 8.5 s)."""
-    try:
-        per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
-    except OSError:  # no load average on this platform
-        return 1.0
-    return min(_MOST_PATIENCE, max(1.0, per_core))
 
 
 def request(

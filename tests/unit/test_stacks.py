@@ -264,18 +264,3 @@ def test_a_request_waits_for_another_askers_dump_in_the_same_log_to_end(tmp_path
         timer.join()
     found = [(d.why, d.user_frame().function if d.user_frame() else None) for d in parse(log.read_text())]
     assert found == [("on request", "asked_first"), (STOPPING, "stopped_here")], log.read_text()
-
-
-def test_the_limits_stretch_with_the_load_per_core_within_a_bound(monkeypatch):
-    """A busy machine gives each process longer to be scheduled and answer (the load average per core), never less
-    than on an idle one, and never without bound."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    for load, stretch in ((0.3, 1.0), (2.0, 1.0), (17.0, 8.5), (400.0, 10.0)):
-        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
-        assert stacks.patience() == stretch
-
-    def no_load_average() -> tuple[float, float, float]:
-        raise OSError("no load average here")
-
-    monkeypatch.setattr(os, "getloadavg", no_load_average)
-    assert stacks.patience() == 1.0

@@ -39,7 +39,7 @@ class SessionCall:
 
     def interrupting(self, running: list[int], interrupt: Callable[[int], None]) -> str | None:
         """One step of the interrupt asked for: KeyboardInterrupt in each running rank once it is time; when some
-        have not come back `COME_BACK` s later, the session ends and the stop's reason is returned."""
+        have not come back `Interrupt.wait` s later, the session ends and the stop's reason is returned."""
         asked = self.interrupt
         if asked is None or not running:
             return None

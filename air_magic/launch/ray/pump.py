@@ -254,7 +254,8 @@ class RayJob(Starting, JobHandle):
     def _stacks_before_stopping(self) -> None:
         """Ranks still running write their stacks to their logs, which are read here once more (STACKS_WAIT s at most
         for each: a busy node takes seconds to answer, and a stack read after the stop is lost)."""
-        from ..stacks import STOPPING, patience
+        from ..load import patience
+        from ..stacks import STOPPING
 
         running = sorted(self.started - self.exited)
         if not running:
