@@ -23,12 +23,10 @@ queued on the GPU, so the GPU's wait shows later, where the code waits for
 the GPU. The rank then says which collective it called last with nothing
 done since, which is what the hang rule reads.
 
-The main thread only adds up `time.perf_counter()` differences; a daemon
-thread rewrites the rank's file (launch/files/step_times.py) about once a
-second when something changed, so a hung rank's last state is on disk. Hot
-ranks keep the patches and the thread; each call gets its own file (`start`,
-`stop`). This module imports no IPython or MLflow, and torch only when
-`start` is called in a rank that has it.
+The main thread only adds up `time.perf_counter()` differences; a daemon thread rewrites the rank's file
+(launch/files/step_times.py) about once a second when something changed, so a hung rank's last state is on disk.
+Hot ranks keep the patches and the thread; each call gets its own file (`start`, `stop`). This module imports no
+IPython or MLflow, and torch only when `start` is called in a rank that has it.
 """
 
 from __future__ import annotations
@@ -83,13 +81,11 @@ class Recorder:
         self.explicit = False
         self.changes = 0
         self.written = -1
-        #: The wall clock at one instant of this clock: every time the file gives is converted with this one pair,
-        #: so a moment written twice (a state flushed again unchanged, as at a stop) reads the same both times.
+        #: One pair of readings converts every time written: a state written twice reads the same both times.
         self.wall0, self.clock0 = time.time(), _clock()
 
     def wall(self, at: float) -> float:
-        """The wall-clock time of `at` (this module's clock)."""
-        return self.wall0 + (at - self.clock0)
+        return self.wall0 + (at - self.clock0)  # the wall-clock time of `at` (this module's clock)
 
     def boundary(self, now: float) -> None:
         """A step ends (and the next begins) at `now`."""
