@@ -136,7 +136,9 @@ def test_get_of_a_failed_function_shows_the_ranks_exception_and_bad_ids_are_one_
     assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
     assert "no call 'nothing-like-this'" in unknown.stderr and "Traceback" not in unknown.stderr
     if len(json.loads(cli("list", "--json").stdout)) < 2:  # a prefix of two calls' ids is needed
-        assert cli("run", "-f", "job.yaml", "--override", "function=fns:boom", "--override", "args=[4]").returncode == 0
+        second = cli("run", "-f", "job.yaml", "--override", "function=fns:boom", "--override", "args=[4]")
+        assert second.returncode == 0, second.stderr
+        assert cli("get", second.stdout.strip(), "--watch").returncode == 1  # over before `cancel --all` below
     ambiguous = cli("logs", call_id[:2])  # every call of this module starts with the same year
     assert ambiguous.returncode == 2 and len(ambiguous.stderr.strip().splitlines()) == 1, ambiguous.stderr
     assert "names 2 calls" in ambiguous.stderr
