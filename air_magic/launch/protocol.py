@@ -194,6 +194,11 @@ class HotCall(Message):
     env: dict[str, str]
 
 
+#: A session's hot rank to the supervisor, on its done pipe, once a SIGINT is for the call it took (before, the rank
+#: ignores SIGINT, so one sent then is lost): the supervisor interrupts no rank before it says so.
+TOOK = b"took"
+
+
 # -- events ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Event(Message):

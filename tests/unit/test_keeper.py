@@ -190,12 +190,15 @@ def test_one_keeper_per_process():
 
 def test_done_lines_are_read_across_chunks():
     """A rank's "<code>" lines may arrive split or together; each finished line is one exit code (and whether the
-    rank stays usable)."""
+    rank stays usable); "took" says a session call's SIGINT reaches the rank from now on."""
     pool = Pool("p", 2)
-    assert pool.feed(0, b"0") == []
-    assert pool.feed(0, b"\n1\n") == [(0, True), (1, False)]
-    assert pool.feed(1, b"\n") == [(1, False)], "an empty line counts as a failure"
-    assert pool.feed(1, b"1 kept\n") == [(1, True)], "a session's rank that raised in user code stays usable"
+    assert pool.feed(0, b"0") == (False, [])
+    assert pool.feed(0, b"\n1\n") == (False, [(0, True), (1, False)])
+    assert pool.feed(1, b"\n") == (False, [(1, False)]), "an empty line counts as a failure"
+    assert pool.feed(1, b"1 kept\n") == (False, [(1, True)]), "a session's rank that raised in user code stays usable"
+    assert pool.feed(1, b"to") == (False, [])
+    assert pool.feed(1, b"ok\n1 ke") == (True, [])
+    assert pool.feed(1, b"pt\n") == (False, [(1, True)])
 
 
 def test_ending_a_pool_closes_its_pipes_once():

@@ -9,7 +9,6 @@ import cloudpickle
 import pytest
 
 from air_magic.cell import CellProgram
-from air_magic.launch.local.pool import Pool
 from air_magic.launch.rank import session
 
 
@@ -93,32 +92,3 @@ def test_errors_from_torch_distributed_or_cuda_end_the_session_and_user_errors_d
         exec(code, {})  # noqa: S102
     except RuntimeError as exc:
         assert "torch.distributed" in (session.ends_session(exc) or "")
-
-
-def test_a_hot_ranks_done_line_says_whether_it_stays_usable():
-    """'0' is a success, '1 kept' a failed session call whose rank stays, '1' a failure that ends the rank."""
-    pool = Pool("key", "1", 60.0)
-    assert pool.feed(0, b"0\n1 kept\n1\n") == [(0, True), (1, True), (1, False)]
-
-
-def test_a_call_off_the_main_thread_is_interrupted_only_while_the_users_code_runs():
-    """interrupt_call raises KeyboardInterrupt in the thread inside `interruptible` (a Ray rank's call thread),
-    and is a no-op once that code is done."""
-    started, seen = threading.Event(), []
-
-    def call() -> None:
-        try:
-            with session.interruptible():
-                started.set()
-                while True:
-                    threading.Event().wait(0.01)
-        except KeyboardInterrupt:
-            seen.append("interrupted")
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    assert started.wait(10)
-    assert session.interrupt_call()
-    thread.join(10)
-    assert seen == ["interrupted"] and not thread.is_alive()
-    assert not session.interrupt_call()

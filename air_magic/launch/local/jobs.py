@@ -24,6 +24,8 @@ class Job:
     stopper: Stopper | None = None
     #: A session call being interrupted rather than stopped (StopJob.interrupt_after).
     interrupt: Interrupt | None = None
+    #: Ranks of a session call that said they took it: a SIGINT reaches its user code (before, it would be lost).
+    took: set[int] = field(default_factory=set)
     pool: Pool | None = None
     store_pid: int | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)

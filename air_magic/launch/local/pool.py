@@ -4,7 +4,8 @@ A call with `keep_alive` leaves its workers alive, each waiting on a command pip
 with its rendezvous store. A `LaunchJob` that names the pool runs in them: one
 `HotCall` line on each command pipe, and each rank answers "<exit code>" on its
 done pipe when the call is over ("<code> kept" when a session's rank raised in
-user code and stays usable). When a pool ends (`EndPool`, or what the helper
+user code and stays usable). A session's rank first says "took" once a SIGINT
+reaches the call (the supervisor interrupts no rank before). When a pool ends (`EndPool`, or what the helper
 sees: a dead rank or store, a stopped call, retirement), its whole tree
 (workers, what they started, the store) is stopped here. Which pool a call takes,
 what a call leaves and when an idle pool ends are the rules of the caller's
@@ -62,16 +63,20 @@ class Pool:
         except OSError:
             pass  # the rank is gone: its exit is reaped and reported
 
-    def feed(self, rank: int, data: bytes) -> list[tuple[int, bool]]:
-        """Bytes a rank wrote on its done pipe; (exit code, the rank stays usable) of each call it finished."""
+    def feed(self, rank: int, data: bytes) -> tuple[bool, list[tuple[int, bool]]]:
+        """Bytes a rank wrote on its done pipe: whether it said it took a session call ("took"), and (exit code, the
+        rank stays usable) of each call it finished."""
         self.buffers[rank] = self.buffers.get(rank, b"") + data
-        codes = []
+        took, codes = False, []
         while b"\n" in self.buffers[rank]:
             line, self.buffers[rank] = self.buffers[rank].split(b"\n", 1)
+            if line == p.TOOK:
+                took = True
+                continue
             word, _, kept = line.partition(b" ")
             code = int(word or b"1")
             codes.append((code, code == 0 or kept == b"kept"))
-        return codes
+        return took, codes
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of the pool: its workers, what they started, its store."""

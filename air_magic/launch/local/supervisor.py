@@ -131,7 +131,8 @@ class Supervisor(Starts):
                 request_in_background(job.live_workers, list(self.processes(job)))
 
     def read_done(self, pool: Pool, rank: int) -> None:
-        """A hot rank wrote "<exit code>" on its done pipe: its call is over, the process stays."""
+        """A hot rank wrote on its done pipe: "took" (a session call's SIGINT is now for it), or "<exit code>": its
+        call is over, the process stays."""
         try:
             data = os.read(pool.done[rank], 4096)
         except OSError:
@@ -139,8 +140,11 @@ class Supervisor(Starts):
         if not data:
             os.close(pool.done.pop(rank))
             return  # it exited: reap() reports it
-        for code, usable in pool.feed(rank, data):
-            job = self.jobs.get(pool.call)
+        took, ended = pool.feed(rank, data)
+        job = self.jobs.get(pool.call)
+        if took and job is not None:
+            job.took.add(rank)  # its SIGINT is for this call from now on (interrupt_session)
+        for code, usable in ended:
             if job is not None and rank not in job.exited:
                 job.exited[rank] = code
                 pool.spent = pool.spent or not usable  # its processes are no longer excluded from the job's
@@ -223,29 +227,24 @@ class Supervisor(Starts):
                 self.end_pool(job.pool, why)
 
     def interrupt_session(self, job: Job, interrupt: Interrupt) -> None:
-        """KeyboardInterrupt in each rank of a session call still running; stacks and a stop if they don't come back."""
+        """KeyboardInterrupt in each rank of a session call still running, once it took the call (said "took": its
+        SIGINT is then for the call, not lost); stacks and a stop for those that don't come back in time."""
         running = {rank: pid for rank, pid in job.pids.items() if rank not in job.exited}
         if not running:
             job.interrupt = None  # every rank is back in Python: the session is kept
             return
         now = time.monotonic()
-        if not interrupt.signalled and now >= interrupt.at:
-            interrupt.signalled = True
-            for pid in running.values():
-                try:
-                    os.kill(pid, signal.SIGINT)
-                except OSError:
-                    pass
-        elif interrupt.signalled and now >= interrupt.give_up_at:
+        for rank in interrupt.send_to([r for r in running if r in job.took], now, in_code=True):
+            try:
+                os.kill(running[rank], signal.SIGINT)
+            except OSError:
+                pass
+        late = interrupt.late(running, now)
+        if late:
             from ..stacks import request
 
             request(list(running.values()), list(self.processes(job)))  # where they are stuck, into their logs
-            ranks = ", ".join(map(str, running))
-            self.stop(
-                job,
-                STOP_GRACE,
-                interrupt.not_back(ranks),
-            )
+            self.stop(job, STOP_GRACE, interrupt.not_back(late))
 
     # -- the loop ----------------------------------------------------------
     def reap(self) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..files.rundir import RunDir
-from ..protocol import HotCall, decode
+from ..protocol import TOOK, HotCall, decode
 
 #: A local hot rank idle this long after a call collects garbage and empties the CUDA cache.
 TIDY_AFTER = 0.2
@@ -83,7 +83,8 @@ def tidy() -> None:
 
 class Pipes:
     """A local hot rank's transport: the helper writes each `HotCall` on the command pipe and reads "<code>" (or
-    "<code> kept") on the done pipe (launch/local/pool.py); end-of-file on the command pipe releases the rank."""
+    "<code> kept") on the done pipe (launch/local/pool.py), after "took" once a session call may be interrupted;
+    end-of-file on the command pipe releases the rank."""
 
     tidy_after = TIDY_AFTER
 
@@ -97,6 +98,13 @@ class Pipes:
         except OSError:
             return False  # the supervisor is gone
         return True
+
+    def took(self) -> None:
+        """Say a session call's SIGINT reaches this rank from now on: the supervisor interrupts it only then."""
+        try:
+            os.write(self.done, TOOK + b"\n")
+        except OSError:
+            pass  # the supervisor is gone
 
     def ready(self, timeout: float) -> bool:
         return bool(select.select([self.cmd], [], [], timeout)[0])

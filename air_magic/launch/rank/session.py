@@ -12,9 +12,7 @@ or a sticky CUDA error does not (`ends_session`). And it turns the last value
 into what travels back: the value itself, or a `Placeholder` when it cannot be
 pickled or is over `RESULT_LIMIT` (the object stays on the rank as `_`).
 
-A rank whose call runs in a thread other than the main one (a Ray actor's) is
-interrupted by `interrupt_call`, which raises KeyboardInterrupt in that thread
-while the user's code runs there (`interruptible`).
+How a session call takes Ctrl-C on a rank is interrupts.py's.
 
 Runs in the worker (both launchers' ranks) and is imported by the notebook for
 `Ref` and `Placeholder`; it imports no IPython and no torch.
@@ -26,16 +24,12 @@ leaves) are one concern and read best together.
 from __future__ import annotations
 
 import builtins
-import contextlib
-import ctypes
 import gc
 import inspect
 import os
 import reprlib
 import sys
-import threading
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -291,42 +285,3 @@ def drop_traceback(exc: BaseException) -> None:
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-
-
-#: Guards `_user_thread`: an interrupt lands only while the user's code runs.
-_interrupt_lock = threading.Lock()
-#: The thread running a session call's user code now, where a signal cannot reach it (a Ray actor's call thread).
-_user_thread: int | None = None
-
-
-def _async_raise(thread: int, exc: type[BaseException] | None) -> None:
-    """Raise `exc` in `thread` at its next Python line (None: cancel one not raised yet)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exc) if exc else None)
-
-
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """The user's code of a session call runs in this (non-main) thread: `interrupt_call` may raise in it.
-
-    On the way out an interrupt not raised yet is cancelled, so none lands in what follows the call (writing
-    its result); one raised on the way out is raised here, inside the call, and reported as its error.
-    """
-    global _user_thread
-    me = threading.get_ident()
-    with _interrupt_lock:
-        _user_thread = me
-    try:
-        yield
-    finally:
-        with _interrupt_lock:
-            _user_thread = None
-            _async_raise(me, None)
-
-
-def interrupt_call() -> bool:
-    """KeyboardInterrupt in the session call running in another thread of this process; False if none runs."""
-    with _interrupt_lock:
-        if _user_thread is None:
-            return False
-        _async_raise(_user_thread, KeyboardInterrupt)
-        return True

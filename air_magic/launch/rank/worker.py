@@ -17,9 +17,7 @@ import faulthandler
 import importlib
 import linecache
 import os
-import signal
 import sys
-import threading
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +31,7 @@ from ..stacks import install as answer_stack_requests
 from ..stacks import pause as ignore_stack_requests
 from ..stopper import die_with_parent
 from . import debugger as rank_debugger
-from . import session, steps
+from . import interrupts, session, steps
 from .carried import load_call
 from .extension_locks import report_stale as clear_stale_build_locks
 from .groups import hold_destroyed_groups, keep_process_group
@@ -110,48 +108,11 @@ def _write_result(path: Path, value: object, pickled: bool = False) -> None:
         raise
 
 
-#: The supervisor's SIGINT reached this session call before its user code started (while its payload loaded,
-#: which a busy machine makes long): raised as that code would start, so an early Ctrl-C is not lost.
-_interrupted_early = False
-
-
-def _note_early_interrupt(signum: int, frame: object) -> None:
-    global _interrupted_early
-    _interrupted_early = True
-
-
-def _expect_interrupts(spec: JobFile) -> None:
-    """A session call starts: from now on a SIGINT is for it (kept until its user code runs, then raised there)."""
-    global _interrupted_early
-    _interrupted_early = False
-    if spec.session is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _note_early_interrupt)
-
-
-def _run_in_session(target: object, args: tuple[object, ...], kwargs: dict[str, object], rank: int) -> object:
-    """Run a session call with Ctrl-C live: the supervisor's SIGINT raises KeyboardInterrupt in the user's code.
-
-    Outside a session call the rank ignores SIGINT (as the supervisor it was forked from does); one that came
-    while the call was loaded is raised before the user's code starts. A rank whose call runs in another thread
-    than the main one (a Ray actor's) is interrupted by its launcher instead (session.interrupt_call).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        with session.interruptible():
-            return session.run(target, args, kwargs, rank)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        if _interrupted_early:
-            raise KeyboardInterrupt
-        return session.run(target, args, kwargs, rank)
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def run(path: Path, rank: int) -> int:
     """Run this rank's share of the job; return the process exit code."""
     run_dir = RunDir(path)
     spec = JobFile.from_bytes(run_dir.job.read_bytes())
-    _expect_interrupts(spec)
+    interrupts.expect(spec.session is not None)
     _apply_caller_context(spec)
     faulthandler.enable()
     answer_stack_requests()  # STACKS_SIGNAL writes every thread's stack to the log (launch/stacks.py)
@@ -178,7 +139,7 @@ def run(path: Path, rank: int) -> int:
         if spec.session is None:
             value = target(*args, **kwargs)
         elif spec.ranks is None or rank in spec.ranks:
-            value = _run_in_session(target, args, kwargs, rank)
+            value = interrupts.run_in_session(lambda: session.run(target, args, kwargs, rank))
         else:
             value = None  # a call for other ranks of the session: this one does nothing
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
@@ -269,7 +230,8 @@ def run_forked(run_dir: Path, rank: int) -> None:
     hot = os.environ.get(envvars.HOT_FDS)
     if hot:
         keep_process_group()
-        finish(serve(run(run_dir, rank), rank, Pipes(hot, rank), sys.modules[__name__]))
+        pipes = interrupts.pipes = Pipes(hot, rank)  # a session call says on them when it took the call
+        finish(serve(run(run_dir, rank), rank, pipes, sys.modules[__name__]))
     finish(run(run_dir, rank))
 
 

@@ -38,20 +38,25 @@ class SessionCall:
         return True
 
     def interrupting(self, running: list[int], interrupt: Callable[[int], None]) -> str | None:
-        """One step of the interrupt asked for: KeyboardInterrupt in each running rank once it is time; when some
-        have not come back `Interrupt.wait` s later, the session ends and the stop's reason is returned."""
+        """One step of the interrupt asked for: KeyboardInterrupt in each running rank once it is time (a rank still
+        loading the call keeps it for its code); when some have not come back in time (`Interrupt.late`), the session
+        ends and the stop's reason is returned. `in_code` says which ranks took theirs in their code."""
         asked = self.interrupt
         if asked is None or not running:
             return None
         now = time.monotonic()
-        if not asked.signalled and now >= asked.at:
-            asked.signalled = True
-            for rank in running:
-                interrupt(rank)
-        elif asked.signalled and now >= asked.give_up_at:
-            self.ends(asked.not_back(", ".join(map(str, running))))
+        for rank in asked.send_to(running, now, in_code=False):
+            interrupt(rank)
+        late = asked.late(running, now)
+        if late:
+            self.ends(asked.not_back(late))
             return asked.why
         return None
+
+    def in_code(self, rank: int) -> None:
+        """`rank` said its interrupt was raised in its user code: it has `Interrupt.wait` s to come back."""
+        if self.interrupt is not None:
+            self.interrupt.in_code.add(rank)
 
     def ends(self, why: str) -> None:
         """The session's world ends with this job; the first reason given is the one said."""

@@ -79,6 +79,8 @@ class RayJob(Starting, JobHandle):
         #: Why the last stop was asked (StopReason's words).
         self.stop_reason = ""
         self.session = SessionCall(request.session)
+        #: The interrupts sent (RankActor.interrupt) not yet answered: their answer -> the rank.
+        self.interrupts: dict[Any, int] = {}
         self.received = Received(run_dir, request.world_size)
         self.thread = threading.Thread(target=self._pump, name=f"air_magic-ray-{self.job[:8]}", daemon=True)
         self.thread.start()
@@ -164,6 +166,7 @@ class RayJob(Starting, JobHandle):
         while pending:
             if self.stop_asked.is_set():
                 return  # the teardown ends the ranks; their exits are reported after it
+            self._interrupts_taken()
             gave_up = self.session.interrupting(sorted(self.started - self.exited), self._interrupt)
             if gave_up is not None:
                 self.stop_reason = gave_up
@@ -192,7 +195,19 @@ class RayJob(Starting, JobHandle):
 
     def _interrupt(self, rank: int) -> None:
         with contextlib.suppress(Exception):  # a dead actor is reported by its poll
-            self.actors[rank].interrupt.remote()
+            self.interrupts[self.actors[rank].interrupt.remote()] = rank
+
+    def _interrupts_taken(self) -> None:
+        """The ranks whose interrupt was raised in their user code (not kept while the call loads): their time to
+        come back is the short one (ending.SessionCall.in_code)."""
+        if not self.interrupts:
+            return
+        ready, _ = self.ray.wait(list(self.interrupts), num_returns=len(self.interrupts), timeout=0)
+        for ref in ready:
+            rank = self.interrupts.pop(ref)
+            with contextlib.suppress(Exception):  # a dead actor is reported by its poll
+                if self.ray.get(ref, timeout=0):
+                    self.session.in_code(rank)
 
     def _output(self, rank: int, report: p.RankReport) -> None:
         for text in self.received.take(rank, report):

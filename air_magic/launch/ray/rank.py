@@ -120,6 +120,10 @@ class RankActor:
         if self.scratch is not None:
             shutil.rmtree(self.scratch.path, ignore_errors=True)  # the last call's, already reported
         job = call.job
+        if job.session is not None:
+            from air_magic.launch.rank import interrupts
+
+            interrupts.expect_in_thread()  # an interrupt while the call loads waits for its code (rank/interrupts.py)
         self.rank, self.code, self.kept, self.calls = call.rank, None, False, self.calls + 1
         self.done.clear()
         scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{call.rank}")
@@ -270,10 +274,11 @@ class RankActor:
         )
 
     def interrupt(self) -> bool:
-        """KeyboardInterrupt in the session call running now (session.interrupt_call); False if none runs."""
-        from air_magic.launch.rank import session
+        """KeyboardInterrupt in the session call running now (interrupts.interrupt_call): True if raised in its user
+        code now; False if kept until that code starts (it is loading the call), or if none runs."""
+        from air_magic.launch.rank import interrupts
 
-        return not self.done.is_set() and session.interrupt_call()
+        return not self.done.is_set() and interrupts.interrupt_call()
 
     def request_stop(self) -> bool:
         """A Stop for the call running now: its flag in this rank's scratch directory (what should_stop reads)."""
