@@ -120,6 +120,13 @@ NOTES = {
         "0.088 s before, hot 2.10 s / 2.22 s against 2.39 s, warm 14.25 s / 15.01 s against 14.46 s: no slowdown. The "
         "first warm call of the first run (20.1 s) came on a machine just started."
     ),
+    "sessions-1xH100-took-before.json": (
+        "the code before a session's rank says when it took a call (abe6809), run between "
+        "`sessions-1xH100-took-after.json` and `sessions-1xH100-took-after-again.json` (27a2cfc, which adds one "
+        "line on the rank's pipe per session call) on one H100 in one session: per session call 0.18 s / 0.15 s "
+        "after against 0.16 s before, hot 3.66 s / 2.82 s against 3.42 s, warm 24.2 s / 24.4 s against 24.2 s: no "
+        "slowdown. This machine ran every call slower than the H100 of the `owner` runs, before and after alike."
+    ),
     "call_patterns-1xH100-owner-before.json": (
         "the same before (abe6809) between `call_patterns-1xH100-owner-after.json` and "
         "`call_patterns-1xH100-owner-after-again.json` on that H100 (medians of calls 2-5): a sweep's bare call "
