@@ -194,8 +194,9 @@ class HotCall(Message):
     env: dict[str, str]
 
 
-#: A session's hot rank to the supervisor, on its done pipe, once a SIGINT is for the call it took (before, the rank
-#: ignores SIGINT, so one sent then is lost): the supervisor interrupts no rank before it says so.
+#: A session's hot rank to the supervisor, on its done pipe, as the user's code of the call starts, when a SIGINT
+#: raises KeyboardInterrupt in it (between calls the rank ignores SIGINT, so one sent then is lost): the supervisor
+#: interrupts no rank before it says so.
 TOOK = b"took"
 
 

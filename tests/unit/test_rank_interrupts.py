@@ -58,3 +58,35 @@ def test_an_interrupt_that_comes_while_a_ray_ranks_call_loads_is_raised_as_its_c
     with interrupts.interruptible():
         seen.append("next call ran")
     assert seen[-1] == "next call ran"
+
+
+def test_a_local_rank_says_it_took_the_call_as_its_code_starts_and_an_early_sigint_is_raised_there(monkeypatch):
+    """In the main thread: `expect` keeps a SIGINT for the call without saying "took" (the call still loads, and the
+    rank's short time to come back must not count yet); `run_in_session` says "took" as the code starts, raises the
+    kept SIGINT there, and ignores SIGINT again afterwards."""
+    import os
+    import signal
+
+    said: list[str] = []
+
+    class Pipes:
+        def took(self) -> None:
+            said.append("took")
+
+    monkeypatch.setattr(interrupts, "pipes", Pipes())
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        interrupts.expect(session=True)
+        assert said == []
+        assert interrupts.run_in_session(lambda: said.append("code") or 7) == 7
+        assert said == ["took", "code"]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # between calls
+        interrupts.expect(session=True)
+        os.kill(os.getpid(), signal.SIGINT)  # comes while the call loads: kept, not lost
+        try:
+            interrupts.run_in_session(lambda: said.append("ran whole"))
+        except KeyboardInterrupt:
+            said.append("interrupted as the code starts")
+        assert said[2:] == ["took", "interrupted as the code starts"]
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -24,7 +24,7 @@ class Job:
     stopper: Stopper | None = None
     #: A session call being interrupted rather than stopped (StopJob.interrupt_after).
     interrupt: Interrupt | None = None
-    #: Ranks of a session call that said they took it: a SIGINT reaches its user code (before, it would be lost).
+    #: Ranks of a session call that said they took it: their user code runs, where a SIGINT raises KeyboardInterrupt.
     took: set[int] = field(default_factory=set)
     pool: Pool | None = None
     store_pid: int | None = None

@@ -4,8 +4,8 @@ A call with `keep_alive` leaves its workers alive, each waiting on a command pip
 with its rendezvous store. A `LaunchJob` that names the pool runs in them: one
 `HotCall` line on each command pipe, and each rank answers "<exit code>" on its
 done pipe when the call is over ("<code> kept" when a session's rank raised in
-user code and stays usable). A session's rank first says "took" once a SIGINT
-reaches the call (the supervisor interrupts no rank before). When a pool ends (`EndPool`, or what the helper
+user code and stays usable). A session's rank first says "took" as the user's
+code starts (the supervisor interrupts no rank before). When a pool ends (`EndPool`, or what the helper
 sees: a dead rank or store, a stopped call, retirement), its whole tree
 (workers, what they started, the store) is stopped here. Which pool a call takes,
 what a call leaves and when an idle pool ends are the rules of the caller's

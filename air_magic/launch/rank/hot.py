@@ -83,7 +83,7 @@ def tidy() -> None:
 
 class Pipes:
     """A local hot rank's transport: the helper writes each `HotCall` on the command pipe and reads "<code>" (or
-    "<code> kept") on the done pipe (launch/local/pool.py), after "took" once a session call may be interrupted;
+    "<code> kept") on the done pipe (launch/local/pool.py), after "took" as a session call's user code starts;
     end-of-file on the command pipe releases the rank."""
 
     tidy_after = TIDY_AFTER
@@ -100,7 +100,8 @@ class Pipes:
         return True
 
     def took(self) -> None:
-        """Say a session call's SIGINT reaches this rank from now on: the supervisor interrupts it only then."""
+        """Say a session call's user code starts, where a SIGINT raises KeyboardInterrupt: the supervisor interrupts
+        the rank only then."""
         try:
             os.write(self.done, TOOK + b"\n")
         except OSError:

@@ -2,10 +2,11 @@
 lost while the call loads, and never carried into the next call.
 
 A session's rank ignores SIGINT between calls (as the supervisor it was forked from does). In a local rank the call
-runs in the main thread: `expect` arms a handler that keeps a SIGINT for the call and says "took" on the hot rank's
-pipes (`pipes`), and the supervisor sends no SIGINT before it reads that (launch/local/supervisor.py), since one
-sent earlier would be lost. `run_in_session` raises a kept one as the user's code would start, and lets the next
-ones raise KeyboardInterrupt in it. A Ray rank's call runs in another thread, which no signal reaches: its actor
+runs in the main thread: `expect` arms a handler that keeps a SIGINT for the call, and `run_in_session` raises a
+kept one as the user's code starts and lets the next ones raise KeyboardInterrupt in it. As that code starts, the
+rank says "took" on its hot pipes (`pipes`): the supervisor sends no SIGINT before it reads that
+(launch/local/supervisor.py), since one sent between calls would be lost, and a rank's short time to come back
+counts from a SIGINT that reached its code. A Ray rank's call runs in another thread, which no signal reaches: its actor
 calls `expect_in_thread` when it is handed the call, and `interrupt_call` raises KeyboardInterrupt in that thread
 while the user's code runs there (`interruptible`), or keeps it for that code while the call still loads.
 
@@ -51,23 +52,24 @@ def _on_main_thread() -> bool:
 
 def expect(session: bool) -> None:
     """A call starts in the main thread: if it is a session's, a SIGINT from now on is for it (kept until its user
-    code runs, then raised there), which a local hot rank says ("took") so the supervisor may send one."""
+    code runs, then raised there)."""
     global _interrupted_early
     _interrupted_early = False
     if session and _on_main_thread():
         signal.signal(signal.SIGINT, _note_early_interrupt)
-        if pipes is not None:
-            pipes.took()
 
 
 def run_in_session(code: Callable[[], T]) -> T:
     """Run a session call's user `code` with Ctrl-C live: KeyboardInterrupt is raised in it (an early one as it
-    starts); afterwards SIGINT is ignored again, so a late one lands in no later call."""
+    starts); afterwards SIGINT is ignored again, so a late one lands in no later call. A local hot rank says "took"
+    as its code starts: the supervisor interrupts it from then on, and gives it its short time to come back."""
     if not _on_main_thread():
         with interruptible():
             return code()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if pipes is not None:
+            pipes.took()
         if _interrupted_early:
             raise KeyboardInterrupt
         return code()
