@@ -25,7 +25,7 @@ for name in ("air_magic", "air_magic.launch"):  # the modules alone, without the
     module.__path__ = [str(ROOT / name.replace(".", "/"))]
     sys.modules[name] = module
 
-from air_magic.launch import stacks
+from air_magic.launch import native_frames
 from air_magic.launch.files import flight_recorder
 
 RANK = """
@@ -83,7 +83,7 @@ def main() -> None:
             print("summary (rank 1 cut before it):", flight_recorder.collectives_summary({0: real, 1: behind}, 2))
         print("note:", flight_recorder.recorder_note(run_dir, 1))
         at = time.monotonic()
-        native = stacks.native_stacks([rank.pid])[rank.pid]
+        native = native_frames.native_stacks([rank.pid])[rank.pid]
         print(f"py-spy --native: {time.monotonic() - at:.2f} s, {len(native.splitlines())} lines")
         print("\n".join(native.splitlines()[:40]))
     finally:

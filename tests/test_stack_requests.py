@@ -83,3 +83,67 @@ def test_a_process_that_does_not_answer_the_signal_is_never_sent_it(tmp_path):
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+#: A stand-in py-spy that does what a slow one does to the process it reads, for ever: stops it and never answers.
+_FROZEN_PY_SPY = """#!/bin/sh
+touch "$AIR_MAGIC_TEST_MARKER"
+kill -STOP "$4"
+exec sleep 600
+"""
+
+_ASKS_ITSELF = """
+import os, sys, threading, time
+sys.path.insert(0, {root!r})
+from air_magic.launch import native_frames, stacks
+native_frames.NATIVE_LIMIT = 1.0
+stacks.install()
+def stop():
+    while not os.path.exists(os.environ["AIR_MAGIC_TEST_MARKER"]):  # the request is in py-spy: stop now
+        time.sleep(0.01)
+    stacks.request([os.getpid()], why=stacks.STOPPING)
+def waiting_for_the_slow_rank():  # as a Ray rank's actor does, each ask in a thread of its own
+    askers = [threading.Thread(target=stacks.request, args=([os.getpid()],)), threading.Thread(target=stop)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+waiting_for_the_slow_rank()
+print("both asked", flush=True)
+"""
+
+
+@pytest.mark.skipif(stacks.STACKS_SIGNAL is None, reason="no real-time signals here")
+def test_a_rank_that_asks_itself_is_let_go_by_a_py_spy_that_never_answers_and_still_writes_the_stop_dump(tmp_path):
+    """A Ray rank answers a Stacks request itself, and py-spy stops the process it reads: one that never answers
+    is ended at its limit by a watchdog outside the rank, which goes on; a stop that came meanwhile writes its own
+    dump after the request's, each saying why its native frames are missing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "py-spy").write_text(_FROZEN_PY_SPY)
+    (bin_dir / "py-spy").chmod(0o755)
+    log = tmp_path / "rank-1.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env["AIR_MAGIC_TEST_MARKER"] = str(tmp_path / "py-spy-started")
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _ASKS_ITSELF.format(root=str(ROOT))],
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        proc.wait(timeout=120)  # without the watchdog the rank stays stopped for ever
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        pytest.fail(f"the rank was never let go by py-spy: {log.read_text()}")
+    text = log.read_text()
+    assert proc.returncode == 0 and "both asked" in text, text
+    dumps = parse(text)
+    assert sorted(d.why for d in dumps) == sorted(["on request", STOPPING]), text
+    for dump in dumps:
+        assert "in waiting_for_the_slow_rank" in dump.text(), text
+        assert dump.native == [] and "py-spy did not answer within 1 s" in (dump.native_note or ""), text
+    assert text.count("air_magic: end of the stacks of pid") == 2, text

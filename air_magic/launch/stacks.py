@@ -11,12 +11,12 @@ default action would be death), each dump between a header and a trailer line na
 own fd 2 (through /proc). Processes that share a log (a rank and its DataLoader workers) take turns, so their dumps
 do not interleave; different logs are served at once. This module owns that format; stack_dumps.py reads it back.
 
-A rank's own process also gets its native frames, from py-spy (`native_stacks`),
-written into the same dump: where in C, C++ or CUDA code each thread waits.
-NCCL's flight recorder (flight_recorder.py) says which collective each rank is in.
+A rank's own process also gets its native frames, from py-spy (native_frames.py), written into the same dump:
+where in C, C++ or CUDA code each thread waits. NCCL's flight recorder (flight_recorder.py) says which collective
+each rank is in.
 
-Over 300 lines because asking for stacks has three parts that must agree on one format: the rank's handler, the
-request, and py-spy's native frames.
+Over 300 lines because asking for stacks has two parts that must agree on one format: the rank's handler and the
+request, with the turns askers in different processes take.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +31,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from . import native_frames
 from .load import patience
+from .native_frames import native_stacks
 
 #: The signal a rank answers with its stacks: a real-time one, which user code and its libraries leave alone
 #: (PyTorch Lightning takes SIGUSR1 on SLURM). None where the platform has none.
@@ -57,22 +58,8 @@ HEADER_RE = re.compile(r"^air_magic: stacks of pid (\d+) \((.*)\), (.*) at (\d\d
 TRAILER_RE = re.compile(r"^air_magic: end of the stacks of pid (\d+)$")
 #: How those lines begin: output that could still become one is held until its line ends.
 MARKS = ("air_magic: stacks of pid ", "air_magic: end of the stacks of pid ")
-#: Native frames (py-spy) of a rank's own process, written into its dump before the trailer: a line that says
-#: they follow, then each of py-spy's lines after NATIVE_MARK; or one line saying why there are none.
-_NATIVE = "air_magic: native stacks of pid {pid} (py-spy dump --native):"
-_NO_NATIVE = "air_magic: no native stacks of pid {pid}: {why}"
-NATIVE_RE = re.compile(r"^air_magic: native stacks of pid (\d+) \(py-spy dump --native\):$")
-NO_NATIVE_RE = re.compile(r"^air_magic: no native stacks of pid (\d+): (.*)$")
-NATIVE_MARK = "  | "
-#: A stop waits this long for another asker's dump in a rank's log to end before it asks for its own (the stop's stacks
-#: are what the record keeps; a Stacks request's dump, native frames included, ends within this), in seconds.
-STOP_TURN_WAIT = 20.0
-#: At most this long is spent on the native frames of one `request`, in seconds (py-spy reads the
-#: symbols of every library the rank loaded: about 0.3 s for a torch rank on a quiet machine).
-NATIVE_LIMIT = 15.0
-#: A native frame's line is cut at this many characters (a C++ template's name can take thousands).
-NATIVE_LINE = 300
-_COLOUR_RE = re.compile(r"\x1b\[[0-9;]*m")
+#: Seconds a dump may take past its limits (the header, the trailer, starting py-spy).
+_DUMP_SLACK = 2.0
 #: The rank's own process, as headers name it.
 RANK_ROLE = "the rank"
 #: Why a dump was asked for, as the header says, when its process is about to be stopped.
@@ -127,6 +114,16 @@ def pause() -> None:
 
 
 # -- asking for dumps ------------------------------------------------------------------
+def longest_dump() -> float:
+    """The longest one process's dump holds its log, in seconds, at this machine's load: its Python stacks
+    (`_ONE_LIMIT`, stretched), then its native frames (py-spy, under a watchdog that ends it at NATIVE_LIMIT).
+
+    A stop waits this long for another asker's dump in the same log to end before it asks for its own (the stop's
+    stacks are what the record keeps), and whoever waits for a stop's dump allows for that turn.
+    """
+    return _ONE_LIMIT * patience() + native_frames.NATIVE_LIMIT + _DUMP_SLACK
+
+
 def catches(pid: int, sig: int | None = STACKS_SIGNAL) -> bool:
     """True if process `pid` has a handler for `sig` (Linux: the SigCgt mask in /proc/PID/status)."""
     if sig is None:
@@ -212,7 +209,7 @@ def request(
         while any(queues.values()) and time.monotonic() < deadline:
             turn = [q.pop(0) for q in queues.values() if q]
             waited = time.monotonic()
-            turn = _take_turns(turn, time.monotonic() + (STOP_TURN_WAIT if why == STOPPING else REQUEST_LIMIT))
+            turn = _take_turns(turn, time.monotonic() + (longest_dump() if why == STOPPING else REQUEST_LIMIT))
             deadline += time.monotonic() - waited  # another asker's dump in the same log is not this one's time
             done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT * stretch))
             asked += done
@@ -226,7 +223,7 @@ def request(
 
 def request_in_background(ranks: Iterable[int], others: Iterable[int] = (), why: str = "on request") -> None:
     """`request` in a short-lived process of its own, so that the asker goes on at once (the helper's loop serves
-    every call's events while py-spy reads native frames, up to NATIVE_LIMIT s); the helper reaps it."""
+    every call's events while py-spy reads native frames, up to `longest_dump()`); the helper reaps it."""
     import json
 
     ranks, others = list(ranks), list(others)
@@ -321,68 +318,3 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> tuple[int, fl
             os.close(target.fd)
             target.fd = None
     return asked, native_s
-
-
-# -- native frames ----------------------------------------------------------------------
-def py_spy() -> str | None:
-    """The py-spy program: on PATH, or beside this Python (a virtual environment's bin/)."""
-    found = shutil.which("py-spy")
-    if found:
-        return found
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return beside if os.access(beside, os.X_OK) else None
-
-
-def _why_not(output: str) -> str:
-    """py-spy's own words on why it could not attach, with what to do where it is a permission."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    said = "; ".join(lines[-2:])[:300] or "no output"
-    if re.search(r"permission denied|not permitted|os error (1|13)\b", output, re.IGNORECASE):
-        return (
-            f"the platform does not let py-spy attach (ptrace not permitted: {said}); allow it with "
-            "kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE in a container"
-        )
-    return f"py-spy failed: {said}"
-
-
-def native_stacks(pids: list[int], limit: float = NATIVE_LIMIT) -> dict[int, str]:
-    """Each process's native frames, as the lines written into its dump (or the line saying why there are none).
-
-    py-spy is run for every process at once and given `limit` s in all.
-    """
-    if not pids:
-        return {}
-    program = py_spy()
-    if program is None:
-        missing = "py-spy is not installed (pip install py-spy)"
-        return {pid: _NO_NATIVE.format(pid=pid, why=missing) + "\n" for pid in pids}
-    running: dict[int, subprocess.Popen[bytes]] = {}
-    out: dict[int, str] = {}
-    for pid in pids:
-        try:
-            running[pid] = subprocess.Popen(
-                [program, "dump", "--native", "--pid", str(pid)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "NO_COLOR": "1", "CLICOLOR": "0", "CLICOLOR_FORCE": "0", "TERM": "dumb"},
-            )
-        except OSError as exc:
-            out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy could not start: {exc}") + "\n"
-    deadline = time.monotonic() + limit
-    for pid, proc in running.items():
-        try:
-            raw = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy did not answer within {limit:g} s") + "\n"
-            continue
-        text = _COLOUR_RE.sub("", raw)  # py-spy colours its output when it thinks a terminal reads it
-        if proc.returncode != 0 or not text.strip():
-            out[pid] = _NO_NATIVE.format(pid=pid, why=_why_not(text)) + "\n"
-            continue
-        lines = [line[: NATIVE_LINE - 1] + "…" if len(line) > NATIVE_LINE else line for line in text.splitlines()]
-        body = "".join(f"{NATIVE_MARK}{line}\n" for line in lines)
-        out[pid] = _NATIVE.format(pid=pid) + "\n" + body
-    return out

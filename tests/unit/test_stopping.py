@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from air_magic import envvars, stopping
-from air_magic.launch import stacks
+from air_magic.launch import native_frames
 from air_magic.launch.files.stack_dumps import parse
 
 
@@ -86,8 +86,8 @@ def test_a_dump_carries_the_native_frames_or_why_there_are_none():
 
 def test_without_py_spy_each_rank_says_so(monkeypatch):
     """No py-spy program: each process's dump says it is not installed, and nothing is started."""
-    monkeypatch.setattr(stacks, "py_spy", lambda: None)
-    said = stacks.native_stacks([41, 42])
+    monkeypatch.setattr(native_frames, "py_spy", lambda: None)
+    said = native_frames.native_stacks([41, 42])
     assert said[41] == "air_magic: no native stacks of pid 41: py-spy is not installed (pip install py-spy)\n"
-    assert stacks.native_stacks([]) == {}
-    assert "ptrace not permitted" in stacks._why_not("Error: Permission Denied (os error 13)")
+    assert native_frames.native_stacks([]) == {}
+    assert "ptrace not permitted" in native_frames._why_not("Error: Permission Denied (os error 13)")

@@ -20,7 +20,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..stacks import HEADER_RE, MARKS, NATIVE_MARK, NATIVE_RE, NO_NATIVE_RE, RANK_ROLE, STOPPING, TRAILER_RE
+from ..native_frames import NATIVE_MARK, NATIVE_RE, NO_NATIVE_RE
+from ..stacks import HEADER_RE, MARKS, RANK_ROLE, STOPPING, TRAILER_RE
 
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) (?:\[(.*)\] )?\(most recent call first\):$")
 _FRAME_RE = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')

@@ -78,6 +78,8 @@ class RayJob(Starting, JobHandle):
         self.calling = False
         #: Why the last stop was asked (StopReason's words).
         self.stop_reason = ""
+        #: When the ranks were last asked for their stacks on request (time.monotonic()); None: never.
+        self.stacks_asked_at: float | None = None
         self.session = SessionCall(request.session)
         #: The interrupts sent (RankActor.interrupt) not yet answered: their answer -> the rank.
         self.interrupts: dict[Any, int] = {}
@@ -110,6 +112,7 @@ class RayJob(Starting, JobHandle):
         self.launcher.forget(self)
 
     def dump_stacks(self) -> None:
+        self.stacks_asked_at = time.monotonic()
         for rank in sorted(self.started - self.exited):
             with contextlib.suppress(Exception):
                 self.actors[rank].dump_stacks.remote("on request")  # arrives with the rank's next output
@@ -268,14 +271,17 @@ class RayJob(Starting, JobHandle):
 
     def _stacks_before_stopping(self) -> None:
         """Ranks still running write their stacks to their logs, which are read here once more (STACKS_WAIT s at most
-        for each: a busy node takes seconds to answer, and a stack read after the stop is lost)."""
+        for each: a busy node takes seconds to answer, and a stack read after the stop is lost). A Stacks request's
+        dump still being written is waited for as well: the stop's dump takes its turn after it."""
         from ..load import patience
-        from ..stacks import STOPPING
+        from ..stacks import STOPPING, longest_dump
 
         running = sorted(self.started - self.exited)
         if not running:
             return
         wait = STACKS_WAIT * patience()  # this machine's load: a node of a simulated or small cluster shares it
+        if self.stacks_asked_at is not None:
+            wait += max(0.0, self.stacks_asked_at + longest_dump() - time.monotonic())
         with contextlib.suppress(Exception):
             asked = [self.actors[r].dump_stacks.remote(STOPPING) for r in running]
             self.ray.wait(asked, num_returns=len(asked), timeout=wait)
