@@ -151,7 +151,9 @@ class Kernel:
             self.km = KernelManager(kernel_name="python3")
             self.km.start_kernel(cwd=str(cwd), env=process_env(env), extra_arguments=["--HistoryManager.enabled=False"])
             self.kc = self.km.client()
-            self.kc.start_channels()
+            # No heartbeat channel: this client asks its KernelManager whether the kernel lives (the process), and the
+            # heartbeat's thread at times never joined in stop_channels (a teardown stuck for the test's whole limit).
+            self.kc.start_channels(hb=False)
             try:
                 self.kc.wait_for_ready(timeout=60)
                 return

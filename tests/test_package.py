@@ -112,7 +112,7 @@ def test_kernel_of_the_venv_runs_two_ranks(venv, tmp_path):
     env = {**outside_env(), **kernel_env(tmp_path)}
     km.start_kernel(cwd=str(tmp_path), env=env, extra_arguments=["--HistoryManager.enabled=False"])
     kc = km.client()
-    kc.start_channels()
+    kc.start_channels(hb=False)  # as tests/helpers.Kernel: the manager knows whether the kernel lives
 
     def execute(code: str) -> CellResult:
         out = CellResult()
