@@ -3,7 +3,7 @@
 A rank (a child process, world of 1, NCCL) queues an all_reduce behind a long GPU sleep and blocks in
 torch.cuda.synchronize(). The parent then does what a call's stacks do: asks for the recorder's dump through
 the rank's pipe (launch/flight_recorder.py) and reads it back into one sentence, and takes the rank's native frames
-with py-spy (launch/stacks.py). Two ranks on two GPUs (one skips an all_reduce) need a machine with two GPUs;
+with py-spy (launch/native_frames.py). Two ranks on two GPUs (one skips an all_reduce) need a machine with two GPUs;
 here the second rank's dump is the first one's cut before its pending collective, to read the real format.
 
     python bench/flight_recorder_gpu.py   (torch with CUDA; py-spy on PATH or beside the Python)
