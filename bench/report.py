@@ -127,6 +127,14 @@ NOTES = {
         "after against 0.16 s before, hot 3.66 s / 2.82 s against 3.42 s, warm 24.2 s / 24.4 s against 24.2 s: no "
         "slowdown. This machine ran every call slower than the H100 of the `owner` runs, before and after alike."
     ),
+    "flight-recorder-1xH100-watchdog.log": (
+        "`flight_recorder_gpu.py` on one H100 (2026-12-06), with py-spy run under its watchdog (`timeout`, outside "
+        "the rank): a GPU rank blocked in `torch.cuda.synchronize()` gives its native frames in 0.35 s "
+        "(`cudaDeviceSynchronize` under `synchronize`), as before the watchdog."
+    ),
+    "gpu-tests-1xH100-watchdog.log": (
+        "`test_gpu.py` and `test_watch_gpu.py` on that H100 after py-spy got its watchdog: 8 passed in 85 s."
+    ),
     "call_patterns-1xH100-owner-before.json": (
         "the same before (abe6809) between `call_patterns-1xH100-owner-after.json` and "
         "`call_patterns-1xH100-owner-after-again.json` on that H100 (medians of calls 2-5): a sweep's bare call "

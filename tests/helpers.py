@@ -140,6 +140,14 @@ def air_magic_cli(cwd: Path, env: dict[str, str], *args: str, timeout: float = 6
     )
 
 
+def _runs(proc: psutil.Process) -> bool:
+    """The process still runs: it exists (not a new one under its id) and has not ended (a zombie has)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class Kernel:
     """A real ipykernel in its own process, driven with jupyter_client."""
 
@@ -237,10 +245,14 @@ class Kernel:
         children = psutil.Process(pid).children(recursive=True) if psutil.pid_exists(pid) else []
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
-        _, alive = psutil.wait_procs(children, timeout=15)
-        for proc in alive:
+        # A process that has ended is gone, reaped or not: one whose parent ended first waits for the machine's init
+        # to reap it, which can take longer than this wait on a busy machine (a zombie is not "left").
+        deadline = time.monotonic() + 15
+        while (left := [p for p in children if _runs(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for proc in left:
             proc.kill()
-        assert not (check and alive), f"kernel shutdown left {alive}"
+        assert not (check and left), f"kernel shutdown left {left}"
 
 
 def execute_headless(

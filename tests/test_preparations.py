@@ -16,11 +16,16 @@ pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 #: The package the preparation imports. Spelt in two parts: this module's source travels with every call (as a
 #: notebook's own modules do), and a call that names the package anywhere has its preparation finished first.
 PACKAGE = "slow" + "prep"
-#: A module of PACKAGE: its import takes 0.3 s and notes "<pid> m<i>" in `marks` beside the package.
+#: A module of PACKAGE: its import takes 0.3 s and notes "<pid> m<i>" in `marks` beside the package; the last one
+#: also waits while a file `hold` is there (120 s at most), so that a test can keep the preparation going.
 MODULE = """
 import os, pathlib, time
+here = pathlib.Path(__file__).parent.parent
 time.sleep(0.3)
-with open(pathlib.Path(__file__).parent.parent / "marks", "a") as f:
+deadline = time.monotonic() + 120
+while {i} == 9 and (here / "hold").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+with open(here / "marks", "a") as f:
     f.write(f"{{os.getpid()}} m{i}\\n")
 """
 HOOK = """
@@ -76,13 +81,20 @@ def _wait_for(predicate, timeout: float) -> None:
 
 
 def test_a_call_whose_ranks_do_not_need_a_preparation_never_waits_for_it(slow_preparation):
-    """Calls that do not name what the helper is preparing come back while it is still at it, back to back."""
+    """Calls that do not name what the helper is preparing come back while it is still at it, back to back (the
+    preparation is held until they are back: a call that waited for it would wait until m9's 120 s ran out)."""
     launcher, marks = slow_preparation
+    hold = marks.parent / "hold"
+    hold.touch()
     launcher.prepare_hooks(["delayhook"], {})
     _wait_for(marks.exists, 60)
-    for _ in range(3):
-        run_here(bare)
-        assert "m9" not in marks.read_text(), "a call waited for a preparation its ranks do not need"
+    try:
+        for _ in range(3):
+            run_here(bare)
+            assert "m9" not in marks.read_text(), "a call waited for a preparation its ranks do not need"
+    finally:
+        hold.unlink()
+    _wait_for(lambda: "m9" in marks.read_text(), 60)  # the preparation, let go, ends
 
 
 def test_a_preparation_interrupted_by_calls_is_finished_once_for_the_first_call_that_needs_it(slow_preparation):
