@@ -32,14 +32,14 @@ NATIVE_RE = re.compile(r"^air_magic: native stacks of pid (\d+) \(py-spy dump --
 NO_NATIVE_RE = re.compile(r"^air_magic: no native stacks of pid (\d+): (.*)$")
 NATIVE_MARK = "  | "
 _COLOUR_RE = re.compile(r"\x1b\[[0-9;]*m")
-#: The watchdog: py-spy under `timeout`, which kills it at the limit (exit 137); then the target is let go on.
-#: Arguments: limit, py-spy, pid.
+#: The watchdog: py-spy under `timeout`, which kills it at the limit (exit _KILLED_AT_LIMIT); then the target is let
+#: go on. Arguments: limit, py-spy, pid.
 _WATCHDOG = (
     'timeout -s KILL "$1" "$2" dump --native --pid "$3"; rc=$?; [ $rc -eq 137 ] && kill -CONT "$3" 2>/dev/null; '
     "exit $rc"
 )
-#: What the watchdog's own exit says: py-spy was killed at the limit.
-_KILLED_AT_LIMIT = (124, 137)
+#: The watchdog's exit when it killed py-spy at the limit (`timeout -s KILL`: 128 + SIGKILL).
+_KILLED_AT_LIMIT = 137
 #: Seconds given to the watchdog, past the limit, to kill py-spy and end, before the asker gives up on it.
 _WATCHDOG_GRACE = 5.0
 
@@ -65,11 +65,11 @@ def _why_not(output: str) -> str:
     return f"py-spy failed: {said}"
 
 
-def _command(program: str, pid: int, limit: float) -> list[str]:
-    """py-spy's command line for `pid`, under the watchdog where the platform has `timeout` (Linux: coreutils)."""
-    if shutil.which("timeout") and shutil.which("sh"):
+def _command(program: str, pid: int, limit: float, watched: bool) -> list[str]:
+    """py-spy's command line for `pid`: under the watchdog if `watched`, else bare (the asker's own limit is all)."""
+    if watched:
         return ["sh", "-c", _WATCHDOG, "sh", f"{limit:g}", program, str(pid)]
-    return [program, "dump", "--native", "--pid", str(pid)]  # the asker's own limit, below, is all there is
+    return [program, "dump", "--native", "--pid", str(pid)]
 
 
 def native_stacks(pids: list[int], limit: float | None = None) -> dict[int, str]:
@@ -84,12 +84,17 @@ def native_stacks(pids: list[int], limit: float | None = None) -> dict[int, str]
     if program is None:
         missing = "py-spy is not installed (pip install py-spy)"
         return {pid: _NO_NATIVE.format(pid=pid, why=missing) + "\n" for pid in pids}
+    watched = bool(shutil.which("timeout") and shutil.which("sh"))  # the watchdog's parts (Linux: coreutils)
+
+    def late(pid: int) -> str:
+        return _NO_NATIVE.format(pid=pid, why=f"py-spy did not answer within {limit:g} s") + "\n"
+
     running: dict[int, subprocess.Popen[bytes]] = {}
     out: dict[int, str] = {}
     for pid in pids:
         try:
             running[pid] = subprocess.Popen(
-                _command(program, pid, limit),
+                _command(program, pid, limit, watched),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -97,18 +102,18 @@ def native_stacks(pids: list[int], limit: float | None = None) -> dict[int, str]
             )
         except OSError as exc:
             out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy could not start: {exc}") + "\n"
-    deadline = time.monotonic() + limit + _WATCHDOG_GRACE
+    deadline = time.monotonic() + limit + (_WATCHDOG_GRACE if watched else 0.0)
     for pid, proc in running.items():
         try:
             raw = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))[0].decode(errors="replace")
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy did not answer within {limit:g} s") + "\n"
+            out[pid] = late(pid)
             continue
         text = _COLOUR_RE.sub("", raw)  # py-spy colours its output when it thinks a terminal reads it
-        if proc.returncode in _KILLED_AT_LIMIT:
-            out[pid] = _NO_NATIVE.format(pid=pid, why=f"py-spy did not answer within {limit:g} s") + "\n"
+        if watched and proc.returncode == _KILLED_AT_LIMIT:
+            out[pid] = late(pid)
         elif proc.returncode != 0 or not text.strip():
             out[pid] = _NO_NATIVE.format(pid=pid, why=_why_not(text)) + "\n"
         else:
