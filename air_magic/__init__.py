@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from .accelerators import AcceleratorType, GPUType
-from .calls.attached import attach
 from .calls.handle import DistributedCall
 from .decorator import distributed
 from .errors import (
@@ -25,6 +24,7 @@ from .job import Alert, JobResult, JobStatus, RankResult, RankState
 from .launch import ray_init
 from .launch.rank.session import Placeholder, Ref
 from .launch.rank.steps import step
+from .owner import attach
 from .payload import PayloadSizeWarning
 from .stopping import should_stop
 from .sweep import sweep
@@ -78,12 +78,13 @@ def _prepare_first_call(ipython: Any) -> None:
     """Start, in the background, what a first call would wait for: the supervisor (it imports torch, not CUDA)
     and, unless %%distributed cells are configured without MLflow, MLflow's import and store set-up in this
     process. Returns at once; a call made earlier waits for it."""
-    from .launch import start_local_helper
+    from .owner import owner
     from .tracking.prepare import start
 
-    start_local_helper()
+    launchers = owner().launchers
+    launchers.start_local_helper()
     if ipython.config.get("DistributedMagics", {}).get("mlflow", True) is not False:
-        start()
+        start(launchers.prepare_hooks)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -197,9 +197,10 @@ class DistributedFunction(Generic[P, R]):
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         if self.settings.detach:
             return self.spawn(*args, **kwargs).job().raise_for_status()
-        from .calls.handle import run
+        from .owner import owner
 
-        return run(self.settings.spec(self._func, args, kwargs, name)).raise_for_status()
+        result: JobResult = owner().submit(self.settings.spec(self._func, args, kwargs, name))
+        return result.raise_for_status()
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> DistributedCall:
         """Start the call in the background and return its handle at once; the kernel is free while it runs.
@@ -207,14 +208,16 @@ class DistributedFunction(Generic[P, R]):
         `handle.result()` waits for the per-rank values (or raises what `.distributed` would raise); see
         `air_magic.DistributedCall`. A call whose GPUs other calls hold waits for them (`wait=False`: fails).
         """
-        from .calls.handle import spawn
+        from .owner import BACKGROUND, owner
 
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
+        spec = self.settings.spec(self._func, args, kwargs, name)
         if self.settings.detach:
             from .calls.attached import spawn_detached
 
-            return spawn_detached(self.settings.spec(self._func, args, kwargs, name))
-        return spawn(self.settings.spec(self._func, args, kwargs, name), wait=self.settings.wait)
+            return spawn_detached(spec, owner())
+        handle: DistributedCall = owner().submit(spec, BACKGROUND, wait=self.settings.wait)
+        return handle
 
     def with_overrides(self, **changes: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. `train.with_overrides(num_accelerators=1, timeout=60)`."""

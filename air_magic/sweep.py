@@ -13,10 +13,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .calls.handle import FINISHED, DistributedCall, spawn
+from .calls.handle import FINISHED, DistributedCall
 from .decorator import DistributedFunction, distributed
 from .errors import ConfigurationError
 from .job import JobSpec
+from .owner import BACKGROUND, owner
 
 
 class Sweep:
@@ -141,7 +142,7 @@ def sweep(
     calls: list[DistributedCall] = []
     try:
         for spec in specs:
-            calls.append(spawn(spec))
+            calls.append(owner().submit(spec, BACKGROUND))
     finally:
         if parent is not None:
             import mlflow

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from air_magic import distributed
 from air_magic.calls import runner
 from air_magic.calls.listeners import Listener
+from air_magic.owner import owner
 
 LINES = 200
 
@@ -104,7 +105,9 @@ def one(kind: str, timeout: float | None) -> dict:
     kind = "hang" if kind == "cancel" else kind
     fn = distributed(2, mlflow=False, timeout=timeout)(job)
     spec = fn.settings.spec(job, (kind, marker), {}, f"fault-{kind}")
-    result = runner.run(spec, [counter])  # the one path every call takes; a failed call is in result.error
+    result = owner().submit(
+        spec, listeners=[counter]
+    )  # the one path every call takes; a failed call is in result.error
     returned = time.time()
     error, run_dir = result.error, result.run_dir
     hang = kind in ("hang", "hang-collective")

@@ -104,10 +104,10 @@ out = {"loading s": time.perf_counter() - t}
 time.sleep(pause)
 if wait_idle:  # until the background work is done: this process's MLflow set-up, and the helper's imports
     import psutil
-    from air_magic.launch.local import local_launcher
+    from air_magic.owner import owner
     from air_magic.tracking import prepare
     prepare.wait()
-    helper, used = psutil.Process(local_launcher().supervisor_pid), -1.0
+    helper, used = psutil.Process(owner().launchers.local.supervisor_pid), -1.0
     while used != (used := sum(helper.cpu_times()[:2])):
         time.sleep(1.0)
     out["background done after s"] = time.perf_counter() - t

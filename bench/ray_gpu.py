@@ -88,9 +88,8 @@ def main() -> None:
     import torch
 
     from air_magic import distributed, ray_init
-    from air_magic.calls import runner
     from air_magic.decorator import Settings
-    from air_magic.launch.ray import ray_launcher
+    from air_magic.owner import owner
 
     gpus = torch.cuda.device_count()
     if gpus < 1:
@@ -113,7 +112,7 @@ def main() -> None:
 
         def call(**kw):
             spec = Settings(num_accelerators=1, mlflow=False, **kw).spec(train, (), {}, "train")
-            return runner.run(spec, launcher=ray_launcher()).raise_for_status().values
+            return owner().submit(spec).raise_for_status().values
 
     import ray
 
@@ -129,7 +128,7 @@ def main() -> None:
         hot_pids.append([r["pid"] for r in hot])
         assert [r["losses"] for r in hot] == [r["losses"] for r in local], "a hot call trained differently"
     report["hot calls in the same processes"] = all(pids == hot_pids[0] for pids in hot_pids)
-    ray_launcher().release_hot()
+    owner().launchers.ray.release_hot()
     report["ranks"] = [{k: r[k] for k in ("rank", "node", "cuda_visible_devices", "device")} for r in through_ray]
     report["same losses"] = [r["losses"] for r in through_ray] == [r["losses"] for r in local]
     report["loss first -> last"] = [through_ray[0]["losses"][0], through_ray[0]["losses"][-1]]

@@ -142,12 +142,12 @@ def main() -> None:
     import ray
     from ray._private.state import actors as actor_table
 
-    from air_magic.launch.ray import ray_launcher
     from air_magic.launch.ray._compat import actor_id
+    from air_magic.owner import owner
 
     def spare_ids() -> list[str]:
         """The actor ids of the spare sets kept now (asking nothing of the actors, which may still be starting)."""
-        return [actor_id(a) for w in ray_launcher().spare_sets() for a in w.actors]
+        return [actor_id(a) for w in owner().launchers.ray.spare_sets() for a in w.actors]
 
     def call(key: str, fn) -> list:
         t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def main() -> None:
                     spare_pids = sorted(actor_table(actor_id=i).get("Pid") for i in spares)
                     in_spares.append(sorted(pid for _, pid in values) == spare_pids)
         assert all(pids == hot_pids[0] for pids in hot_pids), f"the hot calls ran in other processes: {hot_pids}"
-        ray_launcher().release_hot()
+        owner().launchers.ray.release_hot()
         for key, fn in (("hot_log", hot_log), ("hot_bare", hot_bare)):
             for _ in range(5):
                 call(key, fn)
@@ -179,7 +179,7 @@ def main() -> None:
         runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
         logged = [r for r in runs if r.info.run_name == "logging_job"]
         complete = sum(1 for r in logged if len(client.get_metric_history(r.info.run_id, "x")) == ranks)
-        ray_launcher().release_hot()
+        owner().launchers.ray.release_hot()
         ray_cluster.wait_all_free()
         storage = tempfile.mkdtemp(prefix="ray-train-")
         for _ in range(args.trainer_repeat):
@@ -188,9 +188,9 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        from air_magic.launch.local import local_launcher
+        from air_magic.owner import owner
 
-        local_launcher().shutdown()
+        owner().launchers.local.shutdown()
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "host": f"{platform.machine()}, {os.cpu_count()} cores",

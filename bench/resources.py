@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from air_magic import accelerators
-from air_magic.calls import runner
 from air_magic.calls.listeners import Listener
 from air_magic.display.text import TextDisplay
 from air_magic.job import JobSpec
+from air_magic.owner import owner
 from air_magic.resources import ResourceSampler, peak_text, usage_text
 
 
@@ -88,14 +88,16 @@ def main() -> None:
     else:
         world, kind = 2, "CPU"
     spec = JobSpec(holds, (args.gib, args.seconds, args.gpu), {}, "holds", world, kind, 300, mlflow=False)
-    runner.run(spec, [TextDisplay()]).raise_for_status()  # the first call starts the helper: not timed
+    owner().submit(spec, listeners=[TextDisplay()]).raise_for_status()  # the first call starts the helper: not timed
     times: dict[str, list[float]] = {"with": [], "without": []}
     for _ in range(2):
-        times["without"].append(runner.run(spec, [TextDisplay()]).raise_for_status().elapsed)
+        times["without"].append(owner().submit(spec, listeners=[TextDisplay()]).raise_for_status().elapsed)
         sampler = TimedSampler()
         logged: list[dict[str, float]] = []
         sampler.sinks.append(lambda values, step, logged=logged: logged.append(values))
-        times["with"].append(runner.run(spec, [sampler, Watch(sampler), TextDisplay()]).raise_for_status().elapsed)
+        times["with"].append(
+            owner().submit(spec, listeners=[sampler, Watch(sampler), TextDisplay()]).raise_for_status().elapsed
+        )
     for rank, peak in sorted(sampler.peaks().items()):
         print(f"rank {rank}: done · {peak_text(peak)}")
     print("metrics handed to MLflow:", len(logged), "batches; last:", logged[-1] if logged else None)

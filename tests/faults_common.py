@@ -14,10 +14,10 @@ import psutil
 from helpers import leftover_processes
 
 from air_magic import distributed
-from air_magic.calls import runner
 from air_magic.calls.listeners import Listener, RunContext
 from air_magic.job import JobResult, RankState
 from air_magic.launch.files.rundir import RunDir
+from air_magic.owner import owner
 
 _LOGS_IN = re.compile(r"air_magic: .* logs in (\S+)")
 
@@ -118,7 +118,7 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
     settings.setdefault("num_accelerators", 2)
     wrapped = distributed(**settings)(func)
     spec = wrapped.settings.spec(func, args, {}, func.__name__)
-    return runner.run(spec, [listener or Recorder()]).raise_for_status()
+    return owner().submit(spec, listeners=[listener or Recorder()]).raise_for_status()
 
 
 #: Cell code for the kernel tests of faults: `timed(f)` calls f on the ranks and keeps its value or error and the
@@ -126,6 +126,7 @@ def run_here(func: Callable[..., Any], *args: Any, listener: Listener | None = N
 FAULT_SETUP = """
 import os, sys, time, json, threading
 from air_magic import distributed
+from air_magic.owner import owner
 
 def timed(fn, *args, **kwargs):
     try:

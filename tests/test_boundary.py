@@ -8,10 +8,10 @@ import pytest
 from faults_common import Recorder
 from helpers import run_id_of
 
-from air_magic.calls import runner
 from air_magic.calls.listeners import Listener
 from air_magic.errors import ListenerWarning
 from air_magic.job import JobStatus, RankState
+from air_magic.owner import owner
 
 #: Runs started here keep their directories under pytest's temporary directory (see faults_common).
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
@@ -52,7 +52,7 @@ def test_a_listener_that_raises_in_every_hook_is_a_warning_and_changes_nothing()
     rec = Recorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = runner.run(_spec(_two_ranks), [Raises(), rec])
+        result = owner().submit(_spec(_two_ranks), listeners=[Raises(), rec])
     assert result.status == JobStatus.FINISHED and result.error is None and result.values == [0, 10]
     failed = {str(w.message).split(" failed")[0] for w in caught if issubclass(w.category, ListenerWarning)}
     assert failed == {f"air_magic: Raises.{hook}" for hook in HOOKS}
@@ -64,7 +64,7 @@ def test_a_failed_call_is_returned_not_raised_and_a_broken_listener_does_not_rep
     """runner.run hands back a FAILED JobResult carrying the rank's own exception, whatever the listeners do."""
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        result = runner.run(_spec(_fails), [Raises(), Recorder()])
+        result = owner().submit(_spec(_fails), listeners=[Raises(), Recorder()])
     assert result.status == JobStatus.FAILED and isinstance(result.error, KeyError)
     assert "raised on rank 1 of 2" in result.error.__notes__[0]
     with pytest.raises(KeyError, match="the real error"):

@@ -10,7 +10,7 @@ import pytest
 from faults_common import Recorder, alive, run_here
 from helpers import leftover_processes, run_id_of
 
-from air_magic.launch.local import local_launcher
+from air_magic.owner import owner
 
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 def released():
     """Every test ends with the hot ranks released (the leak check would see them otherwise)."""
     yield
-    local_launcher().release_hot()
+    owner().launchers.local.release_hot()
 
 
 def allreduce(x: int):
@@ -106,7 +106,7 @@ def test_idle_hot_ranks_end_after_keep_alive_and_release_ends_them_at_once():
         time.sleep(0.2)
     assert alive(pids(short)) == []
     long = run_here(allreduce, 0, keep_alive=600)
-    local_launcher().release_hot()
+    owner().launchers.local.release_hot()
     deadline = time.monotonic() + 15
     while alive(pids(long)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -162,7 +162,7 @@ def test_a_hot_call_is_not_held_up_by_the_helpers_warm_up(tmp_path, monkeypatch)
     (tmp_path / "slowwarmhook.py").write_text(SLOW_HOOK)
     marks = tmp_path / "marks"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    launcher = local_launcher()
+    launcher = owner().launchers.local
     launcher.shutdown()  # the next helper finds the hook module on its path
     try:
         first = run_here(allreduce, 0, keep_alive=60)

@@ -33,8 +33,8 @@ def run_dirs(workdir: Path) -> set[str]:
 
 
 def supervisor_pid(fresh_kernel: Kernel) -> int | None:
-    fresh_kernel.execute("from air_magic.launch.local import local_launcher as _launcher").check(clean_stderr=True)
-    pid = int(fresh_kernel.value("_launcher().supervisor_pid or -1"))
+    fresh_kernel.execute("from air_magic.owner import owner as _owner").check(clean_stderr=True)
+    pid = int(fresh_kernel.value("_owner().launchers.local.supervisor_pid or -1"))
     return None if pid == -1 else pid
 
 

@@ -417,6 +417,7 @@ def test_a_script_prints_rank_prefixed_lines_and_the_link_once(tmp_path):
 import sys
 from air_magic import distributed
 from air_magic.calls import runner
+from air_magic.owner import owner
 from air_magic.display import make_display
 from air_magic.calls.listeners import Listener
 
@@ -433,7 +434,7 @@ def hello():
 spec = hello.settings.spec(hello.func, (), {}, "hello")
 display = make_display(spec)
 print("display:", type(display).__name__)
-print(runner.run(spec, [Link(), display]).values)
+print(owner().submit(spec, listeners=[Link(), display]).values)
 """
     )
     env = process_env({"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs")})

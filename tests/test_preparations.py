@@ -9,7 +9,7 @@ import time
 import pytest
 from faults_common import run_here
 
-from air_magic.launch.local import local_launcher
+from air_magic.owner import owner
 
 pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
@@ -64,7 +64,7 @@ def slow_preparation(tmp_path, monkeypatch):
         (package / f"m{i}.py").write_text(MODULE.format(i=i))
     (tmp_path / "delayhook.py").write_text(HOOK.format(package=PACKAGE))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    launcher = local_launcher()
+    launcher = owner().launchers.local
     launcher.shutdown()  # the next helper finds the hook module on its path
     try:
         run_here(bare)  # the helper is up

@@ -14,10 +14,9 @@ from faults_common import Recorder, alive
 from helpers import ROOT, Kernel, process_env
 
 from air_magic import JobCancelledError, WorkerDiedError, distributed, ray_init
-from air_magic.calls import runner
 from air_magic.errors import AirMagicError, RemoteTraceback
 from air_magic.job import JobResult, JobStatus, RankState
-from air_magic.launch.ray import ray_launcher
+from air_magic.owner import owner
 
 ray = pytest.importorskip("ray")
 # The ranks run this module's functions: they travel by value (a node cannot import the test module).
@@ -61,7 +60,7 @@ class WhenAll(Recorder):
 
 def run(func, *, listener=None, nodes: int = 2, per_node: int = 1, **settings) -> JobResult:
     spec = distributed(per_node, accelerator_type="CPU", num_nodes=nodes, mlflow=False, **settings)(func)
-    return runner.run(spec.settings.spec(func, (), {}, func.__name__), [listener or Recorder()])
+    return owner().submit(spec.settings.spec(func, (), {}, func.__name__), listeners=[listener or Recorder()])
 
 
 # -- the functions the ranks run ---------------------------------------------------
@@ -257,9 +256,9 @@ def test_hot_calls_run_in_the_same_actors_and_process_group_and_release_frees_ev
     assert [v["pid"] for v in second] == [v["pid"] for v in first]
     assert [v["group"] for v in second] == [v["group"] for v in first]
     assert [v["calls"] for v in first] == [1, 1] and [v["calls"] for v in second] == [2, 2]
-    assert len(ray_launcher().hot_worlds()) == 1
-    ray_launcher().release_hot()
-    assert ray_launcher().hot_worlds() == []
+    assert len(owner().launchers.ray.hot_worlds()) == 1
+    owner().launchers.ray.release_hot()
+    assert owner().launchers.ray.hot_worlds() == []
     ray_cluster.wait_all_free()
     assert wait_gone([v["pid"] for v in first]) == []
 
@@ -268,9 +267,9 @@ def test_hot_calls_run_in_the_same_actors_and_process_group_and_release_frees_ev
 def test_hot_ranks_idle_past_keep_alive_end_and_free_their_cpus(cluster):
     """keep_alive=5: five seconds after the call the actors are gone and Ray reports every CPU free."""
     pids = [v["pid"] for v in run(hot_rank_state, keep_alive=5).raise_for_status().values]
-    assert len(ray_launcher().hot_worlds()) == 1
+    assert len(owner().launchers.ray.hot_worlds()) == 1
     assert wait_gone(pids) == []
-    assert ray_launcher().hot_worlds() == []
+    assert owner().launchers.ray.hot_worlds() == []
     ray_cluster.wait_all_free()
 
 
@@ -280,11 +279,11 @@ def test_a_failed_hot_call_ends_the_hot_actors_and_the_next_call_gets_fresh_ones
     pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
     failed = run(hot_fails_on_rank_1, keep_alive=120)
     assert isinstance(failed.error, ValueError) and "rank one refuses" in str(failed.error)
-    assert ray_launcher().hot_worlds() == []
+    assert owner().launchers.ray.hot_worlds() == []
     assert wait_gone(pids) == []
     fresh = run(hot_rank_state, keep_alive=120).raise_for_status().values
     assert [v["calls"] for v in fresh] == [1, 1] and not set(pids) & {v["pid"] for v in fresh}
-    ray_launcher().release_hot()
+    owner().launchers.ray.release_hot()
 
 
 @pytest.mark.slow
@@ -293,7 +292,7 @@ def test_a_call_that_needs_what_idle_hot_ranks_hold_ends_them(cluster):
     pids = [v["pid"] for v in run(hot_rank_state, keep_alive=120).raise_for_status().values]
     result = run(all_reduce, per_node=2).raise_for_status()
     assert [v["sum"] for v in result.values] == [10.0] * 4
-    assert ray_launcher().hot_worlds() == []
+    assert owner().launchers.ray.hot_worlds() == []
     assert wait_gone(pids) == []
 
 
@@ -301,7 +300,7 @@ def test_a_call_that_needs_what_idle_hot_ranks_hold_ends_them(cluster):
 def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
     """Rank 1's node leaves while the hot ranks idle: the next call says so and runs in fresh ranks."""
     values = run(hot_rank_state, keep_alive=120).raise_for_status().values
-    node_id = ray_launcher().hot_worlds()[0].places[1].node_id
+    node_id = owner().launchers.ray.hot_worlds()[0].places[1].node_id
     cluster.remove_node(ray_cluster.node_of(cluster, node_id), allow_graceful=False)
     try:
         deadline = time.monotonic() + 60
@@ -314,7 +313,7 @@ def test_a_lost_node_of_hot_ranks_gives_fresh_ranks_on_the_next_call(cluster):
     again = run(hot_rank_state, listener=rec, keep_alive=120).raise_for_status().values
     assert "the hot ranks of this world were lost" in rec.output(0) and "left the Ray cluster" in rec.output(0)
     assert [v["calls"] for v in again] == [1, 1] and values[1]["pid"] != again[1]["pid"]
-    ray_launcher().release_hot()
+    owner().launchers.ray.release_hot()
 
 
 def spare_state():
@@ -333,7 +332,7 @@ def spare_state():
 
 def spare_places():
     """Where each actor of the one spare set kept now runs (waiting until they are up)."""
-    (spare,) = ray_launcher().spare_sets()
+    (spare,) = owner().launchers.ray.spare_sets()
     return ray.get([a.where.remote() for a in spare.actors], timeout=180)
 
 
@@ -366,8 +365,8 @@ def test_a_cold_call_runs_in_the_spare_actors_started_after_the_last_one(cluster
         held = [pl.pid for pl in spare_places()]
         assert [v["sum"] for v in run(all_reduce, per_node=2).raise_for_status().values] == [10.0] * 4
         assert wait_gone(held) == []
-        ray_launcher().release_hot()
-        assert ray_launcher().spare_sets() == []
+        owner().launchers.ray.release_hot()
+        assert owner().launchers.ray.spare_sets() == []
         ray_cluster.wait_all_free()
     finally:
         ray_init(spares=False)
@@ -391,7 +390,7 @@ def test_a_module_the_notebook_imported_travels_by_value_to_ray_and_local_ranks(
 
     assert run(uses_helpers).raise_for_status().values == ["the notebook copy"] * 2
     local = distributed(2, accelerator_type="CPU", mlflow=False)(uses_helpers)
-    result = runner.run(local.settings.spec(uses_helpers, (), {}, "uses_helpers"), [Recorder()])
+    result = owner().submit(local.settings.spec(uses_helpers, (), {}, "uses_helpers"), listeners=[Recorder()])
     assert result.raise_for_status().values == ["the notebook copy"] * 2
     del sys.modules[name]
 

@@ -14,9 +14,9 @@ import ray_cluster
 from faults_common import Recorder
 
 from air_magic import distributed, ray_init
-from air_magic.calls import runner, session_table
+from air_magic.calls import session_table
 from air_magic.job import JobResult, JobStatus
-from air_magic.launch.ray import ray_launcher
+from air_magic.owner import owner
 
 ray = pytest.importorskip("ray")
 # The ranks run this module's functions: they travel by value (a node cannot import the test module).
@@ -44,7 +44,7 @@ def joined(cluster):
 
 def nothing_held() -> None:
     """Nothing kept for a later call, no actor alive, and Ray reports every CPU of the cluster free."""
-    assert ray_launcher().spare_sets() == [] and ray_launcher().hot_worlds() == []
+    assert owner().launchers.ray.spare_sets() == [] and owner().launchers.ray.hot_worlds() == []
     ray_cluster.wait_all_free()
     from ray._private.state import actors
 
@@ -67,7 +67,7 @@ class WhenAll(Recorder):
 
 def run(func, *, listener=None, **settings) -> JobResult:
     spec = distributed(1, accelerator_type="CPU", num_nodes=2, mlflow=False, **settings)(func)
-    return runner.run(spec.settings.spec(func, (), {}, func.__name__), [listener or Recorder()])
+    return owner().submit(spec.settings.spec(func, (), {}, func.__name__), listeners=[listener or Recorder()])
 
 
 # -- the functions the ranks run ---------------------------------------------------
@@ -137,23 +137,23 @@ def test_spares_are_off_on_a_joined_cluster_and_on_when_asked_and_listed(joined)
     """By default a joined cluster gets no spare set; with spares=True a call leaves one, which %distributed_session
     lists (nodes, CPUs, idle time, time left) until release, and turning spares back to the default ends them."""
     run(returns).raise_for_status()
-    assert ray_launcher().spare_sets() == []
+    assert owner().launchers.ray.spare_sets() == []
     ray_init(spares=True)
     run(returns).raise_for_status()
-    assert len(ray_launcher().spare_sets()) == 1
-    listing = session_table.table()
+    assert len(owner().launchers.ray.spare_sets()) == 1
+    listing = session_table.table(owner().sessions, owner().launchers)
     assert re.search(r"Ray spare actors: 2 node\(s\) with 1 CPU each; idle \d+ s, ends after \d+ s more idle", listing)
     ray_init()  # the default again: off on this cluster, and the spare set kept now ends
-    assert ray_launcher().spare_sets() == []
-    assert "Ray spare actors" not in session_table.table()
+    assert owner().launchers.ray.spare_sets() == []
+    assert "Ray spare actors" not in session_table.table(owner().sessions, owner().launchers)
     nothing_held()
 
 
 def test_hot_ranks_are_listed_until_release(joined):
     """keep_alive: the hot ranks are listed with what they hold and when they end; release frees every CPU."""
     run(returns, keep_alive=120).raise_for_status()
-    listing = session_table.table()
+    listing = session_table.table(owner().sessions, owner().launchers)
     assert re.search(r"Ray hot ranks: 2 node\(s\) with 1 CPU each; idle \d+ s, ends after \d+ s more idle", listing)
-    ray_launcher().release_hot()
-    assert "Ray hot ranks" not in session_table.table()
+    owner().launchers.ray.release_hot()
+    assert "Ray hot ranks" not in session_table.table(owner().sessions, owner().launchers)
     nothing_held()

@@ -12,7 +12,7 @@ from faults_common import alive, run_dirs, run_here
 from helpers import Kernel, leftover_processes, run_id_of
 from widget_state import WidgetMirror, run_cell
 
-from air_magic.launch.local import local_launcher
+from air_magic.owner import owner
 
 pytestmark = pytest.mark.slow
 
@@ -183,7 +183,7 @@ def test_hot_ranks_that_fail_end_and_the_restart_runs_in_fresh_ranks():
             time.sleep(0.2)
         assert alive(first) == [], "the failed attempt's hot rank 0 is still alive"
     finally:
-        local_launcher().release_hot()
+        owner().launchers.local.release_hot()
 
 
 def test_the_log_and_the_record_keep_every_attempt(restart_kernel):
@@ -307,7 +307,6 @@ def test_a_ray_node_removed_mid_run_restarts_the_call_on_the_nodes_left(ray_clus
     from faults_common import Recorder
 
     from air_magic import distributed
-    from air_magic.calls import runner
 
     cluster = ray_cluster_of_three
     removed: dict[str, str] = {}
@@ -321,7 +320,7 @@ def test_a_ray_node_removed_mid_run_restarts_the_call_on_the_nodes_left(ray_clus
 
     func = hangs_on_its_node_in_the_first_attempt
     spec = distributed(1, accelerator_type="CPU", num_nodes=2, mlflow=False, max_restarts=1, timeout=300)(func)
-    result = runner.run(spec.settings.spec(func, (), {}, func.__name__), [RemoveRank1Node()])
+    result = owner().submit(spec.settings.spec(func, (), {}, func.__name__), listeners=[RemoveRank1Node()])
     assert result.error is None, repr(result.error)
     assert result.attempts == 2 and removed["node"] not in result.values and len(set(result.values)) == 2
     assert "rank 1 was lost" in result.earlier_failures[0] and "left the Ray cluster" in result.earlier_failures[0]

@@ -9,10 +9,10 @@ import cloudpickle
 import pytest
 
 from air_magic import RankHungError, distributed
-from air_magic.calls import runner
 from air_magic.job import JobResult
 from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir
+from air_magic.owner import owner
 from air_magic.watching import detector, listener
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def _run(func: Any, *args: Any, **settings: Any) -> JobResult:
         cloudpickle.register_pickle_by_value(module)  # the ranks need not import this test module
     settings = {"num_accelerators": 2, "accelerator_type": "CPU", "mlflow": False, "timeout": 600, **settings}
     spec = distributed(**settings)(func).settings.spec(func, args, {}, func.__name__)
-    return runner.run(spec)
+    return owner().submit(spec)
 
 
 def train(steps: int, slow_rank: int | None, slow: float) -> float | None:

@@ -11,9 +11,9 @@ import pytest
 from helpers import REAL_NODE, gpu_count
 
 from air_magic import distributed
-from air_magic.calls import ledger, runner
 from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir
+from air_magic.owner import owner
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,10 +66,10 @@ def test_a_slow_dataloader_shows_as_input_wait_on_every_gpu_rank(monkeypatch, tm
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AIR_MAGIC_FORCE_CPU", raising=False)
     monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setattr(ledger, "_node", None)  # the node's ledger counted again, with its GPUs
+    monkeypatch.setattr(owner(), "_ledger", None)  # the node's ledger counted again, with its GPUs
     cloudpickle.register_pickle_by_value(inspect.getmodule(train))
     spec = distributed(mlflow=False, timeout=600)(train).settings.spec(train, (40, SLOW_INPUT), {}, "train")
-    result = runner.run(spec)
+    result = owner().submit(spec)
     assert result.error is None, result.error
     assert result.alerts == []
     for rank in range(gpu_count()):

@@ -15,13 +15,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from ..job import JobSpec, RankState
 from ..launch.files.rundir import RunDir
 from . import record as call_record
 from .handle import DistributedCall
 from .listeners import RunContext
-from .table import table as call_table
+from .table import CallTable
 
 #: Seconds between two looks at an attached call's record.
 _LOOK = 0.2
@@ -30,12 +31,13 @@ _LOOK = 0.2
 class AttachedCall(DistributedCall):
     """The handle of a call that another process owns, following its run directory."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, table: CallTable) -> None:
         record = call_record.load(path)
         if record is None:
             raise call_record.AirMagicError(f"{path} holds no air_magic call record")
         spec = call_record.spec_of(record)
         super().__init__(spec, listeners=[])
+        self.calls = table
         self.id = path.name  # type: ignore[assignment]
         self._run_dir, self._record = path, record
         self.started = record.get("started") or time.time()
@@ -50,7 +52,7 @@ class AttachedCall(DistributedCall):
         if has_run_dir is not None:
             has_run_dir.set()
         self._follow()
-        call_table().add(self)  # %distributed_calls, %distributed_show N and %distributed_stop N reach it here
+        table.add(self)  # %distributed_calls, %distributed_show N and %distributed_stop N reach it here
         threading.Thread(target=self._follow_loop, name=f"air_magic-attached-{path.name}", daemon=True).start()
 
     def _follow(self) -> bool:
@@ -86,7 +88,7 @@ class AttachedCall(DistributedCall):
                 assert self.result_ is not None
                 self.watch.on_end(self.result_)
                 self._done.set()
-                call_table().ended(self)
+                self.calls.ended(self)
                 return
             time.sleep(_LOOK)
 
@@ -117,11 +119,9 @@ def _shown(call: AttachedCall) -> AttachedCall:
     return call
 
 
-def spawn_detached(spec: JobSpec) -> DistributedCall:
-    """`detach=True`, `%%distributed --detach`: start `spec` in an owner process of its own (detached.py), with this
-    kernel's MLflow store and experiment, and return its handle."""
-    from . import detached
-
+def spawn_detached(spec: JobSpec, owner: Any) -> DistributedCall:
+    """`detach=True`, `%%distributed --detach`: start `spec` through `owner`'s door (air_magic.owner.Owner) in an owner
+    process of its own (detached.py), with this kernel's MLflow store and experiment, and return its handle."""
     env: dict[str, str] = {}
     experiment_id = None
     if spec.mlflow:
@@ -137,18 +137,18 @@ def spawn_detached(spec: JobSpec) -> DistributedCall:
     ray = sys.modules.get("ray")
     if spec.num_nodes > 1 and ray is not None and ray.is_initialized():  # the owner joins the kernel's cluster
         env["RAY_ADDRESS"] = str(ray.get_runtime_context().gcs_address)
-    path = detached.start(spec, experiment_id=experiment_id, env=env)
-    return _shown(AttachedCall(path))
+    path = owner.submit(spec, "detached", experiment_id=experiment_id, env=env)
+    return _shown(AttachedCall(path, owner.table))
 
 
-def attach(call_id: str, show: bool = True) -> DistributedCall:
+def attach(call_id: str, show: bool, table: CallTable) -> DistributedCall:
     """The handle of call `call_id` (its id, a unique prefix of it, or its run directory), which any process of
     this user on this machine may run: a detached call, a command-line run or another kernel's call.
 
     In a notebook its live panel is drawn here, with every line so far (`show=False`: not). `.result()`,
     `.cancel()`, `.stop()`, `.logs(rank)` and `.show()` work as on the handle of a call started here.
     """
-    call = AttachedCall(call_record.find_dir(str(call_id)))
+    call = AttachedCall(call_record.find_dir(str(call_id)), table)
     return _shown(call) if show else call
 
 

@@ -29,6 +29,7 @@ from ..errors import AirMagicError, ConfigurationError
 from ..launch.files import debug_channel
 from ..launch.files.debug_channel import Prompt
 from ..launch.files.rundir import RunDir
+from .table import CallTable
 
 #: Seconds a rank being stepped keeps the turn after an answer, before another rank's prompt is served.
 FOCUS = 2.0
@@ -129,18 +130,16 @@ def _world_size(run_dir: Path) -> int:
     return len(list(run_dir.glob("rank-*.log")))
 
 
-def find_waiting(ident: str | None = None) -> Path:
+def find_waiting(table: CallTable, ident: str | None = None) -> Path:
     """The run directory of the call `ident` names (a run directory's path, a call of this process's table: its
     number, its id or a unique start of it, or the id of any call of this user on the machine), or, without
-    `ident`, the latest call of this process with a rank waiting at a debugger prompt now."""
-    from .table import table
-
+    `ident`, the latest call of this process (`table`) with a rank waiting at a debugger prompt now."""
     if ident:
         path = Path(ident).expanduser()
         if path.is_dir():
             return path
         try:
-            return table().find(ident).run_dir
+            return table.find(ident).run_dir
         except AirMagicError as exc:
             from . import record as call_record
 
@@ -150,7 +149,7 @@ def find_waiting(ident: str | None = None) -> Path:
             except AirMagicError:
                 pass
             raise ConfigurationError(str(exc)) from None
-    for call in reversed(table().running()):
+    for call in reversed(table.running()):
         if not call.has_run_dir(timeout=0):
             continue
         prompts = debug_channel.waiting(call.run_dir, call.world_size)

@@ -3,14 +3,14 @@
 `start(spec)` (from `detach=True`, `%%distributed --detach` or `air-magic run`) checks the call pickles, makes
 its run directory (whose name is the call's id), writes into it what to run (`detached.pkl`: the payload the
 ranks would get, the job's settings, sys.path, working directory, MLflow experiment) and starts
-`python -m air_magic.calls.detached RUN_DIR` in a new session with its output in `owner.log`, so the death of its
+`python -m air_magic.owner.detached RUN_DIR` in a new session with its output in `owner.log`, so the death of its
 starter (a kernel's SIGKILL, a restart, a closed terminal) does not reach it. It returns the run directory
 once the owner holds the call (its live record names it).
 
-The owner process (`main`) is an owner like a kernel, with the same code: it takes the call's GPUs or CPU
-slots in the machine-wide ledger (waiting, and saying for what, in its record), runs the call through
-`sessions.run` and the runner with the default listeners (MLflow run, live record, text display), and leaves
-the final record; the ranks' results are in the run directory for any process to read
+The owner process (`main`) is an owner like a kernel, with the same code (air_magic/owner/): its call goes through
+that owner's one door, in its table with its id; it takes the call's GPUs or CPU slots in the machine-wide ledger
+(waiting, and saying for what, in its record) and runs it with the default listeners (MLflow run, live record, text
+display), and leaves the final record; the ranks' results are in the run directory for any process to read
 (record.py, attached.py). A cancel asked from any process (the `cancel` file) or a SIGTERM cancels the
 call; if the owner is killed, its helper and ranks go with it, as a kernel's do. Not for: reading or
 showing a call from another process (attached.py).
@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,10 @@ from .. import payload
 from ..errors import AirMagicError
 from ..job import JobSpec
 from ..launch.files.rundir import RunDir, write_private
-from . import leases
 from . import record as call_record
 
+#: The module `python -m` runs as a detached call's owner process.
+OWNER_MODULE = "air_magic.owner.detached"
 #: Seconds `start` waits for the owner process to take its call.
 READY_WAIT = 120.0
 
@@ -79,7 +81,7 @@ def start(
     fd = os.open(run.owner_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "air_magic.calls.detached", str(run.path)],
+            [sys.executable, "-m", OWNER_MODULE, str(run.path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -115,15 +117,15 @@ def _listeners(spec: JobSpec, hand_off: dict[str, Any]) -> list[Any]:
     return listeners
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The owner process of one detached call: run it, record how it ended; 0 if it finished."""
+def main(argv: list[str], submit_as: Callable[[str], Callable[..., Any]]) -> int:
+    """The owner process of one detached call: run it through its owner's one door (`submit_as(role)`: that
+    process's `Owner.submit`, air_magic/owner/detached.py), record how it ended; 0 if it finished."""
     from ..launch.rank.carried import load_call
-    from . import ledger, sessions
 
-    path = Path((argv or sys.argv[1:])[0])
+    path = Path(argv[0])
     run = RunDir(path)
     hand_off = pickle.loads(run.detached_call.read_bytes())
-    leases.set_role(hand_off["role"])
+    submit = submit_as(hand_off["role"])
     call_record.begin(path, hand_off["spec"], call_record.WAITING, waiting_for="")  # its starter returns from here
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -143,20 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ended: dict[str, Any] = {"result": None, "error": None}
 
+    def waiting(why: str) -> None:
+        print(f"air_magic: {spec.name} waits for {why}", flush=True)
+        call_record.say_waiting(path, why)
+
     def run_call() -> None:
-        claim = None
         try:
-            claim = ledger.Claim(spec, f"call {path.name}", f"call {path.name} ({spec.name})")
-            if not claim.try_now():
-                why = claim.why_waiting()
-                print(f"air_magic: {spec.name} waits for {why}", flush=True)
-                call_record._save(path, {"waiting_for": why})
-                claim.wait(cancelled=lambda: call_record.cancel_requested(path))
-            ended["result"] = sessions.run(spec, _listeners(spec, hand_off), claim, run_dir=run)
+            ended["result"] = submit(spec, listeners=_listeners(spec, hand_off), run_dir=run, on_wait=waiting)
             ended["error"] = ended["result"].error
         except BaseException as exc:  # noqa: BLE001 - recorded as the call's end
-            if claim is not None:
-                claim.release()
             ended["error"] = exc
 
     # Not on the main thread: nobody is at this process's stdin, so a rank's breakpoint() waits for
@@ -171,7 +168,3 @@ def main(argv: list[str] | None = None) -> int:
     call_record.release_owner(path)
     run.detached_call.unlink(missing_ok=True)
     return 0 if ended["error"] is None else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

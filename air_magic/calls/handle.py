@@ -1,7 +1,7 @@
 """Every call's handle, `DistributedCall`: `fn.spawn(...)` and `%%distributed --background` return one at once; a
-foreground call (`run`, the front doors' way in) has one too, finished when its cell returns.
+foreground call (the owner's `submit`, air_magic/owner/) has one too, finished when its cell returns.
 
-A background call takes the same path (sessions.run -> runner -> launcher) on a thread of its own, in a copy of the
+A background call takes the same path (the owner's `run` -> runner -> launcher) on a thread of its own, in a copy of the
 spawning cell's context (its display writes to that cell), so the kernel is free; it has no Ctrl-C (`.cancel()` or
 the panel's button). Its GPUs or CPU slots come from the ledger (ledger.py): it is `waiting` until they are free.
 Its run directory, whose name is its id, is made when it is spawned.
@@ -28,10 +28,9 @@ from .. import payload
 from ..errors import AirMagicError, ConfigurationError, JobCancelledError
 from ..job import Alert, JobResult, JobSpec, JobStatus
 from ..launch.files.rundir import RunDir
-from . import ledger, sessions
 from .handle_listener import HandleListener
 from .listeners import Listener, RunContext
-from .table import table as call_table
+from .table import CallTable
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
@@ -47,7 +46,9 @@ class DistributedCall:
     has one, its number); `number` is its small number in this process (table.py).
     """
 
-    def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None) -> None:
+    def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None, owner: Any = None) -> None:
+        #: The owner of calls of the process that made it (air_magic.owner.Owner): its table, its one door.
+        self.owner = owner
         self.number = 0
         self._id: str | int | None = None
         self.background = True
@@ -66,7 +67,7 @@ class DistributedCall:
         self._record: dict[str, Any] = {}
         self.watch = HandleListener(self)
         self.listeners = listeners
-        self.claim: ledger.Claim | None = None
+        self.claim: Any = None  # its claim on the owner's ledger (owner/claims.py), once it has one
 
     # -- who it is -----------------------------------------------------------
     @property
@@ -111,24 +112,38 @@ class DistributedCall:
         if self._cancel_asked:
             ctx.cancel()
 
-    def _claim(self) -> ledger.Claim:
-        return ledger.Claim(self.spec, f"call {self.number}", f"call {self.number} ({self.spec.name})")
+    @property
+    def cancel_asked(self) -> bool:
+        """A Cancel was asked (`cancel()`, the panel's button), perhaps before the call started."""
+        return self._cancel_asked
+
+    def named(self, path: Path) -> None:
+        """The call's run directory (its id) is `path`, made before it takes its units."""
+        self._run_dir = self._run_dir or path
+
+    @property
+    def table(self) -> CallTable:
+        """The table of calls of the process that made it."""
+        if self.owner is None:
+            raise AirMagicError(f"call {self.short} was rebuilt from its run directory: it is in no table")
+        table: CallTable = self.owner.table
+        return table
 
     # -- starting ----------------------------------------------------------
     def start(self, wait: bool = True) -> DistributedCall:
         """Take the call's GPUs or slots (or queue for them), then run it on a thread; returns at once."""
-        call_table().check_free(self.spec.session, self)
+        self.table.check_free(self.spec.session, self)
         payload.serialize(self.spec.target, self.spec.args, self.spec.kwargs)  # fails here, before anything starts
-        call_table().add(self)
+        self.table.add(self)
         try:
-            self.claim = self._claim()
+            self._run_dir = RunDir.create(self.spec.name, self.spec.world_size).path  # its id, from now on
+            self.claim = self.owner.claim(self.spec, self._run_dir.name)
             if not self.claim.try_now():
                 self.waiting_for = self.claim.why_waiting()
                 if not wait:
                     raise ConfigurationError(
                         f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
                     )
-            self._run_dir = RunDir.create(self.spec.name, self.spec.world_size).path  # its id, from now on
             from .record import begin
 
             begin(self._run_dir, self.spec, WAITING, waiting_for=self.waiting_for)  # every process sees it wait
@@ -136,6 +151,8 @@ class DistributedCall:
             self.error = exc
             if self.claim is not None:
                 self.claim.release()
+            if self._run_dir is not None:  # it never ran: the room kept for errors goes back
+                RunDir(self._run_dir).release_reserves()
             self._end()
             raise
         if self.listeners is None:
@@ -156,11 +173,11 @@ class DistributedCall:
         threading.Thread(target=context.run, args=(self._run,), name=name, daemon=True).start()
         return self
 
-    def run_here(self, claim: ledger.Claim | None = None, run_dir: Any = None) -> JobResult:
-        """Run a foreground call on this thread (the handle is in the table, finished when this returns); its
-        JobResult. A refused call raises, as `sessions.run` does."""
+    def run_here(self, run_dir: Any = None, on_wait: Any = None) -> JobResult:
+        """Run a foreground call on this thread (the handle is in the table, finished when this returns), through
+        its owner's `run`; its JobResult. A refused call raises."""
         self.background = False
-        call_table().add(self)
+        self.table.add(self)
         if self.listeners is None:
             from .runner import default_listeners
 
@@ -168,7 +185,7 @@ class DistributedCall:
         self.listeners.insert(0, self.watch)
         self.status = RUNNING
         try:
-            result = self.result_ = sessions.run(self.spec, self.listeners, claim, run_dir, call=self)
+            result = self.result_ = self.owner.run(self, run_dir=run_dir, on_wait=on_wait)
             self.error = result.error
             return result
         except BaseException as exc:
@@ -206,7 +223,7 @@ class DistributedCall:
         try:
             self.claim.wait(cancelled=lambda: self._cancel_asked)
             self.waiting_for, self.status = "", RUNNING
-            self.result_ = sessions.run(self.spec, self.listeners, self.claim, RunDir(self.run_dir), call=self)
+            self.result_ = self.owner.run(self, self.claim, RunDir(self.run_dir))
             self.error = self.result_.error
         except BaseException as exc:  # noqa: BLE001 - kept for .result(), raised there
             self.error = exc
@@ -224,7 +241,8 @@ class DistributedCall:
             self._write_record()
         self._done.set()
         self._has_run_dir.set()  # whoever waits for the run directory learns there will be none
-        call_table().ended(self)
+        if self.owner is not None:
+            self.owner.table.ended(self)
 
     def _ended_as(self) -> str:
         if self.result_ is not None and self.result_.status == JobStatus.FINISHED and self.error is None:
@@ -344,28 +362,18 @@ class DistributedCall:
         return call
 
 
-def spawn(spec: JobSpec, wait: bool = True) -> DistributedCall:
-    """Start `spec` in the background; the handle, at once."""
-    return DistributedCall(spec).start(wait=wait)
-
-
-def run(spec: JobSpec, listeners: list[Listener] | None = None, claim: Any = None, run_dir: Any = None) -> JobResult:
-    """Run `spec` in the foreground, on this thread, with its handle in the table of calls; its JobResult."""
-    return DistributedCall(spec, listeners).run_here(claim, run_dir)
-
-
-def find(ident: str | int | None) -> DistributedCall:
-    """The call `ident` names in this process's table (its number, id or a unique start of it; None: the latest
-    background call); ConfigurationError listing the known calls otherwise."""
+def find(table: CallTable, ident: str | int | None) -> DistributedCall:
+    """The call `ident` names in `table` (its number, id or a unique start of it; None: the latest background
+    call); ConfigurationError listing the known calls otherwise."""
     if ident is None:
-        spawned = [call for call in calls() if call.background]
+        spawned = [call for call in calls(table) if call.background]
         if spawned:
             return spawned[-1]
-    found = call_table().find(ident)
+    found = table.find(ident)
     assert isinstance(found, DistributedCall)
     return found
 
 
-def calls() -> list[DistributedCall]:
-    """This process's calls, foreground and background, oldest first."""
-    return [call for call in call_table().all() if isinstance(call, DistributedCall)]
+def calls(table: CallTable) -> list[DistributedCall]:
+    """The calls of `table`, foreground and background, oldest first."""
+    return [call for call in table.all() if isinstance(call, DistributedCall)]

@@ -80,6 +80,12 @@ class Leases:
         except OSError:
             os.close(fd)
             return None
+        self._write_holder(kind, unit, label)
+        return Lease(kind, unit, fd)
+
+    def _write_holder(self, kind: str, unit: str, label: str) -> None:
+        """The holder file of `unit`: this process (pid, kind) and what holds the unit in it (a call, by its id, or
+        a kept world and the call that made it)."""
         info = {"pid": os.getpid(), "role": ROLE["name"], "label": label}
         holder = self._holder_path(kind, unit)
         with contextlib.suppress(OSError):
@@ -88,7 +94,11 @@ class Leases:
             with os.fdopen(out, "w") as f:
                 f.write(json.dumps(info))
             tmp.replace(holder)
-        return Lease(kind, unit, fd)
+
+    def relabel(self, leases: list[Lease], label: str) -> None:
+        """These units, still locked by this process, are held by `label` from now on."""
+        for lease in leases:
+            self._write_holder(lease.kind, lease.unit, label)
 
     def lease_all(self, kind: str, units: list[str], want: int, label: str) -> list[Lease] | None:
         """`want` of `units` locked for this process, or None (and nothing kept) if fewer are free."""

@@ -20,11 +20,9 @@ then hand the call's spec its GPUs (`CUDA_VISIBLE_DEVICES`). Not for: starting o
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from ..envvars import CPU_SLOTS
@@ -47,23 +45,24 @@ class Hold:
     label: str
 
 
-@dataclass(frozen=True)
-class Kept:
-    """The holder of the GPUs a session keeps from its first call until it ends (`release_session`)."""
-
-    session: str
-
-
-#: Who holds units: a call (its key, such as "call 3"), or a session keeping them between its calls (`Kept`).
+#: Who holds units: a call (its key, such as "call 20261206-...-train-x1y2"), or a kept world (the keeper's `World`
+#: object), which holds the units of the call that made it for as long as its ranks live.
 Holder = Hashable
 
 
 class Ledger:
-    """GPUs and CPU slots of one node, and who holds them; thread-safe."""
+    """GPUs and CPU slots of one node, and who holds them; thread-safe.
+
+    A holder may *borrow* units another holder of this process has (`take(..., borrow=pick)`): a call running in a
+    kept world, or beside an idle one, as the owner allows. Borrowed units take no second lease; they go back to
+    their lender when the borrower gives back, and to the borrower when the lender gives back first.
+    """
 
     def __init__(self, gpus: list[str], cpu_slots: int, leases: Leases | None = None) -> None:
         self.units = {GPU: list(gpus), CPU: [str(i) for i in range(max(1, cpu_slots))]}
         self._held: dict[Holder, Hold] = {}
+        #: borrower -> lender -> the units borrowed from it.
+        self._borrowed: dict[Holder, dict[Holder, tuple[str, ...]]] = {}
         #: Machine-wide: the lock files of this user's processes (None: this process alone, as in unit tests).
         self.leases = leases
         self._leased: dict[Holder, list[Lease]] = {}
@@ -93,13 +92,34 @@ class Ledger:
                 f"{self.total(GPU)} (num_accelerators= or --gpus)."
             )
 
+    def _lendable(self, kind: str, holder: Holder, borrow: Callable[[Holder], int] | None) -> dict[Holder, list[str]]:
+        """lender -> its units that `holder` may borrow (units no one borrows already), the most wanted first."""
+        if borrow is None:
+            return {}
+        lent = {u for loans in self._borrowed.values() for units in loans.values() for u in units}
+        found = {}
+        for other, hold in self._held.items():
+            if other != holder and other not in self._borrowed and hold.kind == kind and borrow(other):
+                units = [u for u in hold.units if u not in lent]
+                if units:
+                    found[other] = units
+        return dict(sorted(found.items(), key=lambda item: -int(borrow(item[0]))))
+
     def take(
-        self, holder: Holder, n: int, kind: str, label: str = "", *, queued: bool = False
+        self,
+        holder: Holder,
+        n: int,
+        kind: str,
+        label: str = "",
+        *,
+        queued: bool = False,
+        borrow: Callable[[Holder], int] | None = None,
     ) -> tuple[str, ...] | None:
         """`n` units for `holder` if free now (the ones it holds already, if it holds some), else None.
 
-        A CPU call asking for more slots than exist gets every slot once all are free. With `queued`, the holder
-        is in the waiting line and gets its units only when no one ahead of it could take theirs.
+        Units of the holders `borrow` picks come first (a call in a kept world runs on that world's GPUs), then
+        free ones. A CPU call asking for more slots than exist gets every slot once all are free. With `queued`,
+        the holder is in the waiting line and gets its units only when no one ahead of it could take theirs.
         """
         self.check(n, kind)
         with self._changed:
@@ -109,18 +129,31 @@ class Ledger:
                 return None  # others wait already: first come, first served
             if queued and self._queue and self._queue[0] != holder:
                 return None
+            lendable = self._lendable(kind, holder, borrow)
             free = self._free(kind)
             want = min(n, self.total(kind)) if kind == CPU else n
-            if len(free) < want:
+            if len(free) + sum(map(len, lendable.values())) < want:
                 return None
-            units = tuple(free[:want])
-            if self.leases is not None:
-                leased = self.leases.lease_all(kind, free, want, label or str(holder))
-                if leased is None:
-                    return None  # held by another process of this user on the machine
-                self._leased[holder] = leased
-                units = tuple(lease.unit for lease in leased)
-            self._held[holder] = Hold(kind, units, label or str(holder))
+            loans: dict[Holder, tuple[str, ...]] = {}
+            units: list[str] = []
+            for lender, lent_units in lendable.items():
+                part = tuple(lent_units[: want - len(units)])
+                if part:
+                    loans[lender] = part
+                    units += part
+            need = want - len(units)
+            if need:
+                own = free[:need]
+                if self.leases is not None:
+                    leased = self.leases.lease_all(kind, free, need, label or str(holder))
+                    if leased is None:
+                        return None  # held by another process of this user on the machine
+                    self._leased[holder] = leased
+                    own = [lease.unit for lease in leased]
+                units += own
+            if loans:
+                self._borrowed[holder] = loans
+            self._held[holder] = Hold(kind, tuple(units), label or str(holder))
             if holder in self._queue:
                 self._queue.remove(holder)
             self._changed.notify_all()
@@ -133,6 +166,7 @@ class Ledger:
         kind: str,
         label: str = "",
         cancelled: Callable[[], bool] = lambda: False,
+        borrow: Callable[[Holder], int] | None = None,
     ) -> tuple[str, ...]:
         """Wait in line until `n` units are free and take them; JobCancelledError if `cancelled()` turns True."""
         with self._changed:
@@ -140,7 +174,7 @@ class Ledger:
                 self._queue.append(holder)
         try:
             while True:
-                units = self.take(holder, n, kind, label, queued=True)
+                units = self.take(holder, n, kind, label, queued=True, borrow=borrow)
                 if units is not None:
                     return units
                 if cancelled():
@@ -153,13 +187,50 @@ class Ledger:
                     self._queue.remove(holder)
                 self._changed.notify_all()
 
-    def give_back(self, holder: Holder) -> None:
-        """`holder`'s units are free again (nothing if it holds none)."""
+    def hand_over(self, holder: Holder, to: Holder, label: str) -> bool:
+        """`holder`'s own units (not those it borrowed) are `to`'s from now on, their leases relabelled, with no
+        moment free between (a call's units kept by the world it leaves); False if it owns none."""
         with self._changed:
-            self._held.pop(holder, None)
-            if self.leases is not None:
-                self.leases.release(self._leased.pop(holder, []))
+            hold = self._held.get(holder)
+            if hold is None or to in self._held:
+                return False
+            loans = self._borrowed.get(holder, {})
+            lent = {u for units in loans.values() for u in units}
+            own = tuple(u for u in hold.units if u not in lent)
+            if not own:
+                return False
+            self._held[holder] = Hold(hold.kind, tuple(u for u in hold.units if u in lent), hold.label)
+            self._held[to] = Hold(hold.kind, own, label)
+            leases = self._leased.pop(holder, [])
+            if leases:
+                self._leased[to] = leases
+                if self.leases is not None:
+                    self.leases.relabel(leases, label)
             self._changed.notify_all()
+            return True
+
+    def give_back(self, holder: Holder) -> None:
+        """`holder`'s units are free again (nothing if it holds none); what it borrowed goes back to its lender,
+        and what others borrow from it is theirs now."""
+        with self._changed:
+            hold = self._held.pop(holder, None)
+            self._borrowed.pop(holder, None)
+            leases = self._leased.pop(holder, [])
+            for borrower, loans in list(self._borrowed.items()):
+                units = loans.pop(holder, ())
+                if not units:
+                    continue
+                if not loans:
+                    del self._borrowed[borrower]
+                moved = [lease for lease in leases if lease.unit in units]
+                leases = [lease for lease in leases if lease.unit not in units]
+                self._leased.setdefault(borrower, []).extend(moved)
+                if moved and self.leases is not None:
+                    self.leases.relabel(moved, self._held[borrower].label)
+            if self.leases is not None:
+                self.leases.release(leases)
+            if hold is not None:
+                self._changed.notify_all()
 
     def elsewhere(self, kind: str) -> dict[str, str]:
         """Units free in this process that another process holds: unit -> who ("call 2 (train) (cli pid 7)")."""
@@ -206,83 +277,12 @@ def cpu_slots() -> int:
     return value
 
 
-_node: Ledger | None = None
-_node_lock = threading.Lock()
+def machine_ledger() -> Ledger:
+    """A ledger of this node's GPUs and $AIR_MAGIC_CPU_SLOTS, its units leased machine-wide (the owner makes one)."""
+    from .leases import lease_dir
 
-
-def node() -> Ledger:
-    """The one ledger of this process (made at first use from the node's GPUs and $AIR_MAGIC_CPU_SLOTS), its units
-    leased machine-wide."""
-    global _node
-    with _node_lock:
-        if _node is None:
-            from .leases import lease_dir
-
-            _node = Ledger(_visible_gpus(), cpu_slots(), Leases(lease_dir()))
-        return _node
+    return Ledger(_visible_gpus(), cpu_slots(), Leases(lease_dir()))
 
 
 def kind_of(spec: JobSpec) -> str:
     return GPU if spec.uses_gpu else CPU
-
-
-class Claim:
-    """One call's use of the ledger: try now, or wait in line; then run with its units; then give them back.
-
-    A call on several nodes (Ray) places its ranks there, not here: it claims nothing.
-    """
-
-    def __init__(self, spec: JobSpec, holder: str, label: str) -> None:
-        self.spec = spec
-        self.holder: Holder = Kept(spec.session) if spec.session is not None and spec.uses_gpu else holder
-        self.label = label if spec.session is None else f"session {spec.session!r} ({label})"
-        self.applies = spec.num_nodes == 1
-        self.units: tuple[str, ...] | None = None
-        self.kept = False
-        if self.applies:
-            node().check(spec.world_size, kind_of(spec))
-
-    def try_now(self) -> bool:
-        if not self.applies:
-            return True
-        self.units = node().take(self.holder, self.spec.world_size, kind_of(self.spec), self.label)
-        return self.units is not None
-
-    def why_waiting(self) -> str:
-        return node().why_waiting(self.spec.world_size, kind_of(self.spec))
-
-    def wait(self, cancelled: Callable[[], bool] = lambda: False) -> None:
-        if self.applies and self.units is None:
-            self.units = node().wait_take(self.holder, self.spec.world_size, kind_of(self.spec), self.label, cancelled)
-
-    def keep(self) -> None:
-        """A session's GPUs stay held after the call, until the session ends (`release_session`)."""
-        self.kept = isinstance(self.holder, Kept)
-
-    def release(self) -> None:
-        if self.applies and not self.kept:
-            node().give_back(self.holder)
-
-    def apply(self, spec: JobSpec) -> JobSpec:
-        """`spec` with its GPUs as CUDA_VISIBLE_DEVICES (a CPU call is unchanged)."""
-        if not self.applies or not spec.uses_gpu or not self.units or "CUDA_VISIBLE_DEVICES" in spec.extra_env:
-            return spec
-        return dataclasses.replace(spec, extra_env={**spec.extra_env, "CUDA_VISIBLE_DEVICES": ",".join(self.units)})
-
-    @contextmanager
-    def held(self, spec: JobSpec, on_wait: Callable[[str], None] | None = None) -> Iterator[JobSpec]:
-        """Hold the call's units while the block runs (waiting for them first, if need be), giving them back after."""
-        if self.units is None and not self.try_now():
-            if on_wait is not None:
-                on_wait(self.why_waiting())
-            self.wait()
-        try:
-            yield self.apply(spec)
-        finally:
-            self.release()
-
-
-def release_session(name: str) -> None:
-    """Session `name` ended: the GPUs it kept are free again."""
-    if _node is not None:
-        _node.give_back(Kept(name))

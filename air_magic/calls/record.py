@@ -107,6 +107,11 @@ def begin(path: Path, spec: JobSpec, status: str, **more: Any) -> None:
     )
 
 
+def say_waiting(path: Path, why: str) -> None:
+    """The live record says what the call waits for (GPUs or CPU slots held by others)."""
+    _save(path, {"waiting_for": why})
+
+
 def status_of(result: JobResult | None, error: BaseException | None) -> str:
     if result is not None and result.status == JobStatus.FINISHED and error is None:
         return FINISHED

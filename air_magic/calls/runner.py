@@ -10,7 +10,7 @@ belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
 
 A call's parts are put together in setup.py: `run` takes the launcher
-that `launch.launcher_for` picks (unless given one) and the listeners of
+that the owner picks (`Launchers.for_nodes`) and the listeners of
 `default_listeners` (the resource sampler, MLflow tracking, the display).
 When and how a call's ranks are stopped (a failure, the timeout, Cancel, a
 Stop, the flight recorder read first) is stops.py, the runner's base.
@@ -37,7 +37,6 @@ from typing import Any
 from .. import payload
 from ..errors import AirMagicError, ListenerWarning, RankHungError, RunDirectoryFullError, annotate
 from ..job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState, StopReason
-from ..launch import launcher_for, used
 from ..launch import protocol as p
 from ..launch.come_back import LONGEST_COME_BACK
 from ..launch.files import flight_recorder
@@ -364,19 +363,15 @@ class _Run(CallStops):
 
 def run(
     spec: JobSpec,
-    listeners: list[Listener] | None = None,
-    launcher: Launcher | None = None,
+    listeners: list[Listener] | None,
+    launcher: Launcher,
     run_dir: RunDir | None = None,
 ) -> JobResult:
-    """Run `spec` on its ranks and return every rank's outcome; a failed call's exception is in `.error`.
+    """Run `spec` on its ranks through `launcher` and return every rank's outcome; a failed call's exception is in
+    `.error`. The owner (air_magic/owner/) is the one caller: it picks the launcher and holds the call's units.
 
-    Without a `launcher`: this node's local launcher, or the Ray launcher when the spec spans several nodes.
-    `run_dir`: a run directory made already (RunDir.create), for a call whose id was given out before it started
-    (a detached call's, detached.py); else one is made here.
+    `run_dir`: a run directory made already (RunDir.create), whose name is the call's id; else one is made here.
     """
-    if launcher is None:
-        launcher = launcher_for(spec.num_nodes)
     check_supported(spec, launcher)
-    used(launcher)
     chosen = default_listeners(spec) if listeners is None else listeners
     return _Run(spec, chosen, launcher, run_dir).execute()

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
-from .. import launch
-from .sessions import live
+from .sessions import Sessions
 
 
-def table() -> str:
+def table(sessions_of: Sessions, launchers: Any) -> str:
     """Every live session: ranks, pids, node, device, memory in use, idle time left, and the names each holds; then
     what else a launcher keeps between calls (Ray's hot ranks and spare actors: what they hold, for how long)."""
     import psutil
 
-    sessions = live()
-    kept = [line for launcher in launch.used_launchers() for line in launcher.held()]  # hot ranks, spares
+    sessions = sessions_of.live()
+    kept = [line for launcher in launchers.all_used() for line in launcher.held()]  # hot ranks, spares
     if not sessions:
         return "\n".join(["No session is alive. Start one with a `%%distributed --session [NAME]` cell.", *kept])
     host = socket.gethostname()

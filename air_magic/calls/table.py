@@ -1,6 +1,7 @@
 """The table of this process's calls: every call it makes, foreground or background, with its id and its handle.
 
-One table per process that makes calls: a kernel, a command-line run, a detached call's owner. It imports no
+One table per process that makes calls (its owner's, air_magic/owner/): a kernel, a command-line run, a detached
+call's owner. It imports no
 IPython and starts nothing. A call is added when it is made (`add`) and said ended when it ends (`ended`); it is
 found one way, `find`, by
 
@@ -23,7 +24,7 @@ from typing import Protocol
 
 from ..errors import ConfigurationError
 
-__all__ = ["Call", "CallTable", "UnknownCall", "table"]
+__all__ = ["Call", "CallTable", "UnknownCall"]
 
 
 class Call(Protocol):
@@ -147,10 +148,3 @@ SESSION_BUSY = (
     "it), or cancel it, then run this call again."
 )
 _KNOWN_NONE = "none yet (start one with fn.spawn(...) or %%distributed --background)"
-
-_table = CallTable()
-
-
-def table() -> CallTable:
-    """The table of this process's calls."""
-    return _table

@@ -32,7 +32,7 @@ CANCEL_WAIT = 20.0
 
 # -- commands ---------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..calls import detached, leases
+    from ..owner import DETACHED, owner
     from .jobfile import load
 
     job = load(args.file, args.override)
@@ -41,8 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_json(described) if args.json else print("\n".join(f"{k}: {v}" for k, v in described.items()))
         return 0
     spec = job.spec()
-    leases.set_role("cli")
-    path = detached.start(spec, role="cli", experiment_name=job.experiment_name, cwd=str(job.root))
+    path = owner("cli").submit(spec, DETACHED, role="cli", experiment_name=job.experiment_name, cwd=str(job.root))
     record = call_record.load(path) or {}
     if args.json and not args.watch:
         print_json(summary(record))

@@ -8,8 +8,9 @@ A kept world is the ranks of a call that stay alive after it, in one of three ki
 - spare (Ray): started ahead of the next cold call of a shape, never ran user code; only a call that
   places takes it (`take_spare`).
 
-One keeper per process that makes calls (`kept()`: the notebook's kernel, a command-line process, a detached
-call's owner), shared by both launchers, as torch elastic's agent holds the policy its local agent carries out.
+One keeper per process that makes calls (the owner's, air_magic/owner/: the notebook's kernel, a command-line
+process, a detached call's owner), handed to both launchers, as torch elastic's agent holds the policy its local
+agent carries out.
 Each launcher's `World` subclass carries an end out (`World.end`: the local helper's pool, launch/local/worlds.py,
 ended by an `EndPool` request; Ray's actors and placement group, launch/ray/hot.py); the helper only runs and
 reports. The rules:
@@ -25,11 +26,15 @@ reports. The rules:
 
 What else the calling side knows of a session's world (its ranks' pids, hosts, the names they hold) rides on the
 world itself (`World.record`, calls/sessions.py), so a session lives exactly as long as its kept world. The GPUs or
-CPU slots a session's world holds are counted by the machine-wide ledger (calls/ledger.py) through the claim of the
-call that made it, which is kept while the world is.
+CPU slots a kept world holds are counted by the owner's machine-wide ledger: the call that made it hands its units to
+the world (`World.call_id` names that call), and the keeper tells the owner (`on_end`) the moment it lets a world go,
+so its units are free again at once.
 
 Thread-safe: worlds are kept by the notebook's threads, the helper's event reader and timers. This module imports
 nothing of either launcher.
+
+Over 300 lines because every rule of a kept world (take, leave, end, hand its units to its owner) is written once,
+here, for both launchers.
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ class World:
     spare: bool = False
     #: The call that runs in it now, or "" while it waits.
     call: str = ""
+    #: The id of the last call that ran in it (its run directory's name): the owner hands that call's GPUs or CPU
+    #: slots to the world when the call leaves it kept.
+    call_id: str = ""
+    #: When it ended (wall clock), once it has.
+    ended_at: float | None = None
     idle_since: float | None = None
     #: Counts the calls taken: a timer armed for an idle world ends it only if no call took it since.
     generation: int = 0
@@ -106,8 +116,15 @@ W = TypeVar("W", bound=World)
 class Keeper:
     """The kept worlds of this process, both launchers', and the rules above."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, timers: bool = True) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        timers: bool = True,
+        on_end: Callable[[World], None] | None = None,
+    ) -> None:
         self._worlds: list[World] = []
+        #: Told of each world the moment the keeper lets go of it (the owner gives its units back then).
+        self._on_end = on_end
         self._lock = threading.RLock()
         self._clock = clock
         #: Arm a timer per idle world (off: only `expire` ends idle worlds, as unit tests drive it).
@@ -116,7 +133,15 @@ class Keeper:
         self._session_ends: list[tuple[World, str]] = []
 
     # -- who may take a world ------------------------------------------------
-    def take(self, key: str, shape: str, call: str, session: str | None = None, kind: type[W] = World) -> W | None:  # type: ignore[assignment]
+    def take(
+        self,
+        key: str,
+        shape: str,
+        call: str,
+        session: str | None = None,
+        kind: type[W] = World,  # type: ignore[assignment]
+        call_id: str = "",
+    ) -> W | None:
         """The world of `kind` this call runs in, now busy with it; None if it must start its own ranks.
 
         A session's world that runs a call or holds another shape is a `SessionBusy`.
@@ -142,6 +167,7 @@ class Keeper:
                 )
             if world is not None:
                 world.call, world.idle_since = call, None
+                world.call_id = call_id or world.call_id
                 world.generation += 1
                 _cancel(world)
             return world
@@ -153,6 +179,7 @@ class Keeper:
             if spare is not None:
                 self._worlds.remove(spare)
                 _cancel(spare)
+                self._ended(spare)
             return spare
 
     # -- what a call leaves -----------------------------------------------------
@@ -185,6 +212,13 @@ class Keeper:
         rank that raised came back `usable`."""
         return world is not None and (clean or (world.session is not None and usable))
 
+    def left_by(self, call_id: str, hand: Callable[[World], bool]) -> bool:
+        """`hand(world)` for each world kept now whose last call was `call_id`, under the lock (so a world is
+        never handed what it cannot give back: its end waits); whether one took it."""
+        with self._lock:
+            taken = [hand(w) for w in self._worlds if call_id and w.call_id == call_id]
+            return any(taken)
+
     # -- what ends a world ------------------------------------------------------
     def release(self, world: World, why: str, say: bool = True) -> bool:
         """End `world` now (its call, if any, ends as stopped); False if it was not kept."""
@@ -197,9 +231,11 @@ class Keeper:
                 return False
             self._worlds.remove(world)
             _cancel(world)
+            world.ended_at = time.time()
             busy = world.busy
             if say and world.session is not None and not busy:
                 self._session_ends.append((world, why))
+            self._ended(world)
         if say and world.session is not None and busy:
             world.said(why)
         world.end(why)
@@ -210,7 +246,14 @@ class Keeper:
         with self._lock:
             if world in self._worlds:
                 self._worlds.remove(world)
+                world.ended_at = time.time()
+                self._ended(world)
             _cancel(world)
+
+    def _ended(self, world: World) -> None:
+        """Under the lock: the keeper no longer holds `world`; its owner is told at once (its units go back)."""
+        if self._on_end is not None:
+            self._on_end(world)
 
     def release_where(self, pick: Callable[[World], bool], why: str, say: bool = True) -> list[World]:
         """End every kept world `pick` chooses; the ones ended."""
@@ -275,11 +318,3 @@ def _cancel(world: World) -> None:
     if world.timer is not None:
         world.timer.cancel()
         world.timer = None
-
-
-_kept = Keeper()
-
-
-def kept() -> Keeper:
-    """The one keeper of this process: every kept world of every launcher."""
-    return _kept

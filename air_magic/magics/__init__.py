@@ -12,7 +12,8 @@ from typing import Any
 
 from IPython.core.magic import Magics
 
-from .. import launch, notebook_code
+from .. import notebook_code
+from ..owner import owner
 from .calls import CallMagics
 from .debug import DebugMagics
 from .execution import DistributedMagics
@@ -48,4 +49,4 @@ def unload_ipython_extension(ipython: Any) -> None:
                     del table[name]
         if magics in configurables:
             configurables.remove(magics)
-    launch.shutdown()
+    owner().shutdown()

@@ -9,6 +9,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..errors import AirMagicError, ConfigurationError
+from ..owner import owner
 from . import options
 
 
@@ -36,7 +37,7 @@ class CallMagics(Magics):
             return
         from ..display.calls import table
 
-        print(table(calls()))
+        print(table(calls(owner().table)))
 
     @magic_arguments()
     @options.call_id("The call's id (%%distributed_calls --all; a unique start of it is enough).", required=True)
@@ -47,7 +48,7 @@ class CallMagics(Magics):
 
             h = %distributed_attach 20260105-101500-train
         """
-        from ..calls.attached import attach
+        from ..owner import attach
 
         args = parse_argstring(self.distributed_attach, line)
         try:
@@ -65,7 +66,7 @@ class CallMagics(Magics):
 
         args = parse_argstring(self.distributed_show, line)
         try:
-            call = find(args.id)
+            call = find(owner().table, args.id)
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None
         call.show()
@@ -90,12 +91,12 @@ class CallMagics(Magics):
         from ..calls.handle import calls, find
 
         args = parse_argstring(self.distributed_stop, line)
-        known = calls()
+        known = calls(owner().table)
         running = [call for call in known if not call.done()]
         if args.id is None and not known:
             raise UsageError("no call is running in this kernel, so there is nothing to stop.")
         try:
-            call = running[-1] if args.id is None and running else find(args.id)
+            call = running[-1] if args.id is None and running else find(owner().table, args.id)
             if call.done():
                 raise UsageError(f"call {call.short} has ended ({call.status}): there is nothing to stop.")
             run_dir = call.run_dir

@@ -9,6 +9,7 @@ from IPython.core.magic_arguments import magic_arguments, parse_argstring
 
 from ..calls import sessions
 from ..errors import ConfigurationError
+from ..owner import owner
 from . import options
 
 
@@ -42,16 +43,16 @@ class DebugMagics(Magics):
         args = parse_argstring(self.distributed_debug, line)
         try:
             if args.id is not None:  # a call's number (%distributed_calls), id, or run directory
-                debugging.attach(debugging.find_waiting(args.id), args.rank)
+                debugging.attach(debugging.find_waiting(owner().table, args.id), args.rank)
                 return
             if args.session is None:
                 try:
-                    waiting = debugging.find_waiting()
+                    waiting = debugging.find_waiting(owner().table)
                 except ConfigurationError:
                     waiting = None
                 if waiting is not None:
                     debugging.attach(waiting, args.rank)
                     return
-            sessions.post_mortem(args.session or sessions.DEFAULT_SESSION, args.rank)
+            owner().sessions.post_mortem(args.session or sessions.DEFAULT_SESSION, args.rank)
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None

@@ -17,11 +17,11 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Integer, TraitError, Unicode, validate
 
-from ..calls import sessions
 from ..cell import CellProgram, ends_with_semicolon
 from ..decorator import DEFAULT_TIMEOUT, Settings, check_keep_alive, check_max_restarts, check_timeout
 from ..errors import ConfigurationError
 from ..job import ON_HANG, JobResult
+from ..owner import BACKGROUND, owner
 from . import options
 from .options import DEFAULT, given
 
@@ -271,24 +271,22 @@ class DistributedMagics(Magics):
                     "in the notebook, not on the workers."
                 )
             raise
-        for held in sessions.held_names(settings.session):  # the session's own objects win: never sent again
+        for held in owner().sessions.held_names(settings.session):  # the session's own objects win: never sent again
             program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
         if args.detach:
             from ..calls.attached import spawn_detached
 
-            detached = spawn_detached(settings.spec(program, (), {}, name, origin="cell"))
+            detached = spawn_detached(settings.spec(program, (), {}, name, origin="cell"), owner())
             if args.out:
                 shell.user_ns[args.out] = detached
             return None if args.out or ends_with_semicolon(cell) else detached
-        from ..calls.handle import run, spawn
-
         if args.background:
-            handle = spawn(settings.spec(program, (), {}, name, origin="cell"))
+            handle = owner().submit(settings.spec(program, (), {}, name, origin="cell"), BACKGROUND)
             if args.out:
                 shell.user_ns[args.out] = handle
             return None if args.out or ends_with_semicolon(cell) else handle
-        result = run(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
+        result = owner().submit(settings.spec(program, (), {}, name, origin="cell")).raise_for_status()
         self.last_result = result
         values = result.values
         if args.out:

@@ -1,6 +1,6 @@
 """The magics of kept ranks: %distributed_session lists, ends or resets sessions, %distributed_push and
 %distributed_pull move values in and out of one, %distributed_release ends every hot rank. The logic is
-air_magic/calls/sessions.py's and the launchers'."""
+the owner's (air_magic/owner/: its sessions and launchers)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .. import launch
-from ..calls import session_table, sessions
+from ..calls import session_table
+from ..owner import owner
 from . import options
 
 
@@ -22,8 +22,8 @@ class SessionMagics(Magics):
     @line_magic
     def distributed_release(self, line: str = "") -> None:
         """End every hot rank of this kernel now (see --keep-alive), sessions included; their GPU memory is freed."""
-        launch.release_hot()
-        for said in sessions.released():
+        owner().launchers.release_hot()
+        for said in owner().sessions.released():
             print(said)
 
     @magic_arguments()
@@ -43,7 +43,7 @@ class SessionMagics(Magics):
         missing = [name for name in args.names if name not in shell.user_ns]
         if missing:
             raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first.")
-        sessions.push(args.session, {name: shell.user_ns[name] for name in args.names}, args.ranks)
+        owner().sessions.push(args.session, {name: shell.user_ns[name] for name in args.names}, args.ranks)
 
     @magic_arguments()
     @options.session("The session to read from. Default: 'default'.")
@@ -57,7 +57,7 @@ class SessionMagics(Magics):
         model_state = %distributed_pull --rank 0 state
         """
         args = parse_argstring(self.distributed_pull, line)
-        return sessions.pull(args.session, args.name, args.rank)
+        return owner().sessions.pull(args.session, args.name, args.rank)
 
     @magic_arguments()
     @options.session_flag("--end", "End session NAME's ranks (default: 'default'); what they hold is lost.")
@@ -68,9 +68,9 @@ class SessionMagics(Magics):
         actors (hot ranks, spares: what they hold, how long), or end or reset a session."""
         args = parse_argstring(self.distributed_session, line)
         if args.end is not None:
-            print(sessions.end(args.end))
+            print(owner().sessions.end(args.end))
         elif args.reset is not None:
-            sessions.reset(args.reset)
+            owner().sessions.reset(args.reset)
             print(f"session {args.reset!r}: every rank's namespace is empty; its processes stay.")
         else:
-            print(session_table.table())
+            print(session_table.table(owner().sessions, owner().launchers))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _lock = threading.Lock()
@@ -33,13 +34,14 @@ _thread: threading.Thread | None = None
 _imported = threading.Event()  # set once mlflow's import is over (done or failed)
 
 
-def start() -> None:
-    """Start the preparation in this process, once; returns at once."""
+def start(prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None:
+    """Start the preparation in this process, once; returns at once. `prepare_hooks` asks the launchers this process
+    uses to prepare hook modules (its owner's `Launchers.prepare_hooks`)."""
     global _thread
     with _lock:
         if _thread is not None:
             return
-        _thread = threading.Thread(target=_prepare, name="air_magic-mlflow-prepare", daemon=True)
+        _thread = threading.Thread(target=_prepare, args=(prepare_hooks,), name="air_magic-mlflow-prepare", daemon=True)
         _thread.start()
 
 
@@ -61,8 +63,7 @@ def wait() -> None:
         thread.join()
 
 
-def _prepare() -> None:
-    from ..launch import prepare_hooks
+def _prepare(prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None:
     from .store import HOOK
 
     try:
@@ -76,15 +77,14 @@ def _prepare() -> None:
     finally:
         _imported.set()
     try:
-        _set_up_store(mlflow)
+        _set_up_store(mlflow, prepare_hooks)
     finally:
         # The collection the first call would run otherwise: what MLflow's import and the store's set-up left.
         gc.collect()
 
 
-def _set_up_store(mlflow: Any) -> None:
+def _set_up_store(mlflow: Any, prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None:
     """Build the tracking store MLflow would use now (a local one only), then have the helper load its code."""
-    from ..launch import prepare_hooks
     from .store import HOOK, absolute_uri, default_experiment_name, quiet_mlflow_logs
 
     try:

@@ -123,8 +123,8 @@ def test_the_walls_of_the_layout_see_real_imports():
     assert "air_magic.launch.local.worlds imports air_magic.launch.keeper" in _crossings(
         ("launch.local",), ("launch.keeper",)
     )
-    assert "air_magic.calls.runner imports air_magic.launch" in _crossings(("calls",), ("launch",))
-    assert "air_magic.magics.execution imports air_magic.calls.handle" in _crossings(("magics",), ("calls",))
+    assert "air_magic.calls.runner imports air_magic.launch.protocol" in _crossings(("calls",), ("launch",))
+    assert "air_magic.magics.execution imports air_magic.owner" in _crossings(("magics",), ("owner",))
     assert "air_magic.calls.setup imports air_magic.display" in _crossings(("calls",), _LISTENERS)
 
 

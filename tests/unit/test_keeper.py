@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from air_magic.launch import protocol as p
-from air_magic.launch.keeper import Keeper, SessionBusy, World, kept
+from air_magic.launch.keeper import Keeper, SessionBusy, World
 from air_magic.launch.local import worlds
 from air_magic.launch.local.pool import Pool, Pools
 from air_magic.launch.local.worlds import CallWorld, LocalWorld
@@ -183,9 +183,36 @@ def test_worlds_of_one_kind_are_taken_only_by_their_launcher(kept_):
     assert keeper.session("s", LocalWorld) is None and keeper.session("s") is not None
 
 
-def test_one_keeper_per_process():
-    """kept() is the same instance at every call."""
-    assert kept() is kept()
+def test_the_keeper_tells_its_owner_of_every_end_at_once_with_the_time_it_ended():
+    """Each way a world ends (released, dropped by its call, taken as a spare, expired) is told to `on_end` before
+    the keeper's method returns, with the wall-clock time of the end on the world."""
+    told: list[World] = []
+    clock = Clock()
+    keeper = Keeper(clock, timers=False, on_end=told.append)
+    released, dropped, spare, expired = (World(f"k{i}", "2", 10.0) for i in range(4))
+    spare.spare = True
+    for world in (released, dropped, spare, expired):
+        keeper.add(world)
+    keeper.release(released, "asked")
+    keeper.drop(dropped)
+    assert keeper.take_spare("k2") is spare
+    clock.now += 11
+    assert keeper.expire() == [expired]
+    assert told == [released, dropped, spare, expired]
+    assert all(w.ended_at is not None for w in (released, dropped, expired)), "a spare is taken, not ended"
+
+
+def test_a_call_hands_its_units_only_to_a_world_still_kept():
+    """`left_by` reaches the worlds kept now whose last call was that call, not one ended meanwhile."""
+    keeper = Keeper(timers=False)
+    kept_world, ended_world = World("k", "2", 10.0, call_id="c1"), World("j", "2", 10.0, call_id="c1")
+    keeper.add(kept_world)
+    keeper.add(ended_world)
+    keeper.release(ended_world, "lost")
+    handed: list[World] = []
+    assert keeper.left_by("c1", lambda w: handed.append(w) is None) is True
+    assert handed == [kept_world]
+    assert keeper.left_by("c2", lambda w: True) is False
 
 
 def test_done_lines_are_read_across_chunks():

@@ -15,6 +15,7 @@ from air_magic.job import JobSpec
 from air_magic.launch import protocol as p
 from air_magic.launch.files.rundir import RunDir
 from air_magic.launch.interface import JobHandle, Launcher
+from air_magic.launch.keeper import Keeper
 from air_magic.launch.local import LocalLauncher
 
 
@@ -55,7 +56,7 @@ def test_a_setting_the_launcher_cannot_honour_is_refused(setting):
 
 def test_the_local_launcher_honours_warm_and_keep_alive():
     """Both settings, and warm=False or unset anywhere, pass the check."""
-    check_supported(_spec(warm=True, keep_alive=60.0), LocalLauncher())
+    check_supported(_spec(warm=True, keep_alive=60.0), LocalLauncher(Keeper()))
     check_supported(_spec(warm=False), Plain())
     check_supported(_spec(), Plain())
 
@@ -63,7 +64,7 @@ def test_the_local_launcher_honours_warm_and_keep_alive():
 def test_the_local_launcher_decides_warm(monkeypatch):
     """Unset warm follows AIR_MAGIC_WARM; an explicit one wins; hot ranks are always forked; hooks are passed on."""
     run_dir = RunDir(Path("/nonexistent"))
-    launcher = LocalLauncher()
+    launcher = LocalLauncher(Keeper())
     monkeypatch.setenv("AIR_MAGIC_WARM", "0")
     assert launcher.launch_message(_request(), run_dir).fork is False
     assert launcher.launch_message(_request(warm=True), run_dir).fork is True
@@ -74,26 +75,27 @@ def test_the_local_launcher_decides_warm(monkeypatch):
     assert launcher.launch_message(_request(hooks=("a.hook",)), run_dir).hooks == ["a.hook"]
 
 
-def test_release_and_shutdown_reach_every_used_launcher(monkeypatch):
-    """The registry notes each launcher once and passes release and shutdown to each; the base class does nothing."""
-    monkeypatch.setattr(launch, "_used", [])
+def test_release_and_shutdown_reach_every_used_launcher():
+    """The launchers of a process note each launcher once and pass release and shutdown to each; the base class
+    does nothing."""
+    launchers = launch.Launchers(Keeper())
     first, second = Plain(), Plain()
-    assert launch.used(first) is first
-    launch.used(second)
-    launch.used(first)
-    assert launch.used_launchers() == [first, second]
-    launch.release_hot()
-    launch.shutdown()
+    assert launchers.used(first) is first
+    launchers.used(second)
+    launchers.used(first)
+    assert launchers.all_used() == [first, second]
+    launchers.release_hot()
+    launchers.shutdown()
     assert (first.released, first.shut, second.released, second.shut) == (1, 1, 1, 1)
     Launcher.release_hot(first)
     Launcher.shutdown(first)
 
 
-def test_a_warm_up_request_reaches_every_used_launcher(monkeypatch):
-    """launch.prepare_hooks passes the hooks and their environment to each launcher this kernel has used."""
-    monkeypatch.setattr(launch, "_used", [])
-    first, second = launch.used(Plain()), launch.used(Plain())
-    launch.prepare_hooks(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})
+def test_a_warm_up_request_reaches_every_used_launcher():
+    """prepare_hooks passes the hooks and their environment to each launcher the process has used."""
+    launchers = launch.Launchers(Keeper())
+    first, second = launchers.used(Plain()), launchers.used(Plain())
+    launchers.prepare_hooks(["air_magic.tracking.hook"], {"MLFLOW_TRACKING_URI": "sqlite:////x/mlflow.db"})
     assert (
         first.warmed
         == second.warmed
@@ -102,9 +104,17 @@ def test_a_warm_up_request_reaches_every_used_launcher(monkeypatch):
     Launcher.prepare_hooks(first, ["h"], {})
 
 
+def test_the_launchers_of_a_process_share_its_keeper_and_are_made_once():
+    """Both launchers a process makes are handed its one keeper, and each is made once."""
+    keeper = Keeper()
+    launchers = launch.Launchers(keeper)
+    assert launchers.local is launchers.local and launchers.local.keeper is keeper
+    assert launchers.for_nodes(1) is launchers.local
+
+
 def test_the_local_launcher_starts_no_helper_to_warm_it_up():
     """Without a running helper, a warm-up request is dropped: it never starts one."""
-    launcher = LocalLauncher()
+    launcher = LocalLauncher(Keeper())
     launcher.prepare_hooks(["air_magic.tracking.hook"], {})
     assert launcher.supervisor_pid is None
 
@@ -140,7 +150,7 @@ def test_a_retired_supervisor_leaves_no_pipe_open(tmp_path):
     ResourceWarning)."""
     from air_magic.launch.local.launcher import SupervisorClient
 
-    client = SupervisorClient(tmp_path / "supervisor.log", warm=False)
+    client = SupervisorClient(tmp_path / "supervisor.log", warm=False, keeper=Keeper())
     client.retire()
     client._reader.join(30)
     assert not client._reader.is_alive()

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from air_magic.calls.ledger import CPU, GPU, Kept, Ledger
+from air_magic.calls.ledger import CPU, GPU, Ledger
 from air_magic.errors import ConfigurationError, JobCancelledError
 
 
@@ -24,8 +24,8 @@ def test_calls_at_once_get_disjoint_gpus_and_a_third_gets_none_until_one_gives_b
 def test_a_holder_that_asks_again_gets_what_it_holds():
     """A session asking again (its next call) gets the same units back, not new ones."""
     ledger = Ledger(["0", "1"], cpu_slots=1)
-    assert ledger.take(Kept("s"), 1, GPU) == ("0",)
-    assert ledger.take(Kept("s"), 1, GPU) == ("0",)
+    assert ledger.take("s", 1, GPU) == ("0",)
+    assert ledger.take("s", 1, GPU) == ("0",)
     assert ledger.free(GPU) == ["1"]
 
 
@@ -90,3 +90,41 @@ def test_a_waiting_call_that_is_cancelled_leaves_the_line():
     assert ledger._queue == []
     ledger.give_back("running")
     assert ledger.take("next", 1, CPU) == ("0",)
+
+
+def test_a_call_borrows_what_a_kept_world_holds_and_gives_it_back_to_it():
+    """A call in a kept world runs on that world's GPUs (borrowed first), and they stay the world's after."""
+    ledger = Ledger(["0", "1", "2"], cpu_slots=1)
+    ledger.take("call 1", 2, GPU)
+    world = object()
+    assert ledger.hand_over("call 1", world, "hot ranks kept by call 1")
+    ledger.give_back("call 1")
+    assert ledger.holders()[world].units == ("0", "1") and ledger.free(GPU) == ["2"]
+    assert ledger.take("call 2", 2, GPU, borrow=lambda holder: holder is world) == ("0", "1")
+    assert ledger.take("call 3", 2, GPU) is None, "borrowed units are not free to others"
+    ledger.give_back("call 2")
+    assert ledger.holders()[world].units == ("0", "1") and ledger.free(GPU) == ["2"]
+
+
+def test_a_lender_that_ends_first_leaves_its_units_with_the_borrower():
+    """A world that ends while a call runs on its units: they stay the call's until it gives them back."""
+    ledger = Ledger(["0", "1"], cpu_slots=1)
+    ledger.take("call 1", 2, GPU)
+    world = object()
+    ledger.hand_over("call 1", world, "session 's'")
+    ledger.give_back("call 1")
+    ledger.take("call 2", 2, GPU, borrow=lambda holder: holder is world)
+    ledger.give_back(world)
+    assert ledger.free(GPU) == [] and ledger.take("call 3", 1, GPU) is None
+    ledger.give_back("call 2")
+    assert ledger.free(GPU) == ["0", "1"]
+
+
+def test_units_no_one_may_borrow_are_waited_for():
+    """A world's units are not borrowed by a call its owner does not allow (another session's GPUs)."""
+    ledger = Ledger(["0"], cpu_slots=1)
+    ledger.take("call 1", 1, GPU)
+    world = object()
+    ledger.hand_over("call 1", world, "session 'a'")
+    assert ledger.take("call 2", 1, GPU, borrow=lambda holder: False) is None
+    assert "session 'a'" in ledger.why_waiting(1, GPU)

@@ -7,17 +7,10 @@ import time
 import pytest
 
 from air_magic.launch import protocol as p
+from air_magic.launch.keeper import Keeper
 from air_magic.launch.ray import hot as hot_module
 from air_magic.launch.ray.hot import HotWorld, world_key
 from air_magic.launch.ray.launcher import RayLauncher
-
-
-@pytest.fixture(autouse=True)
-def own_keeper(monkeypatch):
-    """Each test's launcher holds its worlds in a keeper of its own (the process's one is shared by every launcher)."""
-    from air_magic.launch import keeper
-
-    monkeypatch.setattr(keeper, "_kept", keeper.Keeper())
 
 
 @pytest.fixture
@@ -50,7 +43,7 @@ def world(req: p.JobRequest, actors: list[str], keep_alive: float = 30.0) -> Hot
 
 def test_the_next_call_of_the_same_world_takes_the_idle_hot_world(ended):
     """Same world key and shape: the kept world, now busy; a second call meanwhile gets none."""
-    launcher = RayLauncher()
+    launcher = RayLauncher(Keeper())
     w = world(request(), ["a0", "a1"])
     launcher.keep(w)
     assert launcher.take_hot(request()) is w and w.busy
@@ -61,7 +54,7 @@ def test_the_next_call_of_the_same_world_takes_the_idle_hot_world(ended):
 
 def test_a_call_of_another_world_or_shape_gets_no_hot_world_and_leaves_the_idle_one(ended):
     """Another world key, another node count, or no keep_alive: no hot world for it; the idle one stays."""
-    launcher = RayLauncher()
+    launcher = RayLauncher(Keeper())
     kept = world(request(), ["a0"])
     launcher.keep(kept)
     for other in (request(key="other"), request(nodes=1), request(keep_alive=None)):
@@ -73,7 +66,7 @@ def test_a_call_of_another_world_or_shape_gets_no_hot_world_and_leaves_the_idle_
 
 def test_an_idle_world_ends_after_keep_alive_but_not_while_a_call_runs_in_it(ended):
     """Idle `keep_alive` s ends it; taken before that, its timer does nothing."""
-    launcher = RayLauncher()
+    launcher = RayLauncher(Keeper())
     busy = world(request(key="busy"), ["b"], keep_alive=0.2)
     launcher.keep(busy)
     assert launcher.take_hot(request(key="busy")) is busy
@@ -90,7 +83,7 @@ def test_an_idle_world_ends_after_keep_alive_but_not_while_a_call_runs_in_it(end
 
 def test_release_ends_idle_worlds_and_shutdown_ends_every_world(ended):
     """release_hot leaves a world a call runs in; shutdown ends it too."""
-    launcher = RayLauncher()
+    launcher = RayLauncher(Keeper())
     launcher.keep(world(request(key="idle"), ["i"]))
     running = world(request(key="running"), ["r"])
     launcher.keep(running)
@@ -104,7 +97,7 @@ def test_release_ends_idle_worlds_and_shutdown_ends_every_world(ended):
 def test_a_spare_set_is_taken_by_its_shape_only_never_as_a_hot_world_and_ends_with_release(ended):
     """A spare set waits beside the hot worlds: a call of its shape takes it (once), no call takes it as a hot world,
     hot_worlds() does not list it, and release_hot ends it."""
-    launcher = RayLauncher()
+    launcher = RayLauncher(Keeper())
     spare = HotWorld("spare/2x2", ["s"], None, [], "", 0, 30.0, busy=False, spare=True)
     launcher.keep(spare)
     assert launcher.take_hot(request()) is None and launcher.hot_worlds() == []

@@ -4,26 +4,30 @@ No process: the worlds are the keeper's own records, ended by its rules."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from air_magic.calls import sessions
+from air_magic.calls.ledger import CPU, Ledger
+from air_magic.calls.sessions import Sessions
 from air_magic.job import JobResult, JobSpec, RankResult, RankState
-from air_magic.launch.keeper import RELEASED, World, kept
+from air_magic.launch.keeper import RELEASED, World
+from air_magic.owner import Owner
+
+#: The sessions of the test's owner (set by the `keeper` fixture).
+sessions: Sessions
 
 
 @pytest.fixture
 def keeper():
-    """The process's keeper, empty before and after each test."""
-    k = kept()
-    k.end_all("test over", say=False)
-    k.ended_sessions()
-    sessions._ended.clear()
-    yield k
-    k.end_all("test over", say=False)
-    k.ended_sessions()
-    sessions._ended.clear()
+    """An owner of its own (a ledger of 4 CPU slots, not leased machine-wide): its keeper, and its sessions as
+    `sessions`."""
+    global sessions
+    own = Owner(ledger=Ledger([], 4))
+    sessions = own.sessions
+    yield own.keeper
+    own.keeper.end_all("test over", say=False)
 
 
 def spec(name: str = "s", world_size: int = 2) -> JobSpec:
@@ -85,7 +89,7 @@ def test_new_ranks_under_the_same_world_end_the_old_record(keeper):
     world = session_call(keeper, call, (11, 12), session_names={1: {"x": "int"}})
     session_call(keeper, call, (31, 32), world=keeper.take("key", "2", "c2", session="s"))
     assert sessions.live()["s"].pids == {0: 31, 1: 32} and sessions.held_names("s") == set()
-    assert sessions._ended["s"].why.startswith("its ranks were gone") and sessions._ended["s"].record.held() == {"x"}
+    assert sessions.ended["s"].why.startswith("its ranks were gone") and sessions.ended["s"].record.held() == {"x"}
     assert world.record is sessions.live()["s"]
 
 
@@ -100,7 +104,7 @@ def test_a_restart_keeps_the_old_worlds_names_in_the_history_and_the_new_world_a
     keeper.done(new)
     sessions.after(call, result(call, (41, 42), session_restarted="a restart (max_restarts) ..."), found)
     assert sessions.live()["s"] is new.record and new.record.pids == {0: 41, 1: 42}
-    assert sessions._ended["s"].record.held() == {"opt"}
+    assert sessions.ended["s"].record.held() == {"opt"}
     assert capsys.readouterr().err == "", "a busy world's end is said to its call, not again"
 
 
@@ -112,7 +116,7 @@ def test_an_end_during_a_call_is_in_the_history_and_the_session_is_gone(keeper):
     keeper.release(world, "rank 1 raised an error that leaves it unusable")
     sessions.after(call, result(call, (11, 12), session_end="rank 1 raised an error that leaves it unusable"), found)
     assert sessions.live() == {}
-    assert sessions._ended["s"].record.held() == {"w"} and "unusable" in sessions._ended["s"].why
+    assert sessions.ended["s"].record.held() == {"w"} and "unusable" in sessions.ended["s"].why
 
 
 def test_a_world_that_never_finished_a_call_ends_without_a_word_and_release_says_each_session_once(keeper, capsys):
@@ -132,24 +136,39 @@ def test_a_call_asking_another_shape_under_a_live_name_is_refused_before_anythin
         sessions.before(spec(world_size=4))
 
 
-def test_the_ledger_frees_a_sessions_gpus_only_when_no_world_of_its_name_is_kept(keeper, monkeypatch):
-    """An end said after a restart (or a Ray world lost when the call came) is of the old world: the new world the
-    call kept still holds its GPUs. An end that leaves no world of the name frees them."""
-    freed: list[str] = []
-    monkeypatch.setattr(sessions.ledger, "release_session", freed.append)
+def test_a_sessions_units_are_held_by_its_world_and_freed_the_moment_it_ends(keeper):
+    """The units a session's first call took are the world's once the call leaves it kept; a restart's new world
+    keeps its own; each world's end frees its units at once, with no later look."""
+    own_ledger = sessions.owner.ledger
     call = spec()
+    assert own_ledger.take("call c1", 2, CPU, "call c1 (f)") == ("0", "1")
     old = session_call(keeper, call, (11, 12))
+    assert own_ledger.hand_over("call c1", old, "session 's'") and own_ledger.free(CPU) == ["2", "3"]
     found = sessions.before(call)
     keeper.take("key", "2", "c2", session="s")
+    assert own_ledger.take("call c2", 2, CPU, "call c2 (f)") == ("2", "3")
     keeper.release(old, "a restart")
+    assert own_ledger.free(CPU) == ["0", "1"], "the old world's units went back as it ended"
     new = World("key", "2", 60.0, session="s", call="c2")
     keeper.add(new)
     keeper.done(new)
+    assert own_ledger.hand_over("call c2", new, "session 's'")
     sessions.after(call, result(call, (41, 42), session_restarted="a restart"), found)
-    assert freed == [], "the restarted session's new world keeps its GPUs"
+    assert own_ledger.holders()[new].units == ("2", "3")
     keeper.release(new, "idle for 60 s (its keep-alive)")
+    assert own_ledger.free(CPU) == ["0", "1", "2", "3"]
+
+
+def test_an_idle_sessions_end_is_said_with_the_time_it_ended_not_the_time_it_was_seen(keeper):
+    """A session whose world ended idle says, at the next look, the clock time of its end."""
+    world = session_call(keeper, spec(), (11, 12))
+    keeper.release(world, "idle for 60 s (its keep-alive)")
+    assert world.ended_at is not None
+    world.ended_at -= 3600  # seen an hour later
     sessions.live()
-    assert freed == ["s"]
+    ended = sessions.ended["s"]
+    assert ended.at == world.ended_at
+    assert time.strftime("%H:%M:%S", time.localtime(world.ended_at)) in ended.line()
 
 
 def test_an_end_said_to_its_call_while_the_world_is_still_being_ended_is_not_said_again(keeper, capsys):
@@ -160,8 +179,8 @@ def test_an_end_said_to_its_call_while_the_world_is_still_being_ended_is_not_sai
     found = sessions.before(call)
     keeper.take("key", "2", "c2", session="s")
     sessions.after(call, result(call, (11, 12), session_end="rank 0 did not come back"), found)
-    assert sessions.live() == {} and sessions._ended["s"].record.held() == {"w"}
+    assert sessions.live() == {} and sessions.ended["s"].record.held() == {"w"}
     keeper.done(world)
     keeper.release(world, "its ranks were stopped")
     assert sessions.live() == {} and capsys.readouterr().err == ""
-    assert "did not come back" in sessions._ended["s"].why
+    assert "did not come back" in sessions.ended["s"].why

@@ -19,8 +19,6 @@ from .launcher import (
     LocalLauncher,
     LogTail,
     SupervisorClient,
-    local_launcher,
-    start_helper,
 )
 
 __all__ = [
@@ -29,6 +27,4 @@ __all__ = [
     "LocalLauncher",
     "LogTail",
     "SupervisorClient",
-    "local_launcher",
-    "start_helper",
 ]

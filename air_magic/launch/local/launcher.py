@@ -34,7 +34,7 @@ from ..boot import PACKAGE_PARENT, boot_command, warm_default
 from ..files.rank_files import LogTail, outcome
 from ..files.rundir import RunDir, helper_log, write_private
 from ..interface import ENDED_BY_USER, JobHandle, Launcher, drain
-from ..keeper import RELEASED, SessionBusy, kept
+from ..keeper import RELEASED, Keeper, SessionBusy
 from ..stopper import STOP_GRACE, close_by_eof
 from . import worlds
 from .worlds import CallWorld, LocalWorld
@@ -65,15 +65,15 @@ class LocalJob(JobHandle):
         self.tails = [LogTail(run_dir.log(r)) for r in range(request.world_size)]
         self.client = launcher.client()
         try:
-            world = worlds.take(kept(), request, self.client, self.wire.put)
+            world = worlds.take(launcher.keeper, request, self.client, self.wire.put, call_id=run_dir.path.name)
         except SessionBusy as exc:  # said as the helper would say a failed launch; nothing started
-            self.world = CallWorld(kept(), None, request.world_size)
+            self.world = CallWorld(launcher.keeper, None, request.world_size)
             self.wire.put(p.LaunchFailed(self.job_id, str(exc)))
             self.wire.put(p.JobGone(self.job_id))
             self.gone.set()
             return
         #: The kept world the call runs in, and what the call leaves of it.
-        self.world = CallWorld(kept(), world, request.world_size)
+        self.world = CallWorld(launcher.keeper, world, request.world_size)
         self.client.attach(self)
         self.client.send(launcher.launch_message(request, run_dir, world))
 
@@ -130,7 +130,7 @@ class LocalJob(JobHandle):
         if world is not None:
             world.client = None  # the old helper's end of its pool is not this world's
         self.client = self.launcher.client(replace=old)
-        worlds.moved(kept(), old, self.client, world)
+        worlds.moved(self.launcher.keeper, old, self.client, world)
         self.client.attach(self)
         self.client.send(self.launcher.launch_message(self.request, self.run_dir, world))
 
@@ -157,7 +157,8 @@ class LocalJob(JobHandle):
 class SupervisorClient:
     """One running supervisor process and the thread that reads its events."""
 
-    def __init__(self, log_path: Path, warm: bool) -> None:
+    def __init__(self, log_path: Path, warm: bool, keeper: Keeper) -> None:
+        self.keeper = keeper
         self.log_path = log_path
         self.warm = warm
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -197,7 +198,7 @@ class SupervisorClient:
             except (ValueError, TypeError):
                 continue
             if isinstance(event, p.PoolEnded):
-                worlds.pool_ended(kept(), self, event)
+                worlds.pool_ended(self.keeper, self, event)
                 continue
             with self._lock:
                 job = self._jobs.get(getattr(event, "job", ""))
@@ -263,10 +264,13 @@ class LocalLauncher(Launcher):
 
     supports = frozenset({"keep_alive", "warm", "session", "debug"})
 
-    def __init__(self) -> None:
+    def __init__(self, keeper: Keeper) -> None:
+        #: The keeper of kept worlds of the process that makes calls (its owner's).
+        self.keeper = keeper
         self._client: SupervisorClient | None = None
         self._lock = threading.Lock()
         self._ending: list[LocalJob] = []  # jobs whose call ended while their processes still exit
+        atexit.register(self.shutdown)
 
     def ending(self, job: LocalJob) -> None:
         """`job`'s call is over but its processes are still exiting: the next job waits for them."""
@@ -289,7 +293,7 @@ class LocalLauncher(Launcher):
                 replace.retire()
                 self._client = None
             if self._client is None or not self._client.alive:
-                self._client = SupervisorClient(helper_log("supervisor", os.getpid()), warm_default())
+                self._client = SupervisorClient(helper_log("supervisor", os.getpid()), warm_default(), self.keeper)
             return self._client
 
     def prepare(self) -> Phase | None:
@@ -346,36 +350,19 @@ class LocalLauncher(Launcher):
     def release_hot(self) -> None:
         """End every idle hot rank now (a running call's ranks end with it)."""
         self.wait_ended()  # a call that just returned still holds its hot ranks until its end is confirmed
-        kept().release_idle(RELEASED, kind=LocalWorld)
+        self.keeper.release_idle(RELEASED, kind=LocalWorld)
 
     def end_session(self, name: str, why: str = ENDED_BY_USER) -> None:
         """End session `name`'s ranks now, if they are kept, saying `why` (a call running in them is stopped)."""
         self.wait_ended()
-        world = kept().session(name, LocalWorld)
+        world = self.keeper.session(name, LocalWorld)
         if world is not None:
-            kept().release(world, why)
+            self.keeper.release(world, why)
 
     def shutdown(self) -> None:
         """Stop the supervisor and everything it runs (at exit, or on %unload_ext)."""
         with self._lock:
             client, self._client = self._client, None
-        kept().end_all("the kernel shut down", say=False, kind=LocalWorld)
+        self.keeper.end_all("the kernel shut down", say=False, kind=LocalWorld)
         if client is not None:
             client.close()
-
-
-_local = LocalLauncher()
-
-
-def local_launcher() -> LocalLauncher:
-    """This kernel's local launcher."""
-    return _local
-
-
-def start_helper() -> None:
-    """Start the supervisor now, in the background: it imports torch (never CUDA) while the user types."""
-    if warm_default():
-        _local.client()
-
-
-atexit.register(_local.shutdown)

@@ -50,7 +50,9 @@ class LocalWorld(World):
             self.tell(p.SessionEnded(self.call, self.session or "", why))
 
 
-def take(keeper: Keeper, request: p.JobRequest, client: Any, tell: Callable[[p.Event], None]) -> LocalWorld | None:
+def take(
+    keeper: Keeper, request: p.JobRequest, client: Any, tell: Callable[[p.Event], None], call_id: str = ""
+) -> LocalWorld | None:
     """The kept world `request` runs in, busy with it (a new one if none is kept); None for a call that keeps none.
 
     A session whose world is busy or of another shape is the keeper's `SessionBusy`.
@@ -58,10 +60,16 @@ def take(keeper: Keeper, request: p.JobRequest, client: Any, tell: Callable[[p.E
     if not request.keep_alive:
         return None
     shape = str(request.world_size)
-    world = keeper.take(request.world_key, shape, request.job_id, request.session, kind=LocalWorld)
+    world = keeper.take(request.world_key, shape, request.job_id, request.session, kind=LocalWorld, call_id=call_id)
     if world is None:
         world = LocalWorld(
-            request.world_key, shape, float(request.keep_alive), request.session, call=request.job_id, client=client
+            request.world_key,
+            shape,
+            float(request.keep_alive),
+            request.session,
+            call=request.job_id,
+            call_id=call_id,
+            client=client,
         )
         keeper.add(world)
     world.client, world.tell = client, tell

@@ -18,6 +18,6 @@ Importing this package does not import Ray; a one-node call never comes here.
 """
 
 from .cluster import ray_init, require_connected
-from .launcher import RayLauncher, ray_launcher
+from .launcher import RayLauncher
 
-__all__ = ["RayLauncher", "ray_init", "ray_launcher", "require_connected"]
+__all__ = ["RayLauncher", "ray_init", "require_connected"]

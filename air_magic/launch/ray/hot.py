@@ -7,7 +7,7 @@ not) runs in them, with the first call's MASTER_ADDR and MASTER_PORT. A
 session's world is found by its name; spare actor sets (spares.py, `spare`)
 wait beside them for a call that places. Which call takes a world, what a call
 leaves and what ends one (its keep-alive's timer included) are the rules of the
-one keeper of this process (`kept()`), which the local launcher shares; this
+one keeper of this process (its owner's), which the local launcher shares; this
 module carries them out with Ray: `placement.end_actors` for an end.
 Ray-only rule kept here: a call of another world that waits for resources ends
 idle hot worlds and spares, not sessions (starting.py).
@@ -19,7 +19,7 @@ import contextlib
 from typing import Any
 
 from .. import protocol as p
-from ..keeper import RELEASED, Keeper, World, kept
+from ..keeper import RELEASED, Keeper, World
 from .cluster import require_connected
 from .placement import end_actors
 
@@ -63,8 +63,8 @@ def world_key(request: p.JobRequest) -> str:
 class HotWorlds:
     """The hot worlds of this notebook, idle or running a call: Ray's view of the process's keeper."""
 
-    def __init__(self, keeper: Keeper | None = None) -> None:
-        self.keeper = keeper if keeper is not None else kept()
+    def __init__(self, keeper: Keeper) -> None:
+        self.keeper = keeper
 
     def take_hot(self, request: p.JobRequest) -> HotWorld | None:
         """An idle hot world of this call's world (or its session's), now busy; None if there is none.

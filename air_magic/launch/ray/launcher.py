@@ -15,6 +15,7 @@ from typing import Any
 from .. import protocol as p
 from ..files.rundir import RunDir
 from ..interface import ENDED_BY_USER, Launcher
+from ..keeper import Keeper
 from .cluster import require_connected, spares_off
 from .hot import HotWorld
 from .pump import RayJob
@@ -28,8 +29,8 @@ class RayLauncher(JobLauncher, Launcher):
 
     supports = frozenset({"keep_alive", "session"})
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, keeper: Keeper) -> None:
+        super().__init__(keeper)
         self._lock = threading.Lock()
         self._jobs: set[RayJob] = set()
         self._actor_class: Any = None
@@ -112,11 +113,3 @@ def held_line(world: HotWorld, now: float) -> str:
         when = f"idle {idle:,.0f} s, ends after {max(0.0, world.keep_alive - idle):,.0f} s more idle"
     what = "spare actors" if world.spare else "hot ranks"
     return f"Ray {what}: {nodes} node(s) with {each} each; {when} (%distributed_release ends them)"
-
-
-_launcher = RayLauncher()
-
-
-def ray_launcher() -> RayLauncher:
-    """This kernel's Ray launcher."""
-    return _launcher

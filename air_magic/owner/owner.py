@@ -1,0 +1,158 @@
+"""The owner of a process's calls, as one object: its table of calls, its keeper of kept worlds, its ledger over
+the machine-wide leases, its sessions and its launchers, and `submit`, the one door every call goes through.
+
+A process that makes calls has one (`owner()`): a Jupyter kernel, an `air-magic` command-line process, or a
+detached call's owner process. As jupyter_client's `MultiKernelManager` holds every kernel by id in one instance,
+and Ray's CLI, SDK and REST all go through one `JobManager.submit_job`, the front doors (the decorator, the magics,
+the command line, a detached call's process, a session's push, pull and reset) all come here, and `run` is the only
+caller of the runner. What a kept world holds is counted here: the call that leaves a world kept hands its GPUs or
+CPU slots to it (`Claim.keep_in`), and the keeper tells the owner the moment it lets a world go, so they are free
+again at once, machine-wide. Not for: a call's policy (calls/runner.py), a world's rules (launch/keeper.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..calls import leases, runner
+from ..calls import record as call_record
+from ..calls.handle import DistributedCall
+from ..calls.ledger import Ledger, machine_ledger
+from ..calls.listeners import Listener
+from ..calls.sessions import Sessions, without_held
+from ..calls.table import CallTable
+from ..job import JobResult, JobSpec
+from ..launch import Launchers
+from ..launch.files.rundir import RunDir
+from ..launch.keeper import Keeper, World
+from .claims import Claim
+
+#: How a call is run: on the caller's thread, on a thread of this process, or in an owner process of its own.
+FOREGROUND, BACKGROUND, DETACHED = "foreground", "background", "detached"
+MODES = (FOREGROUND, BACKGROUND, DETACHED)
+
+
+class Owner:
+    """Everything one process keeps of its calls, and the one way in (`submit`)."""
+
+    def __init__(self, role: str = "kernel", ledger: Ledger | None = None) -> None:
+        #: What kind of process this is, as lease files and records name it: "kernel", "cli" or "detached".
+        self.role = role
+        leases.set_role(role)
+        self.table = CallTable()
+        self.keeper = Keeper(on_end=self._world_ended)
+        self.launchers = Launchers(self.keeper)
+        self.sessions = Sessions(self)
+        self._ledger = ledger
+        self._ledger_lock = threading.Lock()
+
+    # -- what it holds --------------------------------------------------------------------------------
+    @property
+    def ledger(self) -> Ledger:
+        """This node's GPUs and CPU slots, leased machine-wide (made at first use)."""
+        with self._ledger_lock:
+            if self._ledger is None:
+                self._ledger = machine_ledger()
+            return self._ledger
+
+    def _world_ended(self, world: World) -> None:
+        """The keeper let `world` go (idle timer, release, loss, a failed call, the kernel's end): what it held is
+        free again now, under the keeper's lock, with no later look."""
+        if self._ledger is not None:
+            self._ledger.give_back(world)
+
+    def claim(self, spec: JobSpec, call_id: str, name: str | None = None) -> Claim:
+        """Call `call_id`'s claim on this node's units (none for a call on several nodes)."""
+        ledger = self.ledger if spec.num_nodes == 1 else None
+        return Claim(ledger, spec, f"call {call_id}", f"call {call_id} ({name or spec.name})")
+
+    # -- the one door ---------------------------------------------------------------------------------
+    def submit(
+        self,
+        spec: JobSpec,
+        mode: str = FOREGROUND,
+        *,
+        listeners: list[Listener] | None = None,
+        wait: bool = True,
+        run_dir: RunDir | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        **detached: Any,
+    ) -> Any:
+        """Make a call of `spec`, in this process's table.
+
+        - FOREGROUND: run it on this thread; its `JobResult` (a failed call's error is in `.error`).
+        - BACKGROUND: start it on a thread; its `DistributedCall` at once (`wait=False`: refuse to queue).
+        - DETACHED: start it in an owner process of its own (calls/detached.py); its run directory.
+        """
+        if mode == FOREGROUND:
+            return DistributedCall(spec, listeners, owner=self).run_here(run_dir=run_dir, on_wait=on_wait)
+        if mode == BACKGROUND:
+            return DistributedCall(spec, listeners, owner=self).start(wait=wait)
+        if mode == DETACHED:
+            from ..calls import detached as detached_calls
+
+            path: Path = detached_calls.start(spec, **detached)
+            return path
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+    def run(
+        self,
+        call: DistributedCall,
+        claim: Claim | None = None,
+        run_dir: RunDir | None = None,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> JobResult:
+        """Run `call` through the runner (the only caller), holding its GPUs or CPU slots (waiting for them first if
+        another call holds them); a session's call is checked first and what it left recorded. The units of a world
+        the call leaves kept stay held by that world."""
+        spec = call.spec
+        found = None
+        if spec.session is not None:
+            found = self.sessions.before(spec)
+            self.table.check_free(spec.session, call)
+        run_dir = run_dir or RunDir.create(spec.name, spec.world_size)
+        call.named(run_dir.path)
+        claim = claim or self.claim(spec, run_dir.path.name)
+        say = on_wait or (lambda why: print(f"air_magic: {spec.name} waits for {why}", file=sys.stdout))
+        asked = run_dir.path
+
+        def cancelled() -> bool:  # a Cancel here, or from another process (its cancel file)
+            return call.cancel_asked or call_record.cancel_requested(asked)
+
+        with claim.held(spec, on_wait=say, cancelled=cancelled) as held:
+            if held.session is not None:
+                held = dataclasses.replace(
+                    held, target=without_held(held.target, self.sessions.held_names(held.session))
+                )
+            launcher = self.launchers.used(self.launchers.for_nodes(held.num_nodes))
+            result = runner.run(held, call.listeners, launcher, run_dir=run_dir)
+            self.keeper.left_by(run_dir.path.name, claim.keep_in)
+            if held.session is not None:
+                self.sessions.after(held, result, found)
+            return result
+
+    # -- the end of the process ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every launcher used and whatever it still runs; every kept world ends, its units with it."""
+        self.launchers.shutdown()
+
+
+_owner: Owner | None = None
+_owner_lock = threading.Lock()
+
+
+def owner(role: str | None = None) -> Owner:
+    """The one owner of this process (made at first use; `role` names the kind of process then)."""
+    global _owner
+    with _owner_lock:
+        if _owner is None:
+            _owner = Owner(role or "kernel")
+        elif role is not None and role != _owner.role:
+            _owner.role = role
+            leases.set_role(role)
+        return _owner
