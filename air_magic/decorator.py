@@ -213,9 +213,7 @@ class DistributedFunction(Generic[P, R]):
         name = str(getattr(self._func, "__qualname__", None) or getattr(self._func, "__name__", "function"))
         spec = self.settings.spec(self._func, args, kwargs, name)
         if self.settings.detach:
-            from .calls.attached import spawn_detached
-
-            return spawn_detached(spec, owner())
+            return owner().detach(spec)
         handle: DistributedCall = owner().submit(spec, BACKGROUND, wait=self.settings.wait)
         return handle
 

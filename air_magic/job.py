@@ -47,6 +47,27 @@ class JobStatus(str, enum.Enum):
     KILLED = "KILLED"
 
 
+class CallStatus:
+    """A call's status, as its handle, its record (`call.json`) and every reader say it: the one list of them."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    #: The statuses of a call that has not ended.
+    LIVE = (WAITING, RUNNING)
+
+    @staticmethod
+    def of(result: JobResult | None, error: BaseException | None) -> str:
+        """How a call ended: finished when its result says so and nothing was raised; cancelled when it was."""
+        from .errors import JobCancelledError
+
+        if result is not None and result.status == JobStatus.FINISHED and error is None:
+            return CallStatus.FINISHED
+        return CallStatus.CANCELLED if isinstance(error, JobCancelledError) else CallStatus.FAILED
+
+
 @dataclass(frozen=True)
 class Alert:
     """What the watch of a call saw (docs/watching.md): a straggling rank, or a hung one."""

@@ -43,10 +43,10 @@ from typing import Any
 
 import psutil
 
-from .calls.listeners import Listener, RunContext
 from .job import JobResult, JobSpec
 from .launch.files.rank_files import read_usage
 from .launch.files.rundir import RunDir
+from .listeners import Listener, RunContext
 
 #: Seconds between two samples.
 PERIOD = 1.0

@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .calls.handle import FINISHED, DistributedCall
+from .calls.handle import DistributedCall
 from .decorator import DistributedFunction, distributed
 from .errors import ConfigurationError
-from .job import JobSpec
+from .job import CallStatus, JobSpec
 from .owner import BACKGROUND, owner
 
 
@@ -107,7 +107,7 @@ def _parent_run(spec: JobSpec, name: str) -> tuple[str, Callable[[list[Distribut
     def end(calls: list[DistributedCall]) -> None:
         for call in calls:
             call._done.wait()
-        status = "FINISHED" if all(call.status == FINISHED for call in calls) else "FAILED"
+        status = "FINISHED" if all(call.status == CallStatus.FINISHED for call in calls) else "FAILED"
         mlflow.MlflowClient().set_terminated(run_id, status)
 
     return run_id, end

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from air_magic import distributed
 from air_magic.calls import runner
-from air_magic.calls.listeners import Listener
+from air_magic.listeners import Listener
 from air_magic.owner import owner
 
 LINES = 200

@@ -75,7 +75,7 @@ sys.path.insert(0, sys.argv[1] + "/bench")
 from launch_phases import job_logging
 from air_magic import distributed
 from air_magic.calls import runner
-from air_magic.calls.listeners import Listener
+from air_magic.listeners import Listener
 ranks, mlflow_on, log, pause = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1", float(sys.argv[5])
 if pause:  # as a notebook user: load the extension (helper, MLflow's preparation), then think for `pause` s
     from IPython.core.interactiveshell import InteractiveShell
@@ -94,7 +94,7 @@ f = distributed(ranks, mlflow=mlflow_on)(job_logging)
 spec = f.settings.spec(f.func, (True, log), {}, "job_logging")
 rec = Recorder()
 t0 = time.time()
-result = owner().submit(spec, listeners=runner.default_listeners(spec) + [rec])
+result = owner().submit(spec, listeners=default_listeners(spec) + [rec])
 back = time.time() - t0
 shift = time.time() - rec.ctx.elapsed - t0  # the runner's clock starts after serializing the call
 marks = {k: max(r[k] for r in result.values) - t0 for k in result.values[0]}
@@ -102,6 +102,7 @@ phases = [(name, at + shift) for name, at in rec.ctx.phases]
 import os
 from air_magic.launch.files.rundir import helper_log
 from air_magic.owner import owner
+from air_magic.owner.listeners import default_listeners
 log = helper_log("supervisor", os.getpid())
 helper = [line.strip() for line in log.read_text().splitlines() if "preloaded" in line or "preparation" in line]
 print(json.dumps({"phases": phases, "ranks": marks, "results back": back, "helper": helper, "prepare": prepare_at}))

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from air_magic import accelerators
-from air_magic.calls.listeners import Listener
 from air_magic.display.text import TextDisplay
 from air_magic.job import JobSpec
+from air_magic.listeners import Listener
 from air_magic.owner import owner
 from air_magic.resources import ResourceSampler, peak_text, usage_text
 

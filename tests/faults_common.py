@@ -14,9 +14,9 @@ import psutil
 from helpers import leftover_processes
 
 from air_magic import distributed
-from air_magic.calls.listeners import Listener, RunContext
 from air_magic.job import JobResult, RankState
 from air_magic.launch.files.rundir import RunDir
+from air_magic.listeners import Listener, RunContext
 from air_magic.owner import owner
 
 _LOGS_IN = re.compile(r"air_magic: .* logs in (\S+)")

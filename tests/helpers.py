@@ -87,6 +87,18 @@ class CellResult(ErrorOutput):
 REAL_NODE = {"AIR_MAGIC_FORCE_CPU": ""}
 
 
+def wait_until(predicate: Any, timeout: float, message: str, step: float = 0.1) -> None:
+    """Return once `predicate()` is true; fail with `message` (and the last thing it raised, if any) after `timeout`
+    seconds. The one wait loop of the suite: a test waits for a state, never a fixed time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} (waited {timeout:g} s)")
+        time.sleep(step)
+
+
 def gpu_count() -> int:
     """The GPUs this machine really has, as NVML sees them (the suite's CPU setting aside)."""
     from air_magic import accelerators

@@ -106,9 +106,9 @@ def test_a_foreground_call_waiting_for_slots_says_so_on_stdout(bg_kernel, workdi
         "until(lambda: 'working' in a.logs(1) and 'working' in b.logs(1))"
     ).check()
     out = bg_kernel.execute(
-        "import threading, air_magic.calls.ledger as ledger_module\n"
+        "import threading\nfrom air_magic.owner import owner\n"
         "def free_when_waiting():\n"
-        "    until(lambda: bool(ledger_module.node()._queue))  # the foreground call is in the waiting line\n"
+        "    until(lambda: bool(owner().ledger._queue))  # the foreground call is in the waiting line\n"
         f"    pathlib.Path({flag!r}).touch()\n"
         "threading.Thread(target=free_when_waiting, daemon=True).start()\n"
         f"print('VALUES', wait_for.distributed({flag!r}), a.result(), b.result())"

@@ -8,9 +8,9 @@ import pytest
 from faults_common import Recorder
 from helpers import run_id_of
 
-from air_magic.calls.listeners import Listener
 from air_magic.errors import ListenerWarning
 from air_magic.job import JobStatus, RankState
+from air_magic.listeners import Listener
 from air_magic.owner import owner
 
 #: Runs started here keep their directories under pytest's temporary directory (see faults_common).

@@ -4,11 +4,10 @@ another kernel lists it (%distributed_calls --all), attaches to it (its lines so
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-from helpers import Kernel, kernel_env
+from helpers import Kernel, kernel_env, wait_until
 
 from air_magic.calls import record as call_record
 
@@ -29,10 +28,7 @@ def wait_for(flag):
 
 
 def _wait(what, deadline: float = 300.0) -> None:
-    end = time.monotonic() + deadline
-    while not what():
-        assert time.monotonic() < end, f"still not: {what.__doc__}"
-        time.sleep(0.2)
+    wait_until(what, deadline, f"still not: {what.__doc__}", step=0.2)
 
 
 def test_a_detached_call_outlives_its_kernels_sigkill_and_another_kernel_gets_its_result(workdir, loaded_kernel):

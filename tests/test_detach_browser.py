@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import psutil
+from helpers import wait_until
 from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
 
 from air_magic.calls import record as call_record
@@ -42,13 +42,6 @@ def _ticks(text: str, rank: int = 0) -> int:
     return max(found) if found else -1
 
 
-def _wait(what, timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, message
-        time.sleep(0.2)
-
-
 def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_new_lines_and_cancels(lab):
     """Kernel 1 spawns a detached call and is killed with SIGKILL; in another notebook %distributed_attach draws the
     live panel with rank 0's lines from before the kill, new lines arrive in it, its Stop reaches the ranks
@@ -64,7 +57,7 @@ def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_ne
         run_dir = lab.root / "runs" / call_id
         log = run_dir / "rank-0.log"
         try:
-            _wait(lambda: log.exists() and _ticks(log.read_text()) >= 2, 180, "rank 0 never printed its ticks")
+            wait_until(lambda: log.exists() and _ticks(log.read_text()) >= 2, 180, "rank 0 never printed its ticks")
             os.kill(kernel_pid, signal.SIGKILL)
             psutil.Process(kernel_pid).wait(30) if psutil.pid_exists(kernel_pid) else None
             before = _ticks(log.read_text())
@@ -86,9 +79,11 @@ def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_ne
             def shown() -> str:
                 return rank0.text_content() or ""
 
-            _wait(lambda: "tick 0 from rank 0" in shown(), 60, f"the panel lacks the first lines: {shown()[:300]!r}")
+            wait_until(
+                lambda: "tick 0 from rank 0" in shown(), 60, f"the panel lacks the first lines: {shown()[:300]!r}"
+            )
             assert "tick 0 from rank 0" in shown() and f"tick {before} from rank 0" in shown()
-            _wait(lambda: _ticks(shown()) > before + 2, 60, "no new line reached the attached panel")
+            wait_until(lambda: _ticks(shown()) > before + 2, 60, "no new line reached the attached panel")
             ticked = _ticks(shown())  # each tick takes 0.5 s or more: the call has run for ticked / 2 s at least
             status = cell.locator(".air-magic-status").inner_text()
             clock = re.search(r"running · (\d+) s", status)
@@ -98,10 +93,12 @@ def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_ne
             nb.screenshot("attach-live.png")
 
             panel.locator("button.air-magic-stop").click()
-            _wait(lambda: "stop seen on rank 0" in shown(), 60, "Stop in the attached panel did not reach the ranks")
+            wait_until(
+                lambda: "stop seen on rank 0" in shown(), 60, "Stop in the attached panel did not reach the ranks"
+            )
 
             panel.locator("button.air-magic-cancel").click()
-            _wait(
+            wait_until(
                 lambda: (call_record.load(run_dir) or {}).get("status") == call_record.CANCELLED,
                 60,
                 f"Cancel in the attached panel did not end the call: {call_record.load(run_dir)}",
@@ -111,9 +108,11 @@ def test_attach_in_jupyterlab_after_the_first_kernel_was_killed_shows_old_and_ne
             assert "cancelled" in record_box.inner_text()
             nb.screenshot("attach-cancelled.png")
             owner = (call_record.load(run_dir) or {}).get("owner", {}).get("pid")
-            _wait(lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived the cancel")
+            wait_until(lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived the cancel")
         finally:  # whatever failed above, the detached call does not outlive the test
             if (call_record.load(run_dir) or {}).get("status") in call_record.LIVE:
                 call_record.request_cancel(run_dir)
                 owner = (call_record.load(run_dir) or {}).get("owner", {}).get("pid")
-                _wait(lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived its cancel")
+                wait_until(
+                    lambda: not owner or not psutil.pid_exists(owner), 60, "the call's owner outlived its cancel"
+                )

@@ -12,14 +12,14 @@ import time
 from functools import partial
 
 import pytest
-from helpers import air_magic_cli, kernel_env, process_env
+from helpers import Kernel, air_magic_cli, kernel_env, process_env, wait_until
 
 pytestmark = pytest.mark.slow
 
 HOLDER = """
-from air_magic.calls import leases, ledger
-leases.set_role("cli")
-ledger.node().take("call hold-1", 2, ledger.CPU, "call hold-1 (holder)")
+from air_magic.calls import ledger
+from air_magic.owner import owner
+owner("cli").ledger.take("call hold-1", 2, ledger.CPU, "call hold-1 (holder)")
 print("HELD", flush=True)
 import time
 time.sleep(3600)
@@ -63,3 +63,43 @@ def test_a_run_waits_for_slots_another_process_holds_until_that_process_is_kille
             holder.wait()
         if holder.stdout is not None:
             holder.stdout.close()
+
+
+def _waits_for(cli, call_id: str) -> dict:
+    """The record of a run once it says what it waits for (it must not have started)."""
+    seen: dict = {}
+
+    def waiting() -> bool:
+        seen.update(json.loads(cli("get", call_id, "--json").stdout))
+        assert seen["status"] == "waiting", seen
+        return bool(seen["waiting_for"])
+
+    wait_until(waiting, 300, f"run {call_id} never said what it waits for")
+    return seen
+
+
+def test_a_live_sessions_slots_are_leased_machine_wide_until_it_ends(tmp_path):
+    """A kernel's session holds its 2 CPU slots for as long as its ranks live, between cells too: `air-magic run` of
+    a 2-slot file waits and names the session and the call that made it (kernel pid); `%distributed_session --end`
+    gives the slots back at once and the run goes on to its end."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "job.yaml").write_text(JOB)
+    env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
+    kernel = Kernel(tmp_path, env=env)
+    try:
+        kernel.execute("%load_ext air_magic").check()
+        kernel.execute(
+            "%%distributed --session s --gpus 2 --accelerator-type CPU --no-mlflow --keep-alive 600\nkept = 1"
+        ).check()
+        first = kernel.value("__import__('air_magic.owner', fromlist=['owner']).owner().table.all()[-1].id")
+        cli = partial(air_magic_cli, tmp_path, process_env(env))
+        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+        got = _waits_for(cli, started["id"])
+        assert f"session 's' kept by call {first.strip(chr(39))}" in got["waiting_for"], got
+        assert f"(kernel pid {kernel.pid})" in got["waiting_for"], got
+        kernel.execute("%distributed_session --end s").check()
+        followed = cli("logs", started["id"], "--follow")
+        assert followed.returncode == 0, followed.stdout + followed.stderr
+        assert "[rank 1] ran on rank 1" in followed.stdout
+    finally:
+        kernel.shutdown()

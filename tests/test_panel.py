@@ -419,7 +419,7 @@ from air_magic import distributed
 from air_magic.calls import runner
 from air_magic.owner import owner
 from air_magic.display import make_display
-from air_magic.calls.listeners import Listener
+from air_magic.listeners import Listener
 
 class Link(Listener):
     def on_start(self, ctx):

@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from air_magic.calls.listeners import RunContext
 from air_magic.job import JobResult, JobSpec, RankResult, RankState
+from air_magic.listeners import RunContext
 from air_magic.resources import ResourceSampler
 
 pytestmark = pytest.mark.slow

@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..job import JobSpec, RankState
+from ..job import RankState
 from ..launch.files.rundir import RunDir
+from ..listeners import RunContext
 from . import record as call_record
 from .handle import DistributedCall
-from .listeners import RunContext
-from .table import CallTable
 
 #: Seconds between two looks at an attached call's record.
 _LOOK = 0.2
@@ -31,13 +30,12 @@ _LOOK = 0.2
 class AttachedCall(DistributedCall):
     """The handle of a call that another process owns, following its run directory."""
 
-    def __init__(self, path: Path, table: CallTable) -> None:
+    def __init__(self, path: Path, owner: Any) -> None:
         record = call_record.load(path)
         if record is None:
             raise call_record.AirMagicError(f"{path} holds no air_magic call record")
         spec = call_record.spec_of(record)
-        super().__init__(spec, listeners=[])
-        self.calls = table
+        super().__init__(spec, listeners=[], owner=owner)
         self.id = path.name  # type: ignore[assignment]
         self._run_dir, self._record = path, record
         self.started = record.get("started") or time.time()
@@ -52,7 +50,7 @@ class AttachedCall(DistributedCall):
         if has_run_dir is not None:
             has_run_dir.set()
         self._follow()
-        table.add(self)  # %distributed_calls, %distributed_show N and %distributed_stop N reach it here
+        owner.table.add(self)  # %distributed_calls, %distributed_show N and %distributed_stop N reach it here
         threading.Thread(target=self._follow_loop, name=f"air_magic-attached-{path.name}", daemon=True).start()
 
     def _follow(self) -> bool:
@@ -66,9 +64,7 @@ class AttachedCall(DistributedCall):
                 self.watch.on_rank_state(rank, RankState.RUNNING)
         self.status, self.waiting_for = record["status"], record.get("waiting_for") or ""
         if record.get("run_id") and self.ctx is not None and "mlflow" not in self.ctx.links:
-            from ..tracking.ui import call_link  # this kernel's UI over the call's store: the owner's ends with it
-
-            link = call_link(record)
+            link = self.owner.link_of(record)  # this kernel's UI over the call's store: the owner's ends with it
             if link:
                 self.ctx.links["mlflow"] = link
         if self.status in call_record.LIVE:
@@ -88,7 +84,7 @@ class AttachedCall(DistributedCall):
                 assert self.result_ is not None
                 self.watch.on_end(self.result_)
                 self._done.set()
-                self.calls.ended(self)
+                self.owner.table.ended(self)
                 return
             time.sleep(_LOOK)
 
@@ -111,7 +107,7 @@ class AttachedCall(DistributedCall):
         return f"<DistributedCall {self.id} {self.spec.name}: {self.status}>"
 
 
-def _shown(call: AttachedCall) -> AttachedCall:
+def shown(call: AttachedCall) -> AttachedCall:
     """`call`, its panel drawn in the running cell when there is one (in IPython)."""
     ipython = sys.modules.get("IPython")
     if ipython is not None and ipython.get_ipython() is not None:
@@ -119,37 +115,12 @@ def _shown(call: AttachedCall) -> AttachedCall:
     return call
 
 
-def spawn_detached(spec: JobSpec, owner: Any) -> DistributedCall:
-    """`detach=True`, `%%distributed --detach`: start `spec` through `owner`'s door (air_magic.owner.Owner) in an owner
-    process of its own (detached.py), with this kernel's MLflow store and experiment, and return its handle."""
-    env: dict[str, str] = {}
-    experiment_id = None
-    if spec.mlflow:
-        from ..tracking import prepare
-
-        prepare.wait()  # mlflow may be half imported by the extension's preparation (then in sys.modules)
-    if "mlflow" in sys.modules and spec.mlflow:
-        from ..tracking import _compat
-
-        mlflow = sys.modules["mlflow"]
-        env["MLFLOW_TRACKING_URI"] = str(mlflow.get_tracking_uri())
-        experiment_id = _compat.active_experiment_id()
-    ray = sys.modules.get("ray")
-    if spec.num_nodes > 1 and ray is not None and ray.is_initialized():  # the owner joins the kernel's cluster
-        env["RAY_ADDRESS"] = str(ray.get_runtime_context().gcs_address)
-    path = owner.submit(spec, "detached", experiment_id=experiment_id, env=env)
-    return _shown(AttachedCall(path, owner.table))
-
-
-def attach(call_id: str, show: bool, table: CallTable) -> DistributedCall:
+def attach(call_id: str, show: bool, owner: Any) -> DistributedCall:
     """The handle of call `call_id` (its id, a unique prefix of it, or its run directory), which any process of
-    this user on this machine may run: a detached call, a command-line run or another kernel's call.
-
-    In a notebook its live panel is drawn here, with every line so far (`show=False`: not). `.result()`,
-    `.cancel()`, `.stop()`, `.logs(rank)` and `.show()` work as on the handle of a call started here.
-    """
-    call = AttachedCall(call_record.find_dir(str(call_id)), table)
-    return _shown(call) if show else call
+    this user on this machine may run: a detached call, a command-line run or another kernel's call; in `owner`'s
+    table (air_magic.owner.Owner) from now on, its panel drawn here unless `show` is False."""
+    call = AttachedCall(call_record.find_dir(str(call_id)), owner)
+    return shown(call) if show else call
 
 
 def machine_table() -> str:

@@ -101,25 +101,14 @@ def start(
     raise AirMagicError(f"the detached call's owner process did not start within {READY_WAIT:g} s; see {run.owner_log}")
 
 
-def _listeners(spec: JobSpec, hand_off: dict[str, Any]) -> list[Any]:
-    from .runner import default_listeners
-
-    experiment_id = hand_off["experiment_id"]
-    if hand_off["experiment_name"] and spec.mlflow:
-        import mlflow
-
-        experiment_id = mlflow.set_experiment(hand_off["experiment_name"]).experiment_id
-    listeners = default_listeners(spec)
-    for listener in listeners:
-        capture = getattr(listener, "capture", None)
-        if callable(capture) and (experiment_id or hand_off["parent_run_id"]):
-            capture(hand_off["parent_run_id"], experiment_id)
-    return listeners
-
-
-def main(argv: list[str], submit_as: Callable[[str], Callable[..., Any]]) -> int:
+def main(
+    argv: list[str],
+    submit_as: Callable[[str], Callable[..., Any]],
+    listeners_for: Callable[[JobSpec, dict[str, Any]], list[Any]],
+) -> int:
     """The owner process of one detached call: run it through its owner's one door (`submit_as(role)`: that
-    process's `Owner.submit`, air_magic/owner/detached.py), record how it ended; 0 if it finished."""
+    process's `Owner.submit`, air_magic/owner/detached.py) with the listeners `listeners_for(spec, hand_off)`
+    plugs in, record how it ended; 0 if it finished."""
     from ..launch.rank.carried import load_call
 
     path = Path(argv[0])
@@ -151,7 +140,7 @@ def main(argv: list[str], submit_as: Callable[[str], Callable[..., Any]]) -> int
 
     def run_call() -> None:
         try:
-            ended["result"] = submit(spec, listeners=_listeners(spec, hand_off), run_dir=run, on_wait=waiting)
+            ended["result"] = submit(spec, listeners=listeners_for(spec, hand_off), run_dir=run, on_wait=waiting)
             ended["error"] = ended["result"].error
         except BaseException as exc:  # noqa: BLE001 - recorded as the call's end
             ended["error"] = exc

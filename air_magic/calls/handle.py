@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import payload
-from ..errors import AirMagicError, ConfigurationError, JobCancelledError
-from ..job import Alert, JobResult, JobSpec, JobStatus
+from ..errors import AirMagicError, ConfigurationError
+from ..job import Alert, CallStatus, JobResult, JobSpec
 from ..launch.files.rundir import RunDir
+from ..listeners import Listener, RunContext
 from .handle_listener import HandleListener
-from .listeners import Listener, RunContext
+from .record import RUNNING, WAITING
 from .table import CallTable
 
-WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
 RUN_DIR_WAIT = 120.0
 
@@ -155,14 +155,7 @@ class DistributedCall:
                 RunDir(self._run_dir).release_reserves()
             self._end()
             raise
-        if self.listeners is None:
-            from .runner import default_listeners
-
-            self.listeners = default_listeners(self.spec)
-            for listener in self.listeners:  # MLflow's active run is per thread: read the spawning thread's now
-                capture = getattr(listener, "capture", None)
-                if callable(capture):
-                    capture()
+        self.listeners = self.listeners if self.listeners is not None else []
         self.listeners.insert(0, self.watch)  # first: the handle has the call's context as soon as it exists
         self.status = WAITING if self.waiting_for else RUNNING
         if self.waiting_for:
@@ -178,10 +171,7 @@ class DistributedCall:
         its owner's `run`; its JobResult. A refused call raises."""
         self.background = False
         self.table.add(self)
-        if self.listeners is None:
-            from .runner import default_listeners
-
-            self.listeners = default_listeners(self.spec)
+        self.listeners = self.listeners if self.listeners is not None else []
         self.listeners.insert(0, self.watch)
         self.status = RUNNING
         try:
@@ -245,9 +235,7 @@ class DistributedCall:
             self.owner.table.ended(self)
 
     def _ended_as(self) -> str:
-        if self.result_ is not None and self.result_.status == JobStatus.FINISHED and self.error is None:
-            return FINISHED
-        return CANCELLED if isinstance(self.error, JobCancelledError) else FAILED
+        return CallStatus.of(self.result_, self.error)
 
     # -- asking ------------------------------------------------------------
     def done(self) -> bool:
@@ -292,9 +280,12 @@ class DistributedCall:
 
     def show(self) -> None:
         """Draw this call's panel here: live while it runs, with every line written so far; its record once ended."""
-        from ..display.follow import show
-
-        show(self)
+        if self.owner is None:
+            raise AirMagicError(
+                f"call {self.short} was rebuilt from its run directory and has no owner here to draw it: "
+                f"air_magic.attach({str(self.id)!r}).show() draws it."
+            )
+        self.owner.show(self)
 
     def has_run_dir(self, timeout: float | None = RUN_DIR_WAIT) -> bool:
         """Wait up to `timeout` s for the call to start in its run directory (its context, `ctx`, is then set);

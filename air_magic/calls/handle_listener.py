@@ -11,7 +11,7 @@ import threading
 from typing import Any, Protocol
 
 from ..job import JobResult, RankState
-from .listeners import Listener, RunContext
+from ..listeners import Listener, RunContext
 
 
 class Handle(Protocol):

@@ -21,23 +21,30 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from ..errors import AirMagicError, JobCancelledError, RankFailedError
-from ..job import JobResult, JobSpec, JobStatus, RankResult, RankState
+from ..job import CallStatus, JobResult, JobSpec, JobStatus, RankResult, RankState
 from ..launch.files.rank_files import outcome
 from ..launch.files.rundir import RunDir, runs_root, write_private
+from ..listeners import Listener, RunContext
 from .leases import ROLE
-from .listeners import Listener, RunContext
 
 #: The record's file name in the run directory.
 RECORD = "call.json"
-#: A call's statuses, as its handle says them.
-WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
-LIVE = (WAITING, RUNNING)
+#: A call's statuses (job.CallStatus, the one list), by the names this format's readers use.
+WAITING, RUNNING, FINISHED, FAILED, CANCELLED = (
+    CallStatus.WAITING,
+    CallStatus.RUNNING,
+    CallStatus.FINISHED,
+    CallStatus.FAILED,
+    CallStatus.CANCELLED,
+)
+LIVE = CallStatus.LIVE
 #: Seconds between two looks of a live call's owner at its cancel file.
 _CANCEL_LOOK = 0.2
 
@@ -112,18 +119,12 @@ def say_waiting(path: Path, why: str) -> None:
     _save(path, {"waiting_for": why})
 
 
-def status_of(result: JobResult | None, error: BaseException | None) -> str:
-    if result is not None and result.status == JobStatus.FINISHED and error is None:
-        return FINISHED
-    return CANCELLED if isinstance(error, JobCancelledError) else FAILED
-
-
 def end(path: Path, result: JobResult | None, error: BaseException | None, **more: Any) -> None:
     """Write the final record of the call of run directory `path`."""
     _save(
         path,
         {
-            "status": status_of(result, error),
+            "status": CallStatus.of(result, error),
             "ended": time.time(),
             "elapsed": result.elapsed if result is not None else None,
             "returncodes": [r.returncode for r in result.ranks] if result is not None else [],
@@ -227,19 +228,60 @@ def owner_alive(path: Path, record: dict[str, Any]) -> bool:
     return False
 
 
+#: Told, once per call, by the process that finds its owner dead and marks it failed (the MLflow run's end:
+#: tracking/orphans.py, plugged in by the owner and the command line).
+_orphan_hooks: list[Callable[[dict[str, Any]], None]] = []
+
+
+def on_orphaned(hook: Callable[[dict[str, Any]], None]) -> None:
+    """Have `hook(record)` told of each call this process finds orphaned (its owner died) and marks failed."""
+    if hook not in _orphan_hooks:
+        _orphan_hooks.append(hook)
+
+
+def owner_gone(record: dict[str, Any]) -> str:
+    """The error of a call whose owner died before it ended."""
+    owner = record.get("owner") or {}
+    return f"OwnerGone: its owner, {owner.get('role', 'owner')} pid {owner.get('pid')}, died before the call ended"
+
+
+def _mark_orphaned(path: Path) -> None:
+    """The call of `path` lost its owner: the first reader makes its record final (failed, with when and why) and
+    tells the hooks; a reader that finds another at it leaves it to that one."""
+    try:
+        fd = os.open(RunDir(path).owner_lock, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        record = read(path) or {}
+        if record.get("status") not in LIVE:
+            return
+        record = _save(path, {"status": FAILED, "ended": time.time(), "error": owner_gone(record), "orphaned": True})
+        for hook in _orphan_hooks:
+            with contextlib.suppress(Exception):  # the record is final whatever a hook meets (a store gone)
+                hook(record)
+    finally:
+        os.close(fd)
+
+
 def load(path: Path) -> dict[str, Any] | None:
     """The record of run directory `path` with its status as it is now: a live call whose owner process is gone
-    reads failed, naming that process."""
+    reads failed, naming that process (and the first reader makes that final, `_mark_orphaned`)."""
     record = read(path)
     if record is None:
         return None
     record["id"], record["run_dir"] = path.name, str(path)
     if record.get("status") in LIVE and not owner_alive(path, record):
-        owner = record.get("owner") or {}
+        _mark_orphaned(path)
+        record.update(read(path) or {})
+        record["id"], record["run_dir"] = path.name, str(path)
         record["status"] = FAILED
-        record["error"] = record.get("error") or (
-            f"OwnerGone: its {owner.get('role', 'owner')} process (pid {owner.get('pid')}) ended before the call did"
-        )
+        record["error"] = record.get("error") or owner_gone(record)
     return record
 
 

@@ -10,8 +10,8 @@ belong to the launcher and to the listeners. A listener that fails is
 reported as a warning and never changes the call's outcome.
 
 A call's parts are put together in setup.py: `run` takes the launcher
-that the owner picks (`Launchers.for_nodes`) and the listeners of
-`default_listeners` (the resource sampler, MLflow tracking, the display).
+that the owner picks (`Launchers.for_nodes`) and the listeners it plugs in
+(owner/listeners.py: the resource sampler, MLflow tracking, the display).
 When and how a call's ranks are stopped (a failure, the timeout, Cancel, a
 Stop, the flight recorder read first) is stops.py, the runner's base.
 
@@ -44,15 +44,15 @@ from ..launch.files.rundir import RunDir, attempt_marker
 from ..launch.interface import JobHandle, Launcher
 from ..launch.rank import session
 from ..launch.stopper import STOP_GRACE
+from ..listeners import Listener, RunContext
 from ..phase import Phase
 from .debugging import DebugServer
-from .listeners import Listener, RunContext
 from .outcome import raised_in_collective
-from .setup import check_supported, default_listeners, job_request, world_key
+from .setup import check_supported, job_request, world_key
 from .stops import CallStops
 
 _POLL = 0.05
-__all__ = ["STOP_GRACE", "check_supported", "default_listeners", "run", "world_key"]
+__all__ = ["STOP_GRACE", "check_supported", "run", "world_key"]
 
 
 class _Run(CallStops):
@@ -373,5 +373,5 @@ def run(
     `run_dir`: a run directory made already (RunDir.create), whose name is the call's id; else one is made here.
     """
     check_supported(spec, launcher)
-    chosen = default_listeners(spec) if listeners is None else listeners
+    chosen = listeners or []
     return _Run(spec, chosen, launcher, run_dir).execute()

@@ -1,9 +1,6 @@
-"""What a call is put together from before it starts: its listeners, its settings checked against its launcher, the
-key of the world it runs in, and the request its launcher gets.
-
-The one place that names the listeners (`default_listeners`: the resource sampler, MLflow tracking, the watch, the
-display and the call's record), imported only when a call uses them. Not for following a call once it started (the
-runner, runner.py) nor for judging what it left (outcome.py).
+"""What a call is put together from before it starts: its settings checked against its launcher, the key of the
+world it runs in, and the request its launcher gets. Its listeners are plugged in by the owner (owner/listeners.py).
+Not for following a call once it started (the runner, runner.py) nor for judging what it left (outcome.py).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from ..launch.env import cpu_launch_env
 from ..launch.files import flight_recorder
 from ..launch.files.rundir import RunDir
 from ..launch.interface import Launcher
-from .listeners import Listener
+from ..listeners import Listener
 
 
 def job_request(
@@ -113,34 +110,3 @@ def check_supported(spec: JobSpec, launcher: Launcher) -> None:
             f"warm=True asks for ranks forked from a warm helper, which {type(launcher).__name__} does not start; "
             "leave warm unset for this call."
         )
-
-
-def default_listeners(spec: JobSpec) -> list[Listener]:
-    """The resource sampler, tracking (it makes the run link), then the display that shows both.
-
-    The sampler comes first so that it has logged its last sample to the run before the tracker ends it.
-    """
-    from ..display import make_display
-    from ..resources import ResourceSampler
-
-    sampler = ResourceSampler()
-    listeners: list[Listener] = [sampler]
-    if spec.mlflow:
-        from ..tracking.listener import MlflowTracker, make_tracker
-
-        tracker = make_tracker(spec)
-        if tracker is not None:
-            listeners.append(tracker)
-            if isinstance(tracker, MlflowTracker):
-                sampler.sinks.append(tracker.log_system_metrics)
-    if spec.watch:
-        from ..watching.listener import Watcher
-
-        watcher = Watcher(spec)
-        listeners.insert(1, watcher)  # before tracking and the display, which show what it found
-        watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
-    listeners.append(make_display(spec, sampler))
-    from .record import LiveRecord
-
-    listeners.append(LiveRecord(listeners))  # the call's record on disk, live, for every process of this user
-    return listeners

@@ -15,7 +15,7 @@ from ..job import StopReason
 from ..launch.files import flight_recorder
 from ..launch.interface import JobHandle
 from ..launch.stopper import STOP_GRACE
-from .listeners import RunContext
+from ..listeners import RunContext
 from .outcome import AttemptOutcome
 
 #: Seconds a session's other ranks may go on after one raised, before they get KeyboardInterrupt.

@@ -276,8 +276,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The `air-magic` console script."""
     from ..errors import ConfigurationError
+    from ..tracking import orphans
     from .jobfile import JobFileError
 
+    call_record.on_orphaned(orphans.fail_run)  # the first process to find a dead owner's call ends its MLflow run
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -14,10 +14,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from ..calls.listeners import Listener
 from ..envvars import DISPLAY
 from ..errors import ConfigurationError
 from ..job import JobSpec
+from ..listeners import Listener
 
 if TYPE_CHECKING:
     from ..resources import ResourceSampler

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..calls.record import RUNNING, WAITING
+from ..job import CallStatus
 from ..launch.files import debug_channel
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ def table(calls: list[DistributedCall]) -> str:
         units = call.claim.units if call.claim is not None and call.spec.uses_gpu else None
         gpus = ",".join(units) if units else "-"
         when = time.strftime("%H:%M:%S", time.localtime(call.started))
-        status = call.status + (f" (for {call.waiting_for})" if call.status == WAITING else "")
-        if call.status == RUNNING and call.ctx is not None:
+        status = call.status + (f" (for {call.waiting_for})" if call.status == CallStatus.WAITING else "")
+        if call.status == CallStatus.RUNNING and call.ctx is not None:
             note = debug_channel.waiting_note(set(debug_channel.waiting(call.ctx.run_dir, call.spec.world_size)))
             status += f" · {note}" if note else ""
         lines.append(

@@ -13,10 +13,10 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..calls.listeners import Listener
 from ..job import RankState
 from ..launch.files.rank_files import LogTail
 from ..launch.files.rundir import RunDir
+from ..listeners import Listener
 from ..resources import ResourceSampler
 from . import display_mode, in_widget_kernel
 from .charts import MetricsTail

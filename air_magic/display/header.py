@@ -13,10 +13,10 @@ from typing import Any
 
 import ipywidgets as w
 
-from ..calls.listeners import RunContext
 from ..job import Alert, JobSpec
 from ..launch.files import debug_channel
 from ..launch.files.stack_dumps import Dump
+from ..listeners import RunContext
 from .cancel_route import keep_on_main_shell
 from .record import short_link_text
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from ..calls.listeners import Listener, RunContext
 from ..job import JobResult, RankState
+from ..listeners import Listener, RunContext
 
 
 class TextDisplay(Listener):

@@ -44,10 +44,10 @@ from typing import Any
 import ipywidgets as w
 from IPython.display import display
 
-from ..calls.listeners import Listener, RunContext
 from ..job import JobResult, JobSpec, RankState
 from ..launch.files import debug_channel
 from ..launch.files.rundir import attempt_marker
+from ..listeners import Listener, RunContext
 from ..phase import Phase
 from ..resources import ResourceSampler, header_text
 from ..stopping import request_stop

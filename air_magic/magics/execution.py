@@ -275,9 +275,7 @@ class DistributedMagics(Magics):
             program.used_globals.pop(held, None)
         name = "cell" if number is None else f"cell In[{number}]"
         if args.detach:
-            from ..calls.attached import spawn_detached
-
-            detached = spawn_detached(settings.spec(program, (), {}, name, origin="cell"), owner())
+            detached = owner().detach(settings.spec(program, (), {}, name, origin="cell"))
             if args.out:
                 shell.user_ns[args.out] = detached
             return None if args.out or ends_with_semicolon(cell) else detached

@@ -24,4 +24,4 @@ def attach(call_id: str | Path, show: bool = True) -> DistributedCall:
     """
     from ..calls.attached import attach as attach_to
 
-    return attach_to(str(call_id), show, owner().table)
+    return attach_to(str(call_id), show, owner())

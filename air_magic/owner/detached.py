@@ -11,6 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..calls.detached import main
+from ..job import JobSpec
+from ..listeners import Listener
+from .listeners import captured, default_listeners
 from .owner import owner
 
 
@@ -19,5 +22,18 @@ def submit_as(role: str) -> Callable[..., Any]:
     return owner(role).submit
 
 
+def listeners_for(spec: JobSpec, hand_off: dict[str, Any]) -> list[Listener]:
+    """The call's listeners, its MLflow run made in the experiment (or under the parent run) its starter had."""
+    experiment_id = hand_off["experiment_id"]
+    if hand_off["experiment_name"] and spec.mlflow:
+        import mlflow
+
+        experiment_id = mlflow.set_experiment(hand_off["experiment_name"]).experiment_id
+    listeners = default_listeners(spec)
+    if experiment_id or hand_off["parent_run_id"]:
+        captured(listeners, hand_off["parent_run_id"], experiment_id)
+    return listeners
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], submit_as))
+    sys.exit(main(sys.argv[1:], submit_as, listeners_for))

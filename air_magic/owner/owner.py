@@ -19,18 +19,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..calls import leases, runner
+from ..calls import attached, leases, runner
+from ..calls import detached as detached_calls
 from ..calls import record as call_record
 from ..calls.handle import DistributedCall
 from ..calls.ledger import Ledger, machine_ledger
-from ..calls.listeners import Listener
 from ..calls.sessions import Sessions, without_held
 from ..calls.table import CallTable
 from ..job import JobResult, JobSpec
 from ..launch import Launchers
 from ..launch.files.rundir import RunDir
 from ..launch.keeper import Keeper, World
+from ..listeners import Listener
+from ..tracking import _compat, orphans, prepare
 from .claims import Claim
+from .listeners import captured, default_listeners
 
 #: How a call is run: on the caller's thread, on a thread of this process, or in an owner process of its own.
 FOREGROUND, BACKGROUND, DETACHED = "foreground", "background", "detached"
@@ -44,6 +47,7 @@ class Owner:
         #: What kind of process this is, as lease files and records name it: "kernel", "cli" or "detached".
         self.role = role
         leases.set_role(role)
+        call_record.on_orphaned(orphans.fail_run)  # a dead owner's MLflow run, ended by the first to find it
         self.table = CallTable()
         self.keeper = Keeper(on_end=self._world_ended)
         self.launchers = Launchers(self.keeper)
@@ -90,13 +94,13 @@ class Owner:
         - DETACHED: start it in an owner process of its own (calls/detached.py); its run directory.
         """
         if mode == FOREGROUND:
+            listeners = default_listeners(spec) if listeners is None else listeners
             return DistributedCall(spec, listeners, owner=self).run_here(run_dir=run_dir, on_wait=on_wait)
-        if mode == BACKGROUND:
+        if mode == BACKGROUND:  # MLflow's active run is per thread: the spawning thread's, read now
+            listeners = captured(default_listeners(spec)) if listeners is None else listeners
             return DistributedCall(spec, listeners, owner=self).start(wait=wait)
         if mode == DETACHED:
-            from ..calls import detached as detached_calls
-
-            path: Path = detached_calls.start(spec, **detached)
+            path: Path = detached_calls.start(spec, **(detached or self._starter_tracking(spec)))
             return path
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
 
@@ -135,6 +139,41 @@ class Owner:
             if held.session is not None:
                 self.sessions.after(held, result, found)
             return result
+
+    def detach(self, spec: JobSpec) -> DistributedCall:
+        """`detach=True`, `%%distributed --detach`: `spec` started in an owner process of its own (DETACHED), with
+        this process's MLflow store and experiment; its handle, in this table, its panel drawn here in a notebook."""
+        path = self.submit(spec, DETACHED)
+        return attached.shown(attached.AttachedCall(path, self))
+
+    def _starter_tracking(self, spec: JobSpec) -> dict[str, Any]:
+        """What a detached call takes from this process: its MLflow store and active experiment, and the Ray
+        cluster it joined (the owner process joins it too)."""
+        env: dict[str, str] = {}
+        experiment_id = None
+        if spec.mlflow:
+            prepare.wait()  # mlflow may be half imported by the extension's preparation (then in sys.modules)
+        if "mlflow" in sys.modules and spec.mlflow:
+            env["MLFLOW_TRACKING_URI"] = str(sys.modules["mlflow"].get_tracking_uri())
+            experiment_id = _compat.active_experiment_id()
+        ray = sys.modules.get("ray")
+        if spec.num_nodes > 1 and ray is not None and ray.is_initialized():
+            env["RAY_ADDRESS"] = str(ray.get_runtime_context().gcs_address)
+        return {"experiment_id": experiment_id, "env": env}
+
+    # -- what the notebook shows of a call ------------------------------------------------------------
+    def show(self, call: DistributedCall) -> None:
+        """Draw `call` here (display/follow.py): live while it runs, its record once ended."""
+        from ..display.follow import show
+
+        show(call)
+
+    @staticmethod
+    def link_of(record: dict[str, Any]) -> str | None:
+        """The link to the MLflow run of a call of any process, through this process's UI over its store."""
+        from ..tracking.ui import call_link
+
+        return call_link(record)
 
     # -- the end of the process ----------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -10,6 +10,7 @@
 - `relay`: in a rank that cannot reach a local store, the MLflow store that writes to a file the
   launcher carries back; the line format's writer and reader.
 - `tee`: the live charts' copy of logged metrics; the line format's writer and reader.
+- `orphans`: the MLflow run of a call whose owner died, ended FAILED by the first process that finds it.
 - `_compat`: the only module that touches MLflow's private names.
 
 Importing this package imports nothing: the ranks import `hook` alone, which imports mlflow only

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..calls.listeners import Listener, RunContext
 from ..envvars import MLFLOW_RELAY, MLFLOW_RUN_ID
 from ..job import JobResult, JobSpec
+from ..listeners import Listener, RunContext
 from ..phase import Phase
 from . import _compat, prepare
 from .store import (

@@ -32,12 +32,12 @@ import warnings
 from collections.abc import Callable
 
 from .. import envvars
-from ..calls.listeners import Listener, RunContext
 from ..errors import ConfigurationError
 from ..job import Alert, JobResult, JobSpec, RankState
 from ..launch.files import step_times
 from ..launch.files.rundir import RunDir
 from ..launch.files.stack_dumps import Dump, StackScanner
+from ..listeners import Listener, RunContext
 from .detector import HANG_AFTER, Detector
 
 #: Seconds between two readings of the ranks' files.

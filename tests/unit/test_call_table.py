@@ -97,11 +97,12 @@ def _spec(name: str = "train"):
 
 def test_a_handles_run_directory_is_waited_for_on_an_event_and_names_the_call(tmp_path):
     """`run_dir` blocks until the runner's context arrives (no sleep loop); the id is then the directory's name."""
-    from air_magic.calls.handle import RUNNING, DistributedCall
-    from air_magic.calls.listeners import RunContext
+    from air_magic.calls.handle import DistributedCall
+    from air_magic.job import CallStatus
+    from air_magic.listeners import RunContext
 
     call = DistributedCall(_spec())
-    call.status = RUNNING
+    call.status = CallStatus.RUNNING
     run_dir = tmp_path / "20261205-130102-train-ab12"
     timer = threading.Timer(0.05, call.watch.on_start, [RunContext(call.spec, run_dir, [])])
     timer.start()

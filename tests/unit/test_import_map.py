@@ -77,18 +77,20 @@ def _crossings(source: tuple[str, ...], target: tuple[str, ...], unless: tuple[s
     )
 
 
-#: The listeners the owner of calls is handed (calls/setup.py names them), and what they draw with.
+#: The listeners the owner plugs into each call (owner/listeners.py names them), and what they draw with.
 _LISTENERS = ("display", "tracking", "watching", "resources")
+#: The front doors: what users call (the decorator, the magics, the command line, a sweep).
+_FRONT_DOORS = ("magics", "cli", "decorator", "cell", "sweep", "jupyter")
 
 
 def test_the_map_is_read_from_the_source():
     """The reader finds known imports, inside functions too, and each wall sees them (a wall that reads nothing
     guards nothing)."""
-    imports = dict.fromkeys(_graph()["air_magic.calls.setup"])
-    assert ("air_magic.launch.interface", True) in imports
-    assert ("air_magic.display", False) in imports
+    imports = dict.fromkeys(_graph()["air_magic.owner.owner"])
+    assert ("air_magic.calls.runner", True) in imports
+    assert ("air_magic.display.follow", False) in imports
     assert "air_magic.launch.local.launcher imports air_magic.launch.boot" in _crossings(("",), ("launch.boot",))
-    assert "air_magic.calls.setup imports air_magic.display" in _crossings(("",), ("display",), unless=("launch",))
+    assert "air_magic.owner.listeners imports air_magic.display" in _crossings(("",), ("display",), unless=("launch",))
 
 
 def test_the_launchers_import_nothing_above_them():
@@ -125,7 +127,8 @@ def test_the_walls_of_the_layout_see_real_imports():
     )
     assert "air_magic.calls.runner imports air_magic.launch.protocol" in _crossings(("calls",), ("launch",))
     assert "air_magic.magics.execution imports air_magic.owner" in _crossings(("magics",), ("owner",))
-    assert "air_magic.calls.setup imports air_magic.display" in _crossings(("calls",), _LISTENERS)
+    assert "air_magic.owner.listeners imports air_magic.display" in _crossings(("owner",), _LISTENERS)
+    assert "air_magic.display.text imports air_magic.listeners" in _crossings(_LISTENERS, ("listeners",))
 
 
 def test_only_load_ext_imports_the_magics():
@@ -135,20 +138,31 @@ def test_only_load_ext_imports_the_magics():
     assert "air_magic.magics imports air_magic.magics.execution" in _crossings(("magics",), ("magics.execution",))
 
 
-def test_the_owner_imports_no_front_door():
-    """calls/ (the owner of calls and kept worlds: a kernel, a command-line process, a detached call's owner)
-    imports no front door (magics/, cli/, decorator.py, cell.py, sweep.py) and no Jupyter glue, and reaches the
-    listeners it is handed (display/, tracking/, watching/, the resource sampler) only inside functions, when a
-    call uses them."""
-    assert _crossings(("calls",), ("magics", "cli", "decorator", "cell", "sweep", "jupyter")) == []
-    at_module_level = [
-        f"{module} imports {imported}"
+def test_calls_imports_no_listener_no_owner_and_no_front_door():
+    """calls/ (the runner, the handle, the record, the ledger) speaks only the listener interface
+    (air_magic/listeners.py): it imports no listener (display/, tracking/, watching/, the resource sampler), not even
+    inside a function, nothing of the owner (air_magic/owner/, which plugs the listeners in) and no front door."""
+    assert _crossings(("calls",), (*_LISTENERS, "owner", *_FRONT_DOORS)) == []
+
+
+def test_the_listeners_import_nothing_of_calls_or_the_owner():
+    """A listener (display/, tracking/, watching/, resources.py) knows the interface it implements, never the runner,
+    the handles or the owner that plug it in."""
+    doors = tuple(door for door in _FRONT_DOORS if door != "jupyter")  # the panel's links know the Jupyter server
+    assert _crossings(_LISTENERS, ("calls", "owner", *doors)) == []
+
+
+def test_only_the_front_doors_reach_the_owner():
+    """The process's owner (air_magic/owner/) is reached from the front doors and the package's `__init__`; nothing
+    below it imports it back."""
+    below = sorted(
+        module
         for module, imports in _graph().items()
-        if _under(module, "calls")
-        for imported, top in imports
-        if top and _under(imported, *_LISTENERS)
-    ]
-    assert at_module_level == []
+        if not _under(module, "owner", *_FRONT_DOORS) and module != "air_magic"
+        for imported, _ in imports
+        if _under(imported, "owner")
+    )
+    assert below == []
 
 
 def test_the_table_of_calls_assumes_no_kernel_and_no_runner():

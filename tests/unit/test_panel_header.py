@@ -8,9 +8,9 @@ import io
 from pathlib import Path
 from types import SimpleNamespace
 
-from air_magic.calls.listeners import RunContext
 from air_magic.display.widgets import Panel
 from air_magic.job import JobSpec
+from air_magic.listeners import RunContext
 
 
 def _started(tmp_path: Path, name: str = "f") -> Panel:

@@ -7,9 +7,9 @@ import io
 from pathlib import Path
 from types import SimpleNamespace
 
-from air_magic.calls.listeners import RunContext
 from air_magic.display.widgets import Panel
 from air_magic.job import JobResult, JobSpec, JobStatus, RankResult, RankState
+from air_magic.listeners import RunContext
 from air_magic.phase import Phase
 
 

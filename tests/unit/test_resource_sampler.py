@@ -7,12 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from air_magic.calls.listeners import RunContext
 from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
 from air_magic.job import JobResult, JobSpec, RankResult, RankState
 from air_magic.launch.files.rank_files import write_usage
 from air_magic.launch.files.rundir import RunDir
+from air_magic.listeners import RunContext
 from air_magic.resources import (
     Peak,
     ResourceSampler,

@@ -10,13 +10,13 @@ from fakes import WORLD, Diverged, ScriptedLauncher
 
 from air_magic import distributed
 from air_magic.calls import runner
-from air_magic.calls.listeners import Listener, RunContext
 from air_magic.decorator import Settings, check_max_restarts
 from air_magic.display.record import record_bundle
 from air_magic.display.tail import TailBuffer
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, JobCancelledError, WorkerDiedError
 from air_magic.job import JobResult, JobSpec, JobStatus, RankState, StopReason
 from air_magic.launch.files.rundir import ERROR_RESERVE, RunDir
+from air_magic.listeners import Listener, RunContext
 
 
 class Heard(Listener):

@@ -10,12 +10,12 @@ import pytest
 from fakes import ScriptedLauncher, peer_gone_error
 
 from air_magic.calls import runner
-from air_magic.calls.listeners import Listener, RunContext
 from air_magic.calls.outcome import PEER_GRACE, AttemptOutcome, Blame, raised_in_collective
 from air_magic.errors import JobCancelledError, RemoteTraceback, WorkerDiedError
 from air_magic.job import JobResult, JobSpec, RankResult, RankState
 from air_magic.launch import protocol as p
 from air_magic.launch.files.rundir import RunDir
+from air_magic.listeners import Listener, RunContext
 
 
 def _target() -> None:

@@ -1,5 +1,7 @@
 """The listener interface: what the runner tells the display and the tracking of a call.
 
+It sits below both sides: calls/ (the runner) speaks it, and the listeners (display/, tracking/, watching/, the
+resource sampler) implement it without importing calls/; the owner (air_magic/owner/) plugs them in.
 The runner owns the call; listeners only hear about it. Each hook is called
 from the thread that made the call, so a listener needs no locking of its own
 unless it starts threads itself.
@@ -12,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..job import Alert, JobResult, JobSpec, RankState
-from ..phase import Phase
+from .job import Alert, JobResult, JobSpec, RankState
+from .phase import Phase
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""The listeners the owner plugs into each call: the resource sampler, the watch, MLflow tracking, the display and
+the call's live record. The one place that names them; calls/ only speaks their interface (air_magic/listeners.py).
+Not for: what a listener does (display/, tracking/, watching/, resources.py, calls/record.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..calls.record import LiveRecord
+from ..display import make_display
+from ..job import JobSpec
+from ..listeners import Listener
+from ..resources import ResourceSampler
+from ..tracking.listener import MlflowTracker, make_tracker
+from ..watching.listener import Watcher
+
+
+def default_listeners(spec: JobSpec) -> list[Listener]:
+    """The resource sampler, tracking (it makes the run link), then the display that shows both.
+
+    The sampler comes first so that it has logged its last sample to the run before the tracker ends it.
+    """
+    sampler = ResourceSampler()
+    listeners: list[Listener] = [sampler]
+    if spec.mlflow:
+        tracker = make_tracker(spec)
+        if tracker is not None:
+            listeners.append(tracker)
+            if isinstance(tracker, MlflowTracker):
+                sampler.sinks.append(tracker.log_system_metrics)
+    if spec.watch:
+        watcher = Watcher(spec)
+        listeners.insert(1, watcher)  # before tracking and the display, which show what it found
+        watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
+    listeners.append(make_display(spec, sampler))
+    listeners.append(LiveRecord(listeners))  # the call's record on disk, live, for every process of this user
+    return listeners
+
+
+def captured(listeners: list[Listener], *args: Any) -> list[Listener]:
+    """`listeners`, each told now which MLflow run and experiment are active on this thread (`capture`): a call
+    that runs on another thread or in another process makes its run there (a child of the active one)."""
+    for listener in listeners:
+        capture = getattr(listener, "capture", None)
+        if callable(capture):
+            capture(*args)
+    return listeners
