@@ -22,6 +22,7 @@ from ..launch.files.rundir import RunDir
 from ..listeners import RunContext
 from . import record as call_record
 from .handle import DistributedCall
+from .rebuilt import rebuild, spec_of
 
 #: Seconds between two looks at an attached call's record.
 _LOOK = 0.2
@@ -34,7 +35,7 @@ class AttachedCall(DistributedCall):
         record = call_record.load(path)
         if record is None:
             raise call_record.AirMagicError(f"{path} holds no air_magic call record")
-        spec = call_record.spec_of(record)
+        spec = spec_of(record)
         super().__init__(spec, listeners=[], owner=owner)
         self.id = path.name  # type: ignore[assignment]
         self._run_dir, self._record = path, record
@@ -69,7 +70,7 @@ class AttachedCall(DistributedCall):
                 self.ctx.links["mlflow"] = link
         if self.status in call_record.LIVE:
             return False
-        ended = call_record.rebuild(DistributedCall, self.run_dir)
+        ended = rebuild(DistributedCall, self.run_dir)
         self.result_, self.error, self.ended = ended.result_, ended.error, record.get("ended") or time.time()
         return True
 

@@ -347,7 +347,7 @@ class DistributedCall:
     def from_run_dir(cls, path: str | Path) -> DistributedCall:
         """The handle of an ended call, rebuilt from its run directory (after a kernel restart, say): its status,
         record, logs, exit codes and, where the ranks left them, its results or its error."""
-        from .record import rebuild
+        from .rebuilt import rebuild
 
         call: DistributedCall = rebuild(cls, Path(path))
         return call
