@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test check docs bench browser lint types quick
+.PHONY: demo test test-costs check docs bench browser lint types quick
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -45,10 +45,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed $(VENV)/.deepspeed-op browser
 	@# lint, types and the docs at once (each is one process; together they use both cores), then the suite
 	$(MAKE) -j 3 lint types docs VENV=$(VENV)
-	@# --reruns 1: a test that fails is run once more, and the summary lists every rerun ("R" in the progress line).
-	@# Behaviour tests drive kernels, ranks and a simulated Ray cluster on two cores; the rare failure that does not
-	@# come back on a second run is the machine's load, not the product (each rerun is still read as a bug to fix).
-	$(PY) -m pytest -n 4 --dist loadfile --no-loadscope-reorder --durations=25 --reruns 1 -rR
+	@# No reruns: a test that passes only on a second try is a bug. -rs lists every skipped test and why.
+	$(PY) -m pytest -n 4 --dist loadfile --no-loadscope-reorder --durations=25 -rs
+
+# The suite as `make test` runs it, writing each module's time to tests/module_costs.json (the order in which its
+# workers take the modules next time: costliest first). Commit the file when modules were added or changed much.
+test-costs: $(VENV)/.installed $(VENV)/.deepspeed-op browser
+	$(PY) -m pytest -n 4 --dist loadfile --no-loadscope-reorder -q --record-costs
 
 check: $(VENV)/.installed
 	$(MAKE) -j 3 lint types quick VENV=$(VENV)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -25,38 +26,44 @@ pytest_plugins = ("lab", "s3_server", "ray_cluster")
 STARTS_PROCESSES = ("kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
 
 
-#: The modules that take longest alone (measured on the 2-core machine), longest first. `make test` hands whole
-#: modules to its workers (--dist loadfile --no-loadscope-reorder, scheduled by `pytest_xdist_make_scheduler`) in
-#: collection order, so these start first and no long module is left to run alone at the end; the others follow in
-#: their usual order. The Ray modules come first, each group of ray_cluster.RAY_GROUPS together: one worker each.
-LONGEST_FIRST = (
-    "test_ray.py",
-    "test_ray_holds.py",
-    "test_cli_ray.py",
-    "test_code_travels.py",
-    "test_ray_sessions.py",
-    "test_restarts.py",
-    "test_mlflow_speed.py",
-    "test_demos.py",
-    "test_demos_sharded.py",  # two DeepSpeed calls (its CPU communication op is built by make's install step)
-    "test_tracking.py",
-    "test_cli_mlflow_ui.py",
-    "test_hang.py",
-    "test_cli.py",
-    "test_browser.py",
-    "test_frameworks.py",
-    "test_core.py",
-    "test_panel.py",
-    "test_sessions.py",
-    "test_faults_kernels.py",
-    "test_mlflow_link_browser.py",
-    "test_faults.py",
-    "test_cli_attached_debug.py",
-    "test_background.py",
-    "test_watch.py",
-    "test_demos_ddp.py",
-    "test_hot.py",
-)
+#: Seconds each module took alone in the last recorded run (`make test-costs` writes it: `--record-costs`).
+#: `make test` hands whole modules to its workers (--dist loadfile --no-loadscope-reorder, scheduled by
+#: `pytest_xdist_make_scheduler`) in collection order, costliest first, so no long module is left to run alone at the
+#: end; a module not recorded yet goes first (its cost is unknown). The Ray modules of each group of
+#: ray_cluster.RAY_GROUPS run together on one worker.
+COSTS = Path(__file__).with_name("module_costs.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-costs",
+        action="store_true",
+        help=f"write each module's time (setup, call and teardown of its tests) to {COSTS.name}",
+    )
+
+
+def module_costs() -> dict[str, float]:
+    """Each module's recorded cost in seconds, by file name."""
+    try:
+        return {str(k): float(v) for k, v in json.loads(COSTS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SPENT[Path(report.nodeid.split("::", 1)[0]).name] = _SPENT.get(
+        Path(report.nodeid.split("::", 1)[0]).name, 0.0
+    ) + float(report.duration)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With --record-costs, in the controlling process only: every module's time, written for the next run."""
+    if session.config.getoption("record_costs") and not hasattr(session.config, "workerinput") and _SPENT:
+        costs = {name: round(seconds, 1) for name, seconds in sorted(_SPENT.items(), key=lambda kv: -kv[1])}
+        COSTS.write_text(json.dumps(costs, indent=1) + "\n")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
@@ -76,7 +83,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Refuse a test that starts processes without the `slow` mark; collect the longest modules first (a test's
+    """Refuse a test that starts processes without the `slow` mark; collect the costliest modules first (a test's
     place within its module is kept)."""
     unmarked = unmarked_slow(items)
     if unmarked:
@@ -84,8 +91,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             "these tests start a kernel, a server, a cluster or processes; mark them @pytest.mark.slow: "
             + ", ".join(unmarked)
         )
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    costs = module_costs()
+    items.sort(key=lambda item: -costs.get(item.path.name, float("inf")))
 
 
 def unmarked_slow(items: list[pytest.Item]) -> list[str]:
@@ -95,23 +102,6 @@ def unmarked_slow(items: list[pytest.Item]) -> list[str]:
         for item in items
         if item.get_closest_marker("slow") is None and set(STARTS_PROCESSES) & set(getattr(item, "fixturenames", ()))
     ]
-
-
-#: The first failure of each test that `--reruns 1` ran again, kept for the summary: a rerun that passed is still a
-#: fault to chase, and its log is the only record CI keeps.
-_RERUNS: list[pytest.TestReport] = []
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.outcome == "rerun":
-        _RERUNS.append(report)
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    """After pytest-rerunfailures' list of reruns, the error each rerun first failed with (its last 60 lines)."""
-    for report in _RERUNS:
-        terminalreporter.write_sep("-", f"why {report.nodeid} was run again ({report.when})")
-        terminalreporter.write_line("\n".join(report.longreprtext.splitlines()[-60:]))
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,6 @@ _running: list = []
 def cluster():
     """The simulated cluster shared by the Ray tests of this pytest process, this process joined to it as a notebook
     would be (spare actors off: the spares' test turns them on). `cluster.address` is what kernels join."""
-    pytest.importorskip("ray")
     from air_magic import ray_init
 
     c = start_cluster(WORKER_NODES)

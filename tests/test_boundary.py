@@ -83,7 +83,8 @@ def _spec(func):
 @pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 def test_cell_runs_are_logged_as_cells_and_functions_as_functions(kernel, workdir):
     """The MLflow run of a %%distributed cell records `cell`, that of a decorated function records `function`."""
-    mlflow = pytest.importorskip("mlflow")
+    import mlflow
+
     kernel.execute("%load_ext air_magic").check()
     cell = kernel.execute("%%distributed --gpus 2\nimport os\nint(os.environ['RANK'])").check()
     func = kernel.execute(

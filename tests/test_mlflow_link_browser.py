@@ -17,8 +17,8 @@ pytestmark = [
     pytest.mark.browser,
     pytest.mark.filterwarnings("ignore::DeprecationWarning:websocket"),
 ]
-pytest.importorskip("websocket")
-pytest.importorskip("playwright.sync_api")
+import playwright.sync_api  # noqa: F401 - required: a missing install fails here, not as a skip
+import websocket  # noqa: F401
 
 
 def ui_processes(root: Path) -> set[int]:

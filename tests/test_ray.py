@@ -9,6 +9,7 @@ import time
 
 import cloudpickle
 import pytest
+import ray
 import ray_cluster
 from faults_common import Recorder, alive
 from helpers import ROOT, Kernel, process_env
@@ -18,7 +19,6 @@ from air_magic.errors import AirMagicError, RemoteTraceback
 from air_magic.job import JobResult, JobStatus, RankState
 from air_magic.owner import owner
 
-ray = pytest.importorskip("ray")
 # The ranks run this module's functions: they travel by value (a node cannot import the test module).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -18,7 +18,6 @@ from air_magic.calls import session_table
 from air_magic.job import JobResult, JobStatus
 from air_magic.owner import owner
 
-ray = pytest.importorskip("ray")
 # The ranks run this module's functions: they travel by value (a node cannot import the test module).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -7,7 +7,6 @@ import ray_cluster
 from helpers import Kernel, distributed_cell, kernel_env
 from helpers import cell_values as values
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 #: One CPU rank on each of the cluster's two nodes, no MLflow run.

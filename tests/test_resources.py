@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import mlflow
 import pytest
 from helpers import reported, run_id_of
-
-mlflow = pytest.importorskip("mlflow")
 
 # MLflow 3.17's sqlite store uses a SQLAlchemy loader option that SQLAlchemy 2.1 deprecates.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import mlflow
 import pytest
 from helpers import REAL_NODE, gpu_count, reported, run_id_of
-
-mlflow = pytest.importorskip("mlflow")
 
 pytestmark = [
     pytest.mark.gpu,

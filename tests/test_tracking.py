@@ -8,11 +8,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import mlflow
 import psutil
 import pytest
 from helpers import ROOT, SESSION, Kernel, leftover_processes, run_id_of
-
-mlflow = pytest.importorskip("mlflow")
 
 # MLflow 3.17's sqlite store uses a SQLAlchemy loader option that SQLAlchemy 2.1 deprecates.
 pytestmark = [pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated"), pytest.mark.slow]

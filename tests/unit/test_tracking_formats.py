@@ -151,7 +151,8 @@ def test_every_private_mlflow_name_is_there_in_the_installed_mlflow(monkeypatch)
 
 def test_jupyter_base_url_comes_from_the_parent_servers_runtime_file(tmp_path, monkeypatch):
     """The kernel's parent server's jpserver file gives the base URL; no file, no URL."""
-    pytest.importorskip("jupyter_server_proxy")
+    import jupyter_server_proxy  # noqa: F401 - a dependency: a broken install fails here
+
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("JPY_PARENT_PID", "424242")
     assert jupyter_base_url() is None
