@@ -3,9 +3,9 @@ and its policy, its sessions, and the ledger and leases of GPUs and CPU slots.
 
 Every process that makes calls (a Jupyter kernel, an `air-magic` command-line process, a detached call's owner
 process) holds one owner, and the owner holds one of each of these: no call, kept world, unit or session is kept at
-module level here. Nothing here reaches the owner, or imports a listener (display/, tracking/, watching/, the resource sampler: it speaks their
-interface, air_magic/listeners.py) or a front door (magics/, cli/, decorator.py, cell.py), which
-tests/unit/test_import_map.py guards. It reaches ranks only through a launcher (launch/).
+module level here. Nothing here reaches the owner or imports a listener (display/, tracking/, watching/, the
+resource sampler: it speaks their interface, air_magic/listeners.py) or a front door (magics/, cli/, decorator.py,
+cell.py), which tests/unit/test_import_map.py guards. It reaches ranks only through a launcher (launch/).
 
   table.py            every call of this process: id, small number, handle (`find`)
   handle.py           `DistributedCall`, every call's handle, run and started by the owner
