@@ -29,7 +29,8 @@ def loaded(fresh_kernel):
 
 
 def run_dirs(workdir: Path) -> set[str]:
-    return {p.name for p in (workdir / "runs").iterdir() if p.is_dir()}
+    """The calls' run directories (the leases' private directory beside them is not one)."""
+    return {p.name for p in (workdir / "runs").iterdir() if p.is_dir() and not p.name.startswith(".")}
 
 
 def supervisor_pid(fresh_kernel: Kernel) -> int | None:

@@ -49,6 +49,8 @@ class Claim:
     def __init__(self, ledger: Ledger | None, spec: JobSpec, holder: str, label: str) -> None:
         self.spec = spec
         self.holder: Holder = holder
+        #: How the call is named ("call <id> (train)"); `label`, as its units are named while it runs.
+        self.call_label = label
         self.label = label if spec.session is None else f"session {spec.session!r} ({label})"
         self.ledger = ledger if spec.num_nodes == 1 else None
         self.units: tuple[str, ...] | None = None
@@ -81,7 +83,7 @@ class Claim:
         """The call left `world` kept: the units it took go to the world, for as long as its ranks live."""
         if self.ledger is None:
             return False
-        return self.ledger.hand_over(self.holder, world, world_label(world, self.label))
+        return self.ledger.hand_over(self.holder, world, world_label(world, self.call_label))
 
     def release(self) -> None:
         """What the call holds goes back: its own units free, what it borrowed to its lender."""

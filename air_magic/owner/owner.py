@@ -119,6 +119,7 @@ class Owner:
         if spec.session is not None:
             found = self.sessions.before(spec)
             self.table.check_free(spec.session, call)
+        made_here = run_dir is None
         run_dir = run_dir or RunDir.create(spec.name, spec.world_size)
         call.named(run_dir.path)
         claim = claim or self.claim(spec, run_dir.path.name)
@@ -134,7 +135,12 @@ class Owner:
                     held, target=without_held(held.target, self.sessions.held_names(held.session))
                 )
             launcher = self.launchers.used(self.launchers.for_nodes(held.num_nodes))
-            result = runner.run(held, call.listeners, launcher, run_dir=run_dir)
+            try:
+                result = runner.run(held, call.listeners, launcher, run_dir=run_dir)
+            except BaseException:
+                if made_here and call.ctx is None:  # refused before it started (a value that cannot be pickled)
+                    run_dir.remove()
+                raise
             self.keeper.left_by(run_dir.path.name, claim.keep_in)
             if held.session is not None:
                 self.sessions.after(held, result, found)
