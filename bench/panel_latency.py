@@ -32,7 +32,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from lab import Lab, Notebook, browser_page, write_notebook
+from browser import Notebook, browser_page
+from lab import Lab, write_notebook
 
 LINES = 200
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import time
 
-from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
+from browser import BROWSER_MARKS, Notebook, browser_page
+from lab import write_notebook
 
 pytestmark = BROWSER_MARKS
 

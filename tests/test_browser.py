@@ -9,8 +9,10 @@ import uuid
 
 import psutil
 import pytest
+from browser import BROWSER_MARKS, Notebook, browser_page
 from helpers import ROOT, execute_headless
-from lab import BROWSER_MARKS, KernelWatch, Notebook, browser_page, write_notebook
+from kernel_watch import KernelWatch
+from lab import write_notebook
 
 pytestmark = BROWSER_MARKS
 

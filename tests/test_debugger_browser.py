@@ -4,7 +4,8 @@ typed `c` finishes the call."""
 from __future__ import annotations
 
 import pytest
-from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
+from browser import BROWSER_MARKS, Notebook, browser_page
+from lab import write_notebook
 
 pytestmark = BROWSER_MARKS
 

@@ -9,8 +9,9 @@ import re
 import signal
 
 import psutil
+from browser import BROWSER_MARKS, Notebook, browser_page
 from helpers import wait_until
-from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
+from lab import write_notebook
 
 from air_magic.calls import record as call_record
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from lab import CHROMIUM, browser_page
+from browser import CHROMIUM, browser_page
 
 pytestmark = [
     pytest.mark.slow,
