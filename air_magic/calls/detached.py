@@ -115,7 +115,8 @@ def main(
     run = RunDir(path)
     hand_off = pickle.loads(run.detached_call.read_bytes())
     submit = submit_as(hand_off["role"])
-    call_record.begin(path, hand_off["spec"], call_record.WAITING, waiting_for="")  # its starter returns from here
+    record = call_record.CallRecord(path)
+    record.begin(hand_off["spec"], call_record.WAITING, waiting_for="")  # its starter returns from here
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
@@ -129,18 +130,19 @@ def main(
             ray_init(os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     except BaseException as exc:  # noqa: BLE001 - the call could not be made here: that is how it ended
         traceback.print_exc()
-        call_record.end(path, None, exc)
-        call_record.release_owner(path)
+        record.end(None, exc)
         return 1
     ended: dict[str, Any] = {"result": None, "error": None}
 
     def waiting(why: str) -> None:
         print(f"air_magic: {spec.name} waits for {why}", flush=True)
-        call_record.say_waiting(path, why)
+        record.waiting(why)
 
     def run_call() -> None:
         try:
-            ended["result"] = submit(spec, listeners=listeners_for(spec, hand_off), run_dir=run, on_wait=waiting)
+            ended["result"] = submit(
+                spec, listeners=listeners_for(spec, hand_off), run_dir=run, on_wait=waiting, record=record
+            )
             ended["error"] = ended["result"].error
         except BaseException as exc:  # noqa: BLE001 - recorded as the call's end
             ended["error"] = exc
@@ -151,9 +153,6 @@ def main(
     thread.start()
     while thread.is_alive():
         thread.join(0.5)
-    record = call_record.read(path) or {}
-    if record.get("status") in call_record.LIVE:  # the runner never started it: say how it ended
-        call_record.end(path, ended["result"], ended["error"])
-    call_record.release_owner(path)
+    record.end(ended["result"], ended["error"])  # nothing if its handle wrote the end (it always does once it ran)
     run.detached_call.unlink(missing_ok=True)
     return 0 if ended["error"] is None else 1

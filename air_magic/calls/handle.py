@@ -30,7 +30,7 @@ from ..job import Alert, CallStatus, JobResult, JobSpec
 from ..launch.files.rundir import RunDir
 from ..listeners import Listener, RunContext
 from .handle_listener import HandleListener
-from .record import RUNNING, WAITING
+from .record import RUNNING, WAITING, CallRecord, LiveRecord
 from .table import CallTable
 
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
@@ -46,7 +46,14 @@ class DistributedCall:
     has one, its number); `number` is its small number in this process (table.py).
     """
 
-    def __init__(self, spec: JobSpec, listeners: list[Listener] | None = None, owner: Any = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        listeners: list[Listener] | None = None,
+        owner: Any = None,
+        record: CallRecord | None = None,
+        recorded: bool = True,
+    ) -> None:
         #: The owner of calls of the process that made it (air_magic.owner.Owner): its table, its one door.
         self.owner = owner
         self.number = 0
@@ -68,6 +75,11 @@ class DistributedCall:
         self.watch = HandleListener(self)
         self.listeners = listeners
         self.claim: Any = None  # its claim on the owner's ledger (owner/claims.py), once it has one
+        #: The one writer of its `call.json` (made with its run directory, or handed over begun: a detached call's).
+        self.record = record
+        #: Whether it leaves a record on disk (a session's push, pull and reset do not).
+        self.recorded = recorded
+        self.live: LiveRecord | None = None
 
     # -- who it is -----------------------------------------------------------
     @property
@@ -118,8 +130,14 @@ class DistributedCall:
         return self._cancel_asked
 
     def named(self, path: Path) -> None:
-        """The call's run directory (its id) is `path`, made before it takes its units."""
+        """The call's run directory (its id) is `path`, made before it takes its units; its record's writer, driven
+        by the listener put last (the final line is written once the others are done)."""
         self._run_dir = self._run_dir or path
+        if self.record is None:
+            self.record = CallRecord(self._run_dir)
+        if self.recorded and self.listeners is not None and self.live is None:
+            self.live = LiveRecord(self.record, self.listeners, {"number": self.number})
+            self.listeners.append(self.live)
 
     @property
     def table(self) -> CallTable:
@@ -135,8 +153,10 @@ class DistributedCall:
         self.table.check_free(self.spec.session, self)
         payload.serialize(self.spec.target, self.spec.args, self.spec.kwargs)  # fails here, before anything starts
         self.table.add(self)
+        self.listeners = self.listeners if self.listeners is not None else []
         try:
-            self._run_dir = RunDir.create(self.spec.name, self.spec.world_size).path  # its id, from now on
+            self.named(RunDir.create(self.spec.name, self.spec.world_size).path)  # its id, from now on
+            assert self._run_dir is not None and self.record is not None
             self.claim = self.owner.claim(self.spec, self._run_dir.name)
             if not self.claim.try_now():
                 self.waiting_for = self.claim.why_waiting()
@@ -144,18 +164,16 @@ class DistributedCall:
                     raise ConfigurationError(
                         f"{self.spec.name} would wait for {self.waiting_for}; it was asked not to wait (wait=False)."
                     )
-            from .record import begin
-
-            begin(self._run_dir, self.spec, WAITING, waiting_for=self.waiting_for)  # every process sees it wait
+            # every process sees it wait
+            self.record.begin(self.spec, WAITING, waiting_for=self.waiting_for, number=self.number)
         except BaseException as exc:
             self.error = exc
             if self.claim is not None:
                 self.claim.release()
-            if self._run_dir is not None:  # it never ran: the room kept for errors goes back
-                RunDir(self._run_dir).release_reserves()
+            if self._run_dir is not None and (self.record is None or not self.record.begun):
+                RunDir(self._run_dir).remove()  # refused before it was anything: nothing of it is left
             self._end()
             raise
-        self.listeners = self.listeners if self.listeners is not None else []
         self.listeners.insert(0, self.watch)  # first: the handle has the call's context as soon as it exists
         self.status = WAITING if self.waiting_for else RUNNING
         if self.waiting_for:
@@ -227,8 +245,8 @@ class DistributedCall:
         """The call ended: its status, its record on disk, its waiters woken, the table told."""
         self.status = self._ended_as()
         self.ended = time.time()
-        if self.background:
-            self._write_record()
+        if self.record is not None and self.record.begun:  # a call that never started says how it ended
+            self.record.end(self.result_, self.error, number=self.number)
         self._done.set()
         self._has_run_dir.set()  # whoever waits for the run directory learns there will be none
         if self.owner is not None:
@@ -336,12 +354,6 @@ class DistributedCall:
 
     def __repr__(self) -> str:
         return f"<DistributedCall {self.short} {self.spec.name}: {self.status}>"
-
-    # -- the record on disk ------------------------------------------------
-    def _write_record(self) -> None:
-        from .record import write
-
-        write(self)
 
     @classmethod
     def from_run_dir(cls, path: str | Path) -> DistributedCall:

@@ -1,13 +1,14 @@
-"""`call.json`: a call's record in its run directory, live while it runs and final when it ends, and the handle
-rebuilt from it (`DistributedCall.from_run_dir`) after a kernel restart. The one owner of that format.
+"""`call.json`: a call's record in its run directory, live while it runs and final when it ends. The one owner of
+that format (the handle rebuilt from it after a kernel restart is rebuilt.py).
 
 The record says what the call was (name, front door, ranks, accelerator type), its status, when, its MLflow
 run, each rank's state and exit code, and its error in one line; the ranks' logs, results and error records
 beside it (launch/files/rundir.py) give the rest. While the call is live the record also names its owner
 process (pid, kind: kernel, cli or detached), which holds a lock on `owner.lock` as long as it lives: a
 reader in any process (`load`, `all_records`) sees a call whose owner died as failed, never running forever.
-`LiveRecord` is the listener that keeps the record and honours a cancel asked from another process (the
-`cancel` file, `request_cancel`). Not for: running anything again.
+`CallRecord` is its one writer, held by the call's handle; `LiveRecord`, the listener the handle puts last, drives
+it while the call runs and honours a cancel asked from another process (the `cancel` file, `request_cancel`). Not
+for: running anything again.
 
 Over 300 lines because the one format has its writer (live and final), its readers (one call, every call of
 the machine, a rebuilt handle) and its control file together.
@@ -91,49 +92,6 @@ def release_owner(path: Path) -> None:
             os.close(fd)
 
 
-def begin(path: Path, spec: JobSpec, status: str, **more: Any) -> None:
-    """Write the live record of a call that starts (or waits) in run directory `path`, owned by this process, which
-    holds its owner lock until `release_owner`."""
-    hold_owner(path)
-    _save(
-        path,
-        {
-            "id": path.name,
-            "name": spec.name,
-            "origin": spec.origin,
-            "world_size": spec.world_size,
-            "accelerator_type": spec.accelerator_type,
-            "num_nodes": spec.num_nodes,
-            "status": status,
-            "started": time.time(),
-            "ended": None,
-            "owner": {"pid": os.getpid(), "role": ROLE["name"], "host": socket.gethostname()},
-            **more,
-        },
-    )
-
-
-def say_waiting(path: Path, why: str) -> None:
-    """The live record says what the call waits for (GPUs or CPU slots held by others)."""
-    _save(path, {"waiting_for": why})
-
-
-def end(path: Path, result: JobResult | None, error: BaseException | None, **more: Any) -> None:
-    """Write the final record of the call of run directory `path`."""
-    _save(
-        path,
-        {
-            "status": CallStatus.of(result, error),
-            "ended": time.time(),
-            "elapsed": result.elapsed if result is not None else None,
-            "returncodes": [r.returncode for r in result.ranks] if result is not None else [],
-            "states": [r.state.value for r in result.ranks] if result is not None else [],
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            **more,
-        },
-    )
-
-
 def request_cancel(path: Path) -> bool:
     """Ask the owner of the call in run directory `path` (any process of this user) to cancel it."""
     try:
@@ -147,23 +105,89 @@ def cancel_requested(path: Path) -> bool:
     return RunDir(path).cancel_flag.exists()
 
 
-class LiveRecord(Listener):
-    """Keeps a call's record live in its run directory (status, owner, MLflow run) and final at its end, and
-    cancels the call when another process asks (`request_cancel`). One per call (runner.default_listeners)."""
+class CallRecord:
+    """The one writer of a call's `call.json`, held by the call's handle in its owner process: the first line
+    (waiting, or running), what it waits for, its MLflow run, and the final line; it holds the owner lock from the
+    first line to the last. (A reader that finds the owner dead makes the record final instead: `load`.)"""
 
-    def __init__(self, listeners: list[Listener]) -> None:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.begun = False
+        self.ended = False
+
+    def begin(self, spec: JobSpec, status: str, **more: Any) -> None:
+        """The live record of a call that waits or starts here, owned by this process."""
+        hold_owner(self.path)
+        _save(
+            self.path,
+            {
+                "id": self.path.name,
+                "name": spec.name,
+                "origin": spec.origin,
+                "world_size": spec.world_size,
+                "accelerator_type": spec.accelerator_type,
+                "num_nodes": spec.num_nodes,
+                "status": status,
+                "started": time.time(),
+                "ended": None,
+                "owner": {"pid": os.getpid(), "role": ROLE["name"], "host": socket.gethostname()},
+                **more,
+            },
+        )
+        self.begun = True
+
+    def waiting(self, why: str) -> None:
+        """The live record says what the call waits for (GPUs or CPU slots held by others)."""
+        _save(self.path, {"waiting_for": why})
+
+    def running(self, spec: JobSpec, **more: Any) -> None:
+        """The call started: running from now on (its first line, if it did not wait)."""
+        if self.begun:
+            hold_owner(self.path)
+            _save(self.path, {"status": RUNNING, "waiting_for": "", **more})
+        else:
+            self.begin(spec, RUNNING, **more)
+
+    def update(self, fields: dict[str, Any]) -> None:
+        """More of what the live call is (its MLflow run, once made)."""
+        _save(self.path, fields)
+
+    def end(self, result: JobResult | None, error: BaseException | None, **more: Any) -> None:
+        """The final record (once), and the owner lock let go: the call ended here."""
+        if self.ended:
+            return
+        self.ended = True
+        _save(
+            self.path,
+            {
+                "status": CallStatus.of(result, error),
+                "ended": time.time(),
+                "elapsed": result.elapsed if result is not None else None,
+                "returncodes": [r.returncode for r in result.ranks] if result is not None else [],
+                "states": [r.state.value for r in result.ranks] if result is not None else [],
+                "error": None if error is None else f"{type(error).__name__}: {error}",
+                **more,
+            },
+        )
+        release_owner(self.path)
+
+
+class LiveRecord(Listener):
+    """Drives a call's `CallRecord` from what the runner does (running, its MLflow run, the end) and cancels the call
+    when another process asks (`request_cancel`). The handle puts it last among its call's listeners, so the final
+    record is written once the others (the MLflow run's end among them) are done."""
+
+    def __init__(self, record: CallRecord, listeners: list[Listener], more: dict[str, Any] | None = None) -> None:
+        self.record = record
         self.listeners = listeners
+        self.more = more or {}
         self.ctx: RunContext | None = None
         self.run_id: str | None = None
         self.looked_at = 0.0
 
     def on_start(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        if (read(ctx.run_dir) or {}).get("owner", {}).get("pid") == os.getpid():  # begun here while it waited
-            hold_owner(ctx.run_dir)
-            _save(ctx.run_dir, {"status": RUNNING, "waiting_for": ""})
-        else:
-            begin(ctx.run_dir, ctx.spec, RUNNING)
+        self.record.running(ctx.spec, **self.more)
 
     def poll(self) -> None:
         ctx = self.ctx
@@ -179,7 +203,7 @@ class LiveRecord(Listener):
             mlflow_run = self._mlflow_run()
             if mlflow_run["run_id"]:
                 self.run_id = str(mlflow_run["run_id"])
-                _save(ctx.run_dir, mlflow_run)
+                self.record.update(mlflow_run)
 
     def _mlflow_run(self) -> dict[str, Any]:
         """The call's MLflow run: its id and link, and the store and experiment it is in (any process showing
@@ -194,10 +218,8 @@ class LiveRecord(Listener):
         }
 
     def on_end(self, result: JobResult) -> None:
-        if self.ctx is None:
-            return
-        end(self.ctx.run_dir, result, result.error, **self._mlflow_run())
-        release_owner(self.ctx.run_dir)
+        if self.ctx is not None:
+            self.record.end(result, result.error, **self._mlflow_run())
 
 
 # -- reading --------------------------------------------------------------------------------------------
@@ -312,31 +334,3 @@ def find_dir(call_id: str, root: Path | None = None) -> Path:
     if not matches:
         raise AirMagicError(f"no call {call_id!r} on this machine (under {root}); `air-magic list` shows them.")
     raise AirMagicError(f"{call_id!r} names {len(matches)} calls ({', '.join(sorted(matches)[:5])}); give more of it.")
-
-
-def write(call: Any) -> None:
-    """Write `call`'s record (a handle.DistributedCall) into its run directory (nothing if it never had one), and
-    let go of its owner lock: the call ended."""
-    path = call.ctx.run_dir if call.ctx is not None else getattr(call, "_run_dir", None)
-    if path is None:
-        return
-    result = call.result_
-    record = {
-        "id": call.id,
-        "number": getattr(call, "number", 0) or call.id,
-        "name": call.spec.name,
-        "origin": call.spec.origin,
-        "world_size": call.spec.world_size,
-        "accelerator_type": call.spec.accelerator_type,
-        "status": call.status,
-        "started": call.started,
-        "ended": call.ended,
-        "elapsed": result.elapsed if result is not None else call.elapsed,
-        "run_id": call.run_id,
-        "link": call.link,
-        "returncodes": [r.returncode for r in result.ranks] if result is not None else [],
-        "states": [r.state.value for r in result.ranks] if result is not None else [],
-        "error": None if call.error is None else f"{type(call.error).__name__}: {call.error}",
-    }
-    _save(path, record)
-    release_owner(path)

@@ -293,7 +293,7 @@ class Sessions:
             session=name,
             ranks=ranks,
         )
-        result = self.owner.submit(spec, listeners=[])
+        result = self.owner.submit(spec, listeners=[], recorded=False)
         return result.raise_for_status()
 
     def push(self, name: str, values: dict[str, Any], ranks: tuple[int, ...] | None = None) -> None:

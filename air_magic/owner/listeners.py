@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..calls.record import LiveRecord
 from ..display import make_display
 from ..job import JobSpec
 from ..listeners import Listener
@@ -34,8 +33,7 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         listeners.insert(1, watcher)  # before tracking and the display, which show what it found
         watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
     listeners.append(make_display(spec, sampler))
-    listeners.append(LiveRecord(listeners))  # the call's record on disk, live, for every process of this user
-    return listeners
+    return listeners  # the call's record on disk is the handle's own (calls/record.py LiveRecord, put last)
 
 
 def captured(listeners: list[Listener], *args: Any) -> list[Listener]:

@@ -24,6 +24,7 @@ from ..calls import detached as detached_calls
 from ..calls import record as call_record
 from ..calls.handle import DistributedCall
 from ..calls.ledger import Ledger, machine_ledger
+from ..calls.record import CallRecord
 from ..calls.sessions import Sessions, without_held
 from ..calls.table import CallTable
 from ..job import JobResult, JobSpec
@@ -85,6 +86,8 @@ class Owner:
         wait: bool = True,
         run_dir: RunDir | None = None,
         on_wait: Callable[[str], None] | None = None,
+        record: CallRecord | None = None,
+        recorded: bool = True,
         **detached: Any,
     ) -> Any:
         """Make a call of `spec`, in this process's table.
@@ -92,13 +95,17 @@ class Owner:
         - FOREGROUND: run it on this thread; its `JobResult` (a failed call's error is in `.error`).
         - BACKGROUND: start it on a thread; its `DistributedCall` at once (`wait=False`: refuse to queue).
         - DETACHED: start it in an owner process of its own (calls/detached.py); its run directory.
+
+        `record`: the writer of the call's `call.json`, begun already (a detached call's process begins it before its
+        call is loaded); `recorded=False`: the call leaves no record (a session's push, pull and reset).
         """
         if mode == FOREGROUND:
             listeners = default_listeners(spec) if listeners is None else listeners
-            return DistributedCall(spec, listeners, owner=self).run_here(run_dir=run_dir, on_wait=on_wait)
+            call = DistributedCall(spec, listeners, owner=self, record=record, recorded=recorded)
+            return call.run_here(run_dir=run_dir, on_wait=on_wait)
         if mode == BACKGROUND:  # MLflow's active run is per thread: the spawning thread's, read now
             listeners = captured(default_listeners(spec)) if listeners is None else listeners
-            return DistributedCall(spec, listeners, owner=self).start(wait=wait)
+            return DistributedCall(spec, listeners, owner=self, record=record, recorded=recorded).start(wait=wait)
         if mode == DETACHED:
             path: Path = detached_calls.start(spec, **(detached or self._starter_tracking(spec)))
             return path

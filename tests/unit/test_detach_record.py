@@ -18,11 +18,11 @@ def _spec() -> JobSpec:
 
 
 def test_a_live_record_names_its_owner_and_a_cancel_is_a_private_file(tmp_path):
-    """begin() writes status and owner; load() reads it as running while this process lives; request_cancel leaves
-    a 0600 file once."""
+    """CallRecord.begin writes status and owner; load() reads it as running while this process lives; request_cancel
+    leaves a 0600 file once."""
     run = tmp_path / "20260101-000000-train-abcdefgh"
     run.mkdir()
-    call_record.begin(run, _spec(), call_record.RUNNING)
+    call_record.CallRecord(run).begin(_spec(), call_record.RUNNING)
     try:
         record = call_record.load(run)
         assert record is not None
@@ -45,3 +45,20 @@ def test_a_call_is_found_by_a_unique_start_of_its_id(tmp_path):
         call_record.find_dir("20260101-000000-train-a", tmp_path)
     with pytest.raises(AirMagicError, match="no call 'zzz'"):
         call_record.find_dir("zzz", tmp_path)
+
+
+def test_the_final_record_is_written_once_and_lets_the_owner_lock_go(tmp_path):
+    """A call's record writer writes its final line once (a second end changes nothing), and a reader then sees the
+    call ended, not orphaned, though the lock is free."""
+    run = tmp_path / "20260101-000000-train-abcdefgh"
+    run.mkdir()
+    record = call_record.CallRecord(run)
+    record.begin(_spec(), call_record.WAITING, waiting_for="2 CPU slot(s)")
+    record.running(_spec())
+    assert call_record.read(run)["status"] == "running" and call_record.read(run)["waiting_for"] == ""  # type: ignore[index]
+    record.end(None, None)
+    first = call_record.read(run)
+    record.end(None, RuntimeError("a second end"))
+    assert call_record.read(run) == first
+    loaded = call_record.load(run)
+    assert loaded is not None and loaded["status"] == "failed" and not loaded.get("orphaned")
