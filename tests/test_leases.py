@@ -103,3 +103,26 @@ def test_a_live_sessions_slots_are_leased_machine_wide_until_it_ends(tmp_path):
         assert "[rank 1] ran on rank 1" in followed.stdout
     finally:
         kernel.shutdown()
+
+
+def test_a_run_that_needs_a_kernels_idle_hot_ranks_ends_them_and_runs(tmp_path):
+    """A kernel's idle hot ranks (keep_alive) keep their 2 CPU slots leased; `air-magic run` of a 2-slot file asks
+    that kernel to end them (a session would be waited for), so the run starts and finishes while the kernel lives,
+    and the kernel keeps no world afterwards."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "job.yaml").write_text(JOB)
+    env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
+    kernel = Kernel(tmp_path, env=env)
+    try:
+        kernel.execute("%load_ext air_magic").check()
+        kernel.execute("%%distributed --gpus 2 --accelerator-type CPU --no-mlflow --keep-alive 600\nkept = 1").check()
+        worlds = "len(__import__('air_magic.owner', fromlist=['owner']).owner().keeper.worlds())"
+        assert kernel.value(worlds) == "1"
+        cli = partial(air_magic_cli, tmp_path, process_env(env))
+        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+        followed = cli("logs", started["id"], "--follow")
+        assert followed.returncode == 0, followed.stdout + followed.stderr
+        assert "[rank 1] ran on rank 1" in followed.stdout
+        assert kernel.value(worlds) == "0"
+    finally:
+        kernel.shutdown()

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..launch.files.rundir import runs_root
 
@@ -83,10 +84,10 @@ class Leases:
         self._write_holder(kind, unit, label)
         return Lease(kind, unit, fd)
 
-    def _write_holder(self, kind: str, unit: str, label: str) -> None:
+    def _write_holder(self, kind: str, unit: str, label: str, yields: bool = False) -> None:
         """The holder file of `unit`: this process (pid, kind) and what holds the unit in it (a call, by its id, or
-        a kept world and the call that made it)."""
-        info = {"pid": os.getpid(), "role": ROLE["name"], "label": label}
+        a kept world and the call that made it); `yields`: idle hot ranks, which end when another process asks."""
+        info = {"pid": os.getpid(), "role": ROLE["name"], "label": label, "yields": yields}
         holder = self._holder_path(kind, unit)
         with contextlib.suppress(OSError):
             tmp = holder.with_suffix(f".tmp{os.getpid()}")
@@ -95,10 +96,11 @@ class Leases:
                 f.write(json.dumps(info))
             tmp.replace(holder)
 
-    def relabel(self, leases: list[Lease], label: str) -> None:
-        """These units, still locked by this process, are held by `label` from now on."""
+    def relabel(self, leases: list[Lease], label: str, yields: bool = False) -> None:
+        """These units, still locked by this process, are held by `label` from now on (`yields`: by idle hot ranks,
+        which another process may ask to end)."""
         for lease in leases:
-            self._write_holder(lease.kind, lease.unit, label)
+            self._write_holder(lease.kind, lease.unit, label, yields)
 
     def lease_all(self, kind: str, units: list[str], want: int, label: str) -> list[Lease] | None:
         """`want` of `units` locked for this process, or None (and nothing kept) if fewer are free."""
@@ -118,8 +120,9 @@ class Leases:
         for lease in leases:
             lease.release(self.directory)
 
-    def holder(self, kind: str, unit: str) -> str | None:
-        """Who holds `unit` in another process ("call 3 (train), kernel pid 42"), None if it is free."""
+    def holder_info(self, kind: str, unit: str) -> dict[str, Any] | None:
+        """What the holder file of `unit` says (pid, role, label, yields) while another descriptor holds its lock;
+        {} if it is held and the file cannot be read; None if it is free."""
         path = self._lock_path(kind, unit)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -130,9 +133,41 @@ class Leases:
         except OSError:
             try:
                 info = json.loads(self._holder_path(kind, unit).read_text())
-                return f"{info.get('label') or 'a call'} ({info.get('role', 'process')} pid {info.get('pid')})"
+                return info if isinstance(info, dict) else {}
             except (OSError, ValueError):
-                return "another process"
+                return {}
         finally:
             os.close(fd)
         return None
+
+    def holder(self, kind: str, unit: str) -> str | None:
+        """Who holds `unit` in another process ("call 3 (train), kernel pid 42"), None if it is free."""
+        info = self.holder_info(kind, unit)
+        if info is None:
+            return None
+        if not info:
+            return "another process"
+        return f"{info.get('label') or 'a call'} ({info.get('role', 'process')} pid {info.get('pid')})"
+
+    # -- asking another process's idle hot ranks to end ------------------------------------------------------
+    def _yield_path(self, pid: int) -> Path:
+        return self.directory / f"yield-{int(pid)}"
+
+    def ask_to_yield(self, pid: int, asker: str) -> None:
+        """Ask process `pid` to end its idle hot ranks (their units are wanted by `asker`)."""
+        with contextlib.suppress(OSError):
+            tmp = self.directory / f".yield-{int(pid)}.{os.getpid()}.tmp"
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(out, "w") as f:
+                f.write(asker)
+            tmp.replace(self._yield_path(pid))
+
+    def yield_asked(self) -> str | None:
+        """Whether another process asked this one to end its idle hot ranks: who asked (the request is taken)."""
+        path = self._yield_path(os.getpid())
+        try:
+            asker = path.read_text()
+        except OSError:
+            return None
+        path.unlink(missing_ok=True)
+        return asker or "another process"

@@ -167,8 +167,10 @@ class Ledger:
         label: str = "",
         cancelled: Callable[[], bool] = lambda: False,
         borrow: Callable[[Holder], int] | None = None,
+        tick: Callable[[], None] | None = None,
     ) -> tuple[str, ...]:
-        """Wait in line until `n` units are free and take them; JobCancelledError if `cancelled()` turns True."""
+        """Wait in line until `n` units are free and take them; JobCancelledError if `cancelled()` turns True.
+        `tick()` is called between two looks (the owner asks other processes' idle hot ranks to end there)."""
         with self._changed:
             if holder not in self._queue:
                 self._queue.append(holder)
@@ -179,6 +181,8 @@ class Ledger:
                     return units
                 if cancelled():
                     raise JobCancelledError(f"{label or str(holder)} was cancelled while it waited for {n} {kind}(s).")
+                if tick is not None:
+                    tick()
                 with self._changed:
                     self._changed.wait(_WAIT_STEP)
         finally:
@@ -187,9 +191,10 @@ class Ledger:
                     self._queue.remove(holder)
                 self._changed.notify_all()
 
-    def hand_over(self, holder: Holder, to: Holder, label: str) -> bool:
+    def hand_over(self, holder: Holder, to: Holder, label: str, yields: bool = False) -> bool:
         """`holder`'s own units (not those it borrowed) are `to`'s from now on, their leases relabelled, with no
-        moment free between (a call's units kept by the world it leaves); False if it owns none."""
+        moment free between (a call's units kept by the world it leaves); False if it owns none. `yields`: `to` is
+        idle hot ranks, which another process that needs the units may ask to end."""
         with self._changed:
             hold = self._held.get(holder)
             if hold is None or to in self._held:
@@ -205,7 +210,7 @@ class Ledger:
             if leases:
                 self._leased[to] = leases
                 if self.leases is not None:
-                    self.leases.relabel(leases, label)
+                    self.leases.relabel(leases, label, yields)
             self._changed.notify_all()
             return True
 
@@ -240,6 +245,15 @@ class Ledger:
             free = self._free(kind)
         found = {unit: self.leases.holder(kind, unit) for unit in free}
         return {unit: who for unit, who in found.items() if who is not None}
+
+    def yielding_elsewhere(self, kind: str) -> set[int]:
+        """The pids of other processes whose idle hot ranks hold units of `kind` free in this process."""
+        if self.leases is None:
+            return set()
+        with self._changed:
+            free = self._free(kind)
+        found = (self.leases.holder_info(kind, unit) for unit in free)
+        return {int(info["pid"]) for info in found if info and info.get("yields") and isinstance(info.get("pid"), int)}
 
     def why_waiting(self, n: int, kind: str) -> str:
         """'2 CPU slot(s); 0 of 2 free, held by call 1 (train)': what a call of `n` units waits for."""

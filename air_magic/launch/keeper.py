@@ -261,6 +261,13 @@ class Keeper:
             chosen = [w for w in self._worlds if pick(w)]
         return [w for w in chosen if self.release(w, why, say)]
 
+    def release_if_idle(self, pick: Callable[[World], bool], why: str) -> list[World]:
+        """End every kept world `pick` chooses that is idle when its end comes (a world a call takes meanwhile
+        stays); the ones ended."""
+        with self._lock:
+            chosen = [w for w in self._worlds if pick(w)]
+        return [w for w in chosen if self._release_if(w, why, True, lambda w=w: not w.busy)]  # type: ignore[misc]
+
     def release_idle(self, why: str, sessions: bool = True, kind: type[World] = World) -> list[World]:
         """End every idle world of `kind` (spares included); `sessions=False` spares the sessions' worlds."""
         return self.release_where(lambda w: isinstance(w, kind) and not w.busy and (sessions or w.session is None), why)

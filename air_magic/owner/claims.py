@@ -11,10 +11,15 @@ sessions. What another process holds, it never takes: it waits, and says for wha
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..calls.ledger import Holder, Ledger, kind_of
+
+#: Seconds between two asks of a waiting call to other processes' idle hot ranks.
+ASK_EVERY = 1.0
 from ..job import JobSpec
 from ..launch.keeper import World
 
@@ -54,6 +59,7 @@ class Claim:
         self.label = label if spec.session is None else f"session {spec.session!r} ({label})"
         self.ledger = ledger if spec.num_nodes == 1 else None
         self.units: tuple[str, ...] | None = None
+        self._asked = float("-inf")
         if self.ledger is not None:
             self.ledger.check(spec.world_size, kind_of(spec))
 
@@ -77,13 +83,25 @@ class Claim:
                 self.label,
                 cancelled,
                 borrow=borrowable(self.spec),
+                tick=self._ask_idle_hot_ranks,
             )
+
+    def _ask_idle_hot_ranks(self) -> None:
+        """While it waits, at most once a second: ask each other process whose idle hot ranks hold what it needs to
+        end them (never a session's: those wait for their own end)."""
+        now = time.monotonic()
+        if self.ledger is None or self.ledger.leases is None or now - self._asked < ASK_EVERY:
+            return
+        self._asked = now
+        for pid in self.ledger.yielding_elsewhere(kind_of(self.spec)):
+            self.ledger.leases.ask_to_yield(pid, f"{self.call_label} (pid {os.getpid()})")
 
     def keep_in(self, world: World) -> bool:
         """The call left `world` kept: the units it took go to the world, for as long as its ranks live."""
         if self.ledger is None:
             return False
-        return self.ledger.hand_over(self.holder, world, world_label(world, self.call_label))
+        label = world_label(world, self.call_label)
+        return self.ledger.hand_over(self.holder, world, label, yields=world.session is None)
 
     def release(self) -> None:
         """What the call holds goes back: its own units free, what it borrowed to its lender."""

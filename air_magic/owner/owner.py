@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ from .listeners import captured, default_listeners
 #: How a call is run: on the caller's thread, on a thread of this process, or in an owner process of its own.
 FOREGROUND, BACKGROUND, DETACHED = "foreground", "background", "detached"
 MODES = (FOREGROUND, BACKGROUND, DETACHED)
+#: Seconds between two looks of a process keeping idle hot ranks for another process's ask.
+ANSWER_EVERY = 0.5
 
 
 class Owner:
@@ -55,6 +58,7 @@ class Owner:
         self.sessions = Sessions(self)
         self._ledger = ledger
         self._ledger_lock = threading.Lock()
+        self._watching: threading.Thread | None = None
 
     # -- what it holds --------------------------------------------------------------------------------
     @property
@@ -75,6 +79,27 @@ class Owner:
         """Call `call_id`'s claim on this node's units (none for a call on several nodes)."""
         ledger = self.ledger if spec.num_nodes == 1 else None
         return Claim(ledger, spec, f"call {call_id}", f"call {call_id} ({name or spec.name})")
+
+    def _watch_for_askers(self) -> None:
+        """While this process keeps idle hot ranks on leased units, a thread ends them when a call of another
+        process asks for what they hold (claims.py asks); a session's ranks are never ended so."""
+        with self._ledger_lock:
+            if self._watching is not None and self._watching.is_alive():
+                return
+            self._watching = threading.Thread(target=self._answer_askers, name="air_magic-yield", daemon=True)
+            self._watching.start()
+
+    def _answer_askers(self) -> None:
+        def plain(world: World) -> bool:
+            return world.session is None and not world.spare
+
+        ledger = self._ledger
+        while ledger is not None and ledger.leases is not None and any(map(plain, self.keeper.worlds())):
+            asker = ledger.leases.yield_asked()
+            if asker is not None:
+                why = f"{asker} needs the GPUs or CPU slots they held"
+                self.keeper.release_if_idle(plain, why)
+            time.sleep(ANSWER_EVERY)
 
     # -- the one door ---------------------------------------------------------------------------------
     def submit(
@@ -148,7 +173,8 @@ class Owner:
                 if made_here and call.ctx is None:  # refused before it started (a value that cannot be pickled)
                     run_dir.remove()
                 raise
-            self.keeper.left_by(run_dir.path.name, claim.keep_in)
+            if self.keeper.left_by(run_dir.path.name, claim.keep_in) and held.session is None:
+                self._watch_for_askers()
             if held.session is not None:
                 self.sessions.after(held, result, found)
             return result

@@ -95,15 +95,16 @@ def test_a_worker_that_died_before_it_answered_is_started_again_once_and_said():
 
 
 def test_a_worker_that_died_twice_before_it_answered_is_named_with_its_setting_raised_from_rays_error():
-    """The same death again after the one start again becomes a LaunchError that names the busy node and
-    RAY_worker_register_timeout_seconds, raised from Ray's error."""
+    """The same death again after the one start again becomes a LaunchError that quotes Ray's own words, names the
+    causes Ray has for it (not one as certain) and RAY_worker_register_timeout_seconds, raised from Ray's error."""
     bare = ActorDiedError(BARE)
     start = FailsAtFirstAnswer({1: bare})
     with pytest.raises(WorkerNotRegistered) as caught:
         start._start_ranks()
     error = caught.value
     assert isinstance(error, LaunchError) and error.__cause__ is bare
-    assert "too busy to start the worker in time" in str(error) and REGISTER_TIMEOUT_ENV in str(error)
+    assert "died before any code of the call ran" in str(error) and REGISTER_TIMEOUT_ENV in str(error)
+    assert "connection error code 2" in str(error) and "OOM killer" in str(error)
     assert start.asked == 2 and start.killed == [(1, 0, True)]
 
 

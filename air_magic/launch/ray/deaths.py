@@ -29,11 +29,13 @@ def not_registered(exc: BaseException) -> WorkerNotRegistered | None:
     text = " ".join(str(exc).split())
     if "ActorDied" not in type(exc).__name__ + text or _EOF_SIGNATURE not in text:
         return None
+    said = text[text.find("The actor") :] if "The actor" in text else text
     return WorkerNotRegistered(
-        "a rank's Ray worker process died before it started (Ray: 'Worker unexpectedly exits with a "
-        f"{_EOF_SIGNATURE}'). Its node was most likely too busy to start the worker in time: a Ray node ends a "
-        f"worker that has not registered within {REGISTER_TIMEOUT_ENV} seconds (60 by default). Set "
+        "a rank's Ray worker process died before any code of the call ran, again after it was started once more. "
+        f"Ray's own words: {said[:1500]} "
+        "Ray ends a worker this way when it has not registered within "
+        f"{REGISTER_TIMEOUT_ENV} seconds (60 by default) on a busy node, when the OOM killer ends it, or when it "
+        "crashes while it starts; the node's Ray logs (raylet.out, worker-*.err) say which. For the first, set "
         f"{REGISTER_TIMEOUT_ENV}=300 in the environment of `ray start` on each node (or of this kernel before "
-        "ray_init() starts Ray here), or give the node less to do; Ray says the same when the OOM killer ends a "
-        "worker"
+        "ray_init() starts Ray here), or give the node less to do"
     )
