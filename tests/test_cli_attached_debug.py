@@ -44,8 +44,8 @@ def test_a_detached_calls_breakpoint_is_debugged_from_a_kernel_that_attached_it(
         second.execute("%load_ext air_magic").check()
         second.execute(f"%distributed_attach {call_id[:24]}").check()
         own = second.execute(  # the panel's MLflow link is this kernel's UI over the call's store, not the owner's
-            "from air_magic.calls import record, table\nfrom air_magic.tracking import ui\n"
-            "h = table.table().running()[-1]\nrec = record.load(h.run_dir)\n"
+            "from air_magic.calls import record\nfrom air_magic.owner import owner\nfrom air_magic.tracking import ui\n"
+            "h = owner().table.running()[-1]\nrec = record.load(h.run_dir)\n"
             "print('OWN', h.link.startswith(ui.local_ui(rec['tracking_uri'], None).direct_url), "
             "h.link != rec['link'])"
         ).check()
