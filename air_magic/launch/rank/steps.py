@@ -1,27 +1,20 @@
 """Inside a watched rank: how each step splits into waiting for input, waiting in collectives and computing.
 
-With no change to the user's code. A step is the interval between two
-batches taken from a DataLoader (the moment the loop asks for the next one),
-or between two `air_magic.step()` calls once the code makes one (then
-DataLoaders only count input time). Two patches, made once per process and
-idle (one global read) when the call is not watched:
+With no change to the user's code. A step is the interval between two batches taken from a DataLoader (the
+moment the loop asks for the next one), or between two `air_magic.step()` calls once the code makes one (then
+DataLoaders only count input time). Patches made once per process, idle (one global read) when not watched:
 
-- `torch.utils.data.dataloader._BaseDataLoaderIter.__next__`: the time each
-  `next()` takes is the step's input wait, and its start ends the last step;
-- the blocking collectives of `torch.distributed` (`all_reduce`, `barrier`,
-  `broadcast`, `all_gather`, `reduce_scatter`, ... and `send`/`recv`): their
-  time is the step's collective wait, and while one runs the rank is "in
-  all_reduce #12 since t". A collective called inside another (the object
-  collectives call the tensor ones) counts once.
+- `torch.utils.data.dataloader._BaseDataLoaderIter.__next__`: the time each `next()` takes is the step's input
+  wait, and its start ends the last step;
+- the blocking collectives of `torch.distributed` (`all_reduce`, `barrier`, `broadcast`, `all_gather`, ... and
+  `send`/`recv`): their time is the step's collective wait, and while one runs the rank is "in all_reduce #12
+  since t". A collective called inside another (the object collectives call the tensor ones) counts once;
+- DDP's forward, counted as the collective it leads to (a rank that never reaches its forward is behind); DDP's
+  gradient all-reduce runs in C++ inside `backward()`, and its wait is measured by ddp_wait.py's hook.
 
-What is not seen: DDP's gradient all-reduce runs in C++ inside `backward()`
-(its reducer calls the process group directly), so under DDP the wait for a
-slower peer counts as compute (each DDP forward in training is counted as the
-collective it leads to, so a rank that never reaches its forward is behind); a call with `async_op=True` returns at once
-and its `wait()` counts as compute; on NCCL a collective returns when it is
-queued on the GPU, so the GPU's wait shows later, where the code waits for
-the GPU. The rank then says which collective it called last with nothing
-done since, which is what the hang rule reads.
+Not seen: a call with `async_op=True` returns at once and its `wait()` counts as compute; on NCCL a collective
+returns when it is queued on the GPU, so the GPU's wait shows later, where the code waits for the GPU. The rank
+says which collective it called last with nothing done since, which is what the hang rule reads.
 
 The main thread only adds up `time.perf_counter()` differences; a daemon thread rewrites the rank's file
 (launch/files/step_times.py) about once a second when something changed, so a hung rank's last state is on disk.
@@ -42,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import step_times as f
+from . import ddp_wait
 
 #: Seconds between two writes of the rank's file (when something changed).
 FLUSH = 1.0
@@ -88,7 +82,8 @@ class Recorder:
         return self.wall0 + (at - self.clock0)  # the wall-clock time of `at` (this module's clock)
 
     def boundary(self, now: float) -> None:
-        """A step ends (and the next begins) at `now`."""
+        """A step ends (and the next begins) at `now`; DDP's all-reduce wait in it is its collective wait."""
+        self.step_collective += ddp_wait.take()
         start = self.step_start
         if start is not None:
             total = now - start
@@ -209,6 +204,8 @@ def _patch() -> None:
         pass
     else:
         DDP.forward = _counted_forward(DDP.forward)  # type: ignore[method-assign]
+        DDP.register_comm_hook = ddp_wait.user_hook(DDP.register_comm_hook)  # type: ignore[method-assign]
+        DDP._register_builtin_comm_hook = ddp_wait.user_hook(DDP._register_builtin_comm_hook)  # type: ignore[method-assign]
     c10d = dist.distributed_c10d
     for name in COLLECTIVES:
         fn = getattr(c10d, name, None)
@@ -261,6 +258,7 @@ def _counted_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         recorder = _recorder
         if recorder is not None and self.training and getattr(self, "require_backward_grad_sync", True):
+            ddp_wait.watch(self)
             now = _clock()
             recorder.calls += 1
             recorder.after = (DDP_ALL_REDUCE, recorder.calls, now)
