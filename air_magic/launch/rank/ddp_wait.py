@@ -3,9 +3,9 @@
 DDP reduces gradients in C++ inside `backward()`, so the watch's patches of torch.distributed's Python collectives
 (steps.py) never see it, and a rank that waits there for a slower peer looks as busy computing as the slow one.
 At a DDP module's first training forward, unless the user's code registered a communication hook of its own,
-this module registers one (`ddp.register_comm_hook`) that does what DDP does by default (torch's `allreduce_hook`:
-an all-reduce of the bucket, divided by the world size) and notes, for each bucket, when this rank launched it
-and when the reduction completed. The wait of one backward is the time from its last bucket's launch (this rank's
+this module registers one (`ddp.register_comm_hook`) that does what DDP does by default (the bucket divided by
+the group's size, then all-reduced: the mean of the ranks' gradients) and notes, for each bucket, when this rank
+launched it and when the reduction completed. The wait of one backward is the time from its last bucket's launch (this rank's
 gradients are all ready) to the last completion: a rank whose peers are slower waits that long; the slowest rank
 hardly waits. `take()` hands the wait of the backwards since the last step boundary to the recorder, which counts
 it as the step's collective wait, so a rank slow in its own compute is the one whose compute is longer.
@@ -51,19 +51,25 @@ def user_hook(register: Any) -> Any:
 
 
 def _timed_allreduce(process_group: Any, bucket: Any) -> Any:
-    """DDP's default reduction of one bucket, with the times of its launch and completion noted."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    """DDP's default reduction of one bucket (the mean over the group: divided by its size, then summed), with the
+    times of its launch and completion noted. The all-reduce is torch's own, not the watch's patched one: it is
+    not a collective of the user's code (the DDP forward counts as it, steps.py)."""
+    import torch.distributed as dist
 
+    group: Any = process_group if process_group is not None else dist.group.WORLD
+    gradients = bucket.buffer()
+    gradients.div_(group.size())
+    all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
     launched = _clock()
-    future = default_hooks.allreduce_hook(process_group, bucket)
+    work = all_reduce(gradients, group=group, async_op=True)
 
     def completed(done: Any) -> Any:
         with _lock:
             _launched.append(launched)
             _completed.append(_clock())
-        return done.value()
+        return done.value()[0]
 
-    return future.then(completed)
+    return work.get_future().then(completed)
 
 
 # DDP checks a hook's annotations against torch's own types (a bucket must be `dist.GradBucket`); this module
