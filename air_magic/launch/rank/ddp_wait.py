@@ -6,9 +6,10 @@ At a DDP module's first training forward, unless the user's code registered a co
 this module registers one (`ddp.register_comm_hook`) that does what DDP does by default (the bucket divided by
 the group's size, then all-reduced: the mean of the ranks' gradients) and notes, for each bucket, when this rank
 launched it and when the reduction completed. The wait of one backward is the time from its last bucket's launch
-(this rank's gradients are all ready) to the last completion: a rank whose peers are slower waits that long; the slowest rank
-hardly waits. `take()` hands the wait of the backwards since the last step boundary to the recorder, which counts
-it as the step's collective wait, so a rank slow in its own compute is the one whose compute is longer.
+(this rank's gradients are all ready) to the last completion: a rank whose peers are slower waits that long; the
+slowest rank hardly waits. `take()` hands the wait of the backwards since the last step boundary to the recorder,
+which counts it as the step's collective wait, so a rank slow in its own compute is the one whose compute is
+longer.
 
 What it cannot see: a communication hook the user registered (then nothing is measured: DDP allows one hook),
 FSDP (its collectives run in C++ too; its wait counts as compute), and on NCCL only the wait as the completion
