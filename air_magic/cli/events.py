@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from ..calls import record as call_record
 from ..display.follow import LogReader
 from .alerts import kind_of
-from .output import envelope, event, state
+from .output import envelope, event, run_fields, state
 from .watch import LOOK, Lines
 
 
@@ -30,9 +30,8 @@ def log_events(node: int, text: str) -> Iterator[str]:
         yield event("LOG", node=node, line=line)
 
 
-def follow_json(path: Path, out: TextIO, summary: dict[str, Any], submitted: bool = False) -> dict[str, Any]:
-    """Write the run's events until it ends, then its final envelope (`summary` of the final record inside);
-    its final record."""
+def follow_json(path: Path, out: TextIO, submitted: bool = False) -> dict[str, Any]:
+    """Write the run's events until it ends, then the envelope of its final state; its final record."""
 
     def write(text: str) -> None:
         print(text, file=out, flush=True)
@@ -63,5 +62,5 @@ def follow_json(path: Path, out: TextIO, summary: dict[str, Any], submitted: boo
     for node, rest in lines.rest():
         for item in log_events(node, rest):
             write(item)
-    write(envelope({**summary, "status": state(path, record), "run_id": path.name}))
+    write(envelope(run_fields(path, record)))
     return record

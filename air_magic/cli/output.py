@@ -46,6 +46,17 @@ def state(path: Path, record: dict[str, Any]) -> str:
     return STATES.get(status, "UNKNOWN")
 
 
+def run_fields(path: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """A run as JSON: air_magic's fields of the call (cli/reading.py's summary, its MLflow run as
+    `mlflow_run_id`), then the runtime's: `run_id` (the call's id), `status` (its state), `dashboard_url`."""
+    from .reading import summary
+
+    fields = summary(record)
+    fields["mlflow_run_id"] = fields.pop("run_id", None)
+    fields["air_magic_status"] = fields.pop("status", None)
+    return {**fields, "run_id": path.name, "status": state(path, record), "dashboard_url": record.get("link")}
+
+
 def exit_code(run_state: str) -> int:
     """0 on SUCCESS, 1 on any other end."""
     return 0 if run_state == "SUCCESS" else 1
@@ -68,9 +79,9 @@ def envelope(data: Any) -> str:
     return line({"v": 1, "ts": now(), "data": data})
 
 
-def event(kind: str, **fields: Any) -> str:
-    """One event line: {"type": kind, "ts": ..., **fields}."""
-    return line({"type": kind, "ts": now(), **fields})
+def event(type_: str, **fields: Any) -> str:
+    """One event line: {"type": type_, "ts": ..., **fields}."""
+    return line({"type": type_, "ts": now(), **fields})
 
 
 #: (code, kind, retryable) of each error class's name.
