@@ -185,11 +185,17 @@ def run_node(node: dict[str, Any]) -> int:
         except Exception:  # noqa: BLE001, S110 - the run's end is best effort; the attempt's outcome stands
             pass
     files.node_end(attempt, node["node_rank"]).write_text(json.dumps(end))
+
+    def say(text: str) -> None:  # in the rank's log and the attempt's, as the launch script's own lines
+        print(text, flush=True)
+        with open(log_path, "a") as log:
+            log.write(text + "\n")
+
     if timed_out:
         message = f"node {node['node_rank']}: attempt {attempt} timed out after {limit} minute(s)"
-        print(f"air-magic: {message}", flush=True)
+        say(f"air-magic: {message}")
         raise AttemptTimedOut(message)
     if code != 0:
-        print(f"ERROR: Script failed with exit code {code} after {seconds:.0f}s", flush=True)
+        say(f"ERROR: Script failed with exit code {code} after {seconds:.0f}s")
         raise CommandFailed(f"node {node['node_rank']}: the command exited with code {code}")
     return 0
