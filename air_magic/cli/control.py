@@ -81,6 +81,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     if not paths:
         print("air-magic: no run is waiting or running; nothing to cancel")
+        return 0
     ended = _wait_ended(cancelled, CANCEL_WAIT)
     for path in cancelled:
         print(

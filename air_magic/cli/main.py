@@ -100,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
     listing.set_defaults(func=cmd_list)
     get = add("get", "One run: state, attempt, MLflow run, alerts, each rank's value or error.")
     get.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")
+    get.add_argument("--watch", action="store_true", help="Wait for the run's end; exit 0 on SUCCESS, else 1.")
     get.set_defaults(func=cmd_get)
     logs = add("logs", "What a node of a run wrote (node 0 of the latest attempt unless told).")
     logs.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")

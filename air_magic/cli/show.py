@@ -24,7 +24,7 @@ from ..launch.files.rundir import RunDir
 from .control import follow_any
 from .events import log_events
 from .files import WorkloadDir
-from .output import ACTIVE, envelope, iso, run_fields, state
+from .output import ACTIVE, envelope, exit_code, iso, run_fields, state
 from .reading import UsageError, failures, find, ranks_of, when
 
 #: Keys of `list --filter`.
@@ -103,6 +103,10 @@ def cmd_get(args: argparse.Namespace) -> int:
 
     path = find(args.id)
     record = call_record.load(path) or {}
+    while args.watch and record.get("status") in call_record.LIVE:
+        time.sleep(0.5)
+        record = call_record.load(path) or record
+    code = exit_code(state(path, record)) if args.watch else 0
     files = WorkloadDir(path)
     info = files.read_info() or {}
     attempts = files.attempts()
@@ -120,7 +124,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     }
     if args.json:
         print(envelope(data))
-        return 0
+        return code
     for key in ("run_id", "run_name", "experiment_name", "status", "attempt_number", "max_retries", "accelerators"):
         print(f"{key}: {data.get(key)}")
     print(f"run_dir: {path}")
@@ -138,7 +142,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         print(f"{label} {rank['rank']}: {rank['state']} {what}".rstrip())
     if record.get("status") == call_record.FAILED:
         print("\n".join(["error:", *(f"  {line}" for line in failures(path, record))]))
-    return 0
+    return code
 
 
 def _log_of(path: Path, info: dict[str, Any], unit: int, retry: int) -> Path:
