@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from ..calls import record as call_record
 from ..display.follow import LogReader
 from .alerts import kind_of
+from .files import WorkloadDir
 from .output import envelope, event, run_fields, state
 from .watch import LOOK, Lines
 
@@ -40,7 +41,7 @@ def follow_json(path: Path, out: TextIO, submitted: bool = False) -> dict[str, A
     if submitted:
         write(event("SUBMITTED", run_id=path.name, dashboard_url=record.get("link")))
     world = int(record.get("world_size", 1))
-    reader, lines = LogReader(path, world), Lines(world)
+    reader, lines, files = LogReader(path, world), Lines(world), WorkloadDir(path)
     said: str | None = None
     while True:
         record = call_record.load(path) or record
@@ -51,16 +52,18 @@ def follow_json(path: Path, out: TextIO, submitted: bool = False) -> dict[str, A
         ended = record.get("status") not in call_record.LIVE
         chunks = reader.read(final=ended)
         while chunks:  # once it ended, every line left in the logs
-            for node, text in sorted(chunks.items()):
-                for line in lines.feed(node, text):
-                    for item in log_events(node, line + "\n"):
+            for rank, text in sorted(chunks.items()):
+                unit = files.unit_of(rank)
+                for line in lines.feed(rank, text):
+                    for item in log_events(unit, line + "\n") if unit is not None else ():
                         write(item)
             chunks = reader.read(final=True) if ended else {}
         if ended:
             break
         time.sleep(LOOK)
-    for node, rest in lines.rest():
-        for item in log_events(node, rest):
+    for rank, rest in lines.rest():
+        unit = files.unit_of(rank)
+        for item in log_events(unit, rest) if unit is not None else ():
             write(item)
     write(envelope(run_fields(path, record)))
     return record

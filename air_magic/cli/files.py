@@ -60,6 +60,19 @@ class WorkloadDir:
         found = [int(p.name.split("_", 1)[1]) for p in (self.path / "attempts").glob("attempt_*")]
         return sorted(found)
 
+    @property
+    def per_node(self) -> int:
+        """Ranks per node of a command run (its first rank on each node runs the command); 1 for a function run,
+        whose every rank is shown."""
+        info = self.read_info() or {}
+        return int(info.get("per_node") or 1) if info.get("kind") == "command" else 1
+
+    def unit_of(self, rank: int) -> int | None:
+        """What rank `rank`'s log is shown as: the node whose command it ran (a command run's first rank of each
+        node), the rank itself (a function run), or None (a rank that only holds its node's units)."""
+        per_node = self.per_node
+        return rank // per_node if rank % per_node == 0 else None
+
     def read_info(self) -> dict[str, Any] | None:
         try:
             value = json.loads(self.info.read_text())

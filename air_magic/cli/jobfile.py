@@ -1,12 +1,11 @@
 """The workload file of `air-magic run -f job.yaml`, read as the runtime reads it, and the call it becomes.
 
-`load(path, overrides)` reads the YAML file, applies `--override KEY=VALUE` (each change said on stderr),
-checks every field (cli/schema.py), finds the code snapshot's root (cli/snapshot.py), the nodes
-(cli/topology.py) and the secrets (cli/secrets.py), and gives a `Job`. A `command` workload is a call of one
-rank per node whose rank runs the command once (cli/node.py); `function: module:name` (air_magic's) is the
+`load(path, overrides)` reads the YAML file, applies `--override KEY=VALUE` (each change said on stderr), checks
+every field (cli/schema.py), finds the code snapshot's root (cli/snapshot.py), the nodes (cli/topology.py) and the
+secrets (cli/secrets.py), and gives a `Job`. A `command` workload is a call of a rank per GPU (or CPU slot) of each
+node whose first rank on the node runs the command once (cli/node.py); `function: module:name` (air_magic's) is the
 function itself on every rank, as `@distributed` runs it. `Job.prepare(run_dir)` writes what the nodes read
-(cli/files.py) before the call starts. Not for: starting or following the call (cli/main.py,
-calls/detached.py).
+(cli/files.py) before the call starts. Not for: starting or following the call (cli/main.py, calls/detached.py).
 """
 
 from __future__ import annotations
@@ -30,12 +29,6 @@ __all__ = ["Job", "JobFileError", "apply_override", "load"]
 
 #: max_retries when the file leaves it out, as the runtime defaults it.
 DEFAULT_MAX_RETRIES = 3
-
-
-def _gpus(per_node: int) -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(per_node)]
-    return ",".join(ids[:per_node])
 
 
 def join_ray(num_nodes: int) -> None:
@@ -105,7 +98,6 @@ class Job:
         return {
             "code_source": self.code.name if self.code is not None else None,
             "local_world_size": self.nodes.per_node,
-            "gpus": _gpus(self.nodes.per_node) if self.nodes.uses_gpu else "",
             "timeout_minutes": minutes,
             "env_variables": {
                 k: "" if v is None else str(v) for k, v in (self.data.get("env_variables") or {}).items()
@@ -138,14 +130,18 @@ class Job:
         compute = self.data.get("compute") or {}
         minutes = self.data.get("timeout_minutes")
         try:
-            if self.nodes is not None:  # one rank per node, which runs the command; the attempt's time is its own
-                return Settings(
-                    num_accelerators=self.nodes.nodes,
-                    accelerator_type="CPU",
+            if self.nodes is not None:
+                # a rank per GPU (or CPU slot), so that the node's units are leased as one call's; the node's
+                # first rank runs the command (cli/node.py). Each attempt's time is its own: no call-wide limit.
+                settings = Settings(
+                    num_accelerators=self.nodes.per_node,
+                    accelerator_type="GPU" if self.nodes.uses_gpu else "CPU",
                     timeout=None,
                     max_restarts=self.max_retries,
                     watch=False,
                 )
+                settings.resolve()
+                return settings
             settings = Settings(
                 num_accelerators=compute.get("num_accelerators"),
                 accelerator_type=compute.get("accelerator_type"),
@@ -209,6 +205,7 @@ class Job:
             "num_accelerators": compute.get("num_accelerators"),
             "accelerator_type": compute.get("accelerator_type"),
             "num_nodes": self.nodes.nodes if self.nodes is not None else compute.get("num_nodes", 1),
+            "per_node": self.nodes.per_node if self.nodes is not None else compute.get("num_accelerators"),
             "max_retries": self.max_retries,
             "timeout_minutes": self.data.get("timeout_minutes"),
             "idempotency_token": self.idempotency_token,

@@ -1,13 +1,14 @@
 """Inside a node's rank: the workload's `command`, run once on this node as the runtime runs it.
 
-A command workload is a call of one rank per node (cli/jobfile.py); that rank runs `run_node`, which runs
-`command.sh` with bash in the code snapshot's directory, with the runtime's variables (`NUM_NODES`,
-`NODE_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `CODE_SOURCE_PATH`, `HYPERPARAMETERS_PATH`,
-`MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI`), the file's `env_variables` and `secrets`, and without the rank's own
-`RANK`/`LOCAL_RANK`/`WORLD_SIZE`: the command's launcher (torchrun, accelerate, Ray) makes the ranks. Its output
-is the node's log (this rank's log, and a copy per attempt). Each attempt has `timeout_minutes`: past it the
-script's processes are stopped and the attempt ends TIMEDOUT. An attempt after the first gets an MLflow run of
-its own in the same experiment. Not for: deciding retries (the runner's max_restarts) or reading the logs.
+A command workload is a call of a rank per GPU (or CPU slot) of each node (cli/jobfile.py), so that the node's units
+are leased as one call's; every rank runs `run_node`, and the node's first rank runs `command.sh` with bash in the
+code snapshot's directory, with the runtime's variables (`NUM_NODES`, `NODE_RANK`, `LOCAL_WORLD_SIZE`,
+`MASTER_ADDR`, `MASTER_PORT`, `CODE_SOURCE_PATH`, `HYPERPARAMETERS_PATH`, `MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI`),
+the file's `env_variables` and `secrets`, and without the rank's own `RANK`/`LOCAL_RANK`/`WORLD_SIZE`: the command's
+launcher (torchrun, accelerate, Ray) makes the ranks. Its output is the node's log (its first rank's log, and a copy
+per attempt); the other ranks wait for its end. Each attempt has `timeout_minutes`: past it the script's processes
+are stopped and the attempt ends TIMEDOUT. An attempt after the first gets an MLflow run of its own in the same
+experiment. Not for: deciding retries (the runner's max_restarts) or reading the logs.
 """
 
 from __future__ import annotations
@@ -78,8 +79,6 @@ def node_env(base: dict[str, str], node: dict[str, Any], files: WorkloadDir, cwd
         env["CODE_SOURCE_PATH"] = str(cwd)
     if files.hyperparameters.exists():
         env["HYPERPARAMETERS_PATH"] = str(files.hyperparameters)
-    if node.get("gpus"):
-        env["CUDA_VISIBLE_DEVICES"] = node["gpus"]
     # `python` in the command is this environment's, as in an activated virtual environment
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(node.get("env_variables") or {})
@@ -107,17 +106,28 @@ def _attempt_run(env: dict[str, str], name: str, attempt: int) -> Any:
         return None
 
 
+def _hold(files: WorkloadDir, attempt: int, node_rank: int) -> int:
+    """A rank of the node other than its first: it holds its GPU (or CPU slot) until the node's command ended."""
+    while not files.node_end(attempt, node_rank).exists():
+        time.sleep(0.2)
+    return 0
+
+
 def run_node(node: dict[str, Any]) -> int:
-    """Run the workload's `command.sh` once on this node (the rank's RANK is the node's rank); 0, or raise
-    CommandFailed / AttemptTimedOut."""
+    """Run the workload's `command.sh` once on this node, from the node's first rank (the others hold their
+    units until it ends); 0, or raise CommandFailed / AttemptTimedOut."""
     sys.stdout.flush()
-    run_dir = Path(os.environ.get(INTERNAL_RUN_DIR) or node["run_dir"])
+    run_dir = Path(os.environ[INTERNAL_RUN_DIR])
     files = WorkloadDir(run_dir)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    node_rank = int(os.environ.get("GROUP_RANK", "0"))
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return _hold(files, attempt, node_rank)
     node = {
         **node,
-        "node_rank": int(os.environ.get("RANK", "0")),
-        "num_nodes": int(os.environ.get("WORLD_SIZE", "1")),
+        "node_rank": node_rank,
+        "num_nodes": int(os.environ.get("WORLD_SIZE", "1")) // per_node,
         "master_addr": os.environ.get("MASTER_ADDR", "127.0.0.1"),
         "master_port": _free_port(),  # the rank's own MASTER_PORT is air_magic's store, not the command's
     }

@@ -37,9 +37,8 @@ def state(path: Path, record: dict[str, Any]) -> str:
     if status == call_record.FAILED:
         files = WorkloadDir(path)
         attempts = files.attempts()
-        if attempts and any(
-            files.read_end(attempts[-1], n).get("timed_out") for n in range(int(record.get("world_size", 1)))
-        ):
+        nodes = int((files.read_info() or {}).get("num_nodes") or 1)
+        if attempts and any(files.read_end(attempts[-1], n).get("timed_out") for n in range(nodes)):
             return "TIMEDOUT"
         if (files.read_info() or {}).get("kind") != "command" and "timed out" in str(record.get("error") or ""):
             return "TIMEDOUT"

@@ -138,8 +138,10 @@ def cmd_get(args: argparse.Namespace) -> int:
         print(f"ALERT {alert['kind']} (attempt {alert['attempt']}, node {alert['node']}): {alert['line']}")
     label = "node" if info.get("kind") == "command" else "rank"
     for rank in data["ranks"]:
+        unit = files.unit_of(rank["rank"])
         what = rank.get("value") or rank.get("error") or rank.get("value_error") or ""
-        print(f"{label} {rank['rank']}: {rank['state']} {what}".rstrip())
+        if unit is not None:
+            print(f"{label} {unit}: {rank['state']} {what}".rstrip())
     if record.get("status") == call_record.FAILED:
         print("\n".join(["error:", *(f"  {line}" for line in failures(path, record))]))
     return code
@@ -153,15 +155,15 @@ def _log_of(path: Path, info: dict[str, Any], unit: int, retry: int) -> Path:
         raise UsageError(f"--retry {retry}: run {path.name} has attempts {attempts or [0]}")
     if info.get("kind") == "command" and attempts:
         return files.node_log(attempts[-1] if retry < 0 else retry, unit)
-    return RunDir(path).log(unit)
+    return RunDir(path).log(unit * files.per_node)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     path = find(args.id)
     record = call_record.load(path) or {}
     info = WorkloadDir(path).read_info() or {}
-    world = int(record.get("world_size", 1))
     command = info.get("kind") == "command"
+    world = int(info.get("num_nodes") or 1) if command else int(record.get("world_size", 1))
     if args.rank is not None and command:
         raise UsageError("--rank is for function runs; a command run's logs are per node: --node N")
     if args.node is not None and not command and args.node != 0:

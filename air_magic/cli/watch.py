@@ -51,8 +51,7 @@ def status_line(record: dict[str, Any], path: Path | None = None) -> str:
     what = f"{record.get('world_size')} rank(s) {record.get('accelerator_type')}"
     info = WorkloadDir(path).read_info() if path is not None else None
     if info and info.get("kind") == "command":
-        per_node = int(info["num_accelerators"]) // max(1, int(info["num_nodes"]))
-        what = f"{info['num_nodes']} node(s) of {per_node} x {info['accelerator_type']}"
+        what = f"{info['num_nodes']} node(s) of {info.get('per_node')} x {info['accelerator_type']}"
     return f"{record.get('name')} · {record['id']} · {status} · {what} · {elapsed:.0f} s"
 
 
@@ -65,7 +64,8 @@ def follow(
     record = call_record.load(path) or {}
     reader = LogReader(path, int(record.get("world_size", 1)))
     lines = Lines(int(record.get("world_size", 1)))
-    label = "node" if (WorkloadDir(path).read_info() or {}).get("kind") == "command" else "rank"
+    files = WorkloadDir(path)
+    label = "node" if (files.read_info() or {}).get("kind") == "command" else "rank"
     live: Any = None
     if out.isatty():
         from rich.console import Console
@@ -81,10 +81,13 @@ def follow(
             print(text, file=out, flush=True)
 
     def emit_line(rank: int, text: str) -> None:
-        emit(f"[{label} {rank}] {text}")
+        unit = files.unit_of(rank)
+        if unit is None:  # a rank that only holds its node's units: the node's lines are its first rank's
+            return
+        emit(f"[{label} {unit}] {text}")
         kind = kind_of(text)
         if kind is not None:
-            emit(f"air-magic: ALERT {kind} on {label} {rank}: {text.strip()}")
+            emit(f"air-magic: ALERT {kind} on {label} {unit}: {text.strip()}")
 
     said = ""
     linked = False
