@@ -31,6 +31,13 @@ __all__ = ["Job", "JobFileError", "apply_override", "load"]
 DEFAULT_MAX_RETRIES = 3
 
 
+def _text(value: Any) -> str:
+    """An env_variables value as the variable's text: YAML's `true` is "true", `null` is ""."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)
+
+
 def join_ray(num_nodes: int) -> None:
     """Join the Ray cluster of $RAY_ADDRESS, else the one started on this machine with `ray start` ("auto")."""
     from ..launch import ray_init
@@ -99,9 +106,7 @@ class Job:
             "code_source": self.code.name if self.code is not None else None,
             "local_world_size": self.nodes.per_node,
             "timeout_minutes": minutes,
-            "env_variables": {
-                k: "" if v is None else str(v) for k, v in (self.data.get("env_variables") or {}).items()
-            },
+            "env_variables": {k: _text(v) for k, v in (self.data.get("env_variables") or {}).items()},
             "secrets": self.secrets,
             "run_name": self.name,
         }

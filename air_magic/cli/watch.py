@@ -118,9 +118,12 @@ def follow(
                 cancelled = True
                 call_record.request_cancel(path)
                 emit(f"air-magic: cancelling {path.name} (Ctrl-C again to stop following; the call is cancelled)")
-        for rank, text in sorted(reader.read(final=True).items()):
-            for line in lines.feed(rank, text):
-                emit_line(rank, line)
+        chunks = reader.read(final=True)
+        while chunks:  # every line left in the logs, however long
+            for rank, text in sorted(chunks.items()):
+                for line in lines.feed(rank, text):
+                    emit_line(rank, line)
+            chunks = reader.read(final=True)
         for rank, line in lines.rest():
             emit_line(rank, line)
     finally:

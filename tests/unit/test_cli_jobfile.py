@@ -39,8 +39,9 @@ def _repo(path: Path) -> Path:
 def test_a_command_file_leases_the_nodes_units_with_the_runtimes_defaults(tmp_path):
     """A command file is a call of a rank per unit of the node (leased together; its first runs the command),
     max_retries 3 when left out, and no call-wide time limit (timeout_minutes is each attempt's)."""
-    job = load(_write(tmp_path, RUN + "timeout_minutes: 5\nparameters: {lr: 0.1}\n"))
+    job = load(_write(tmp_path, RUN + "timeout_minutes: 5\nparameters: {lr: 0.1}\nenv_variables: {A: true, B: 1e-3}\n"))
     settings = job.settings()
+    assert job.node()["env_variables"] == {"A": "true", "B": "1e-3"}
     assert (settings.num_accelerators, settings.max_restarts, settings.timeout) == (2, DEFAULT_MAX_RETRIES, None)
     assert job.node()["local_world_size"] == 2 and job.node()["timeout_minutes"] == 5
     assert job.name == "e"
