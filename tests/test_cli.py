@@ -33,6 +33,7 @@ print(f"rank {rank} of {dist.get_world_size()} sum {total.item()} lr {params['lr
 marks = os.environ["MARKS"]
 if rank == 0 and not os.path.exists(os.path.join(marks, "failed-once")):
     open(os.path.join(marks, "failed-once"), "w").close()
+    print("Segmentation fault (a simulated one)", flush=True)
     sys.exit(3)
 if rank == 0:
     import mlflow
@@ -109,7 +110,8 @@ def _data(done: subprocess.CompletedProcess[str]):
 def _mlflow(cli, run_id: str):
     check = (
         "import json, mlflow, sys; r = mlflow.get_run(sys.argv[1]); "
-        "print(json.dumps([r.info.run_name, mlflow.get_experiment(r.info.experiment_id).name, r.data.metrics]))"
+        "print(json.dumps([r.info.run_name, mlflow.get_experiment(r.info.experiment_id).name, r.data.metrics, "
+        "r.data.tags]))"
     )
     done = subprocess.run(
         [sys.executable, "-c", check, run_id], cwd=cli.root, env=cli.env, capture_output=True, text=True, check=True
@@ -120,7 +122,8 @@ def _mlflow(cli, run_id: str):
 def test_a_torchrun_command_runs_once_per_node_and_its_retry_starts_fresh(cli):
     """The runtime's torchrun file, with CPU overrides: the command runs once on the node, without RANK, in the
     snapshot, with the runtime's variables, env_variables and parameters; torchrun's 2 ranks meet; the first
-    attempt fails and the retry runs in fresh processes with a new MLflow run; logs are kept per attempt."""
+    attempt fails (its fatal line an alert, recorded and tagged on its MLflow run) and the retry runs in fresh
+    processes with a new MLflow run; logs are kept per attempt."""
     done = cli("run", "-f", "job.yaml", "--watch", *CPU)
     assert done.returncode == 0, done.stdout + done.stderr
     run_id = done.stdout.split("Submitted workload with Run ID: ", 1)[1].split()[0]
@@ -136,9 +139,14 @@ def test_a_torchrun_command_runs_once_per_node_and_its_retry_starts_fresh(cli):
     assert "ERROR: Script failed with exit code 1" in first.stdout and "Script failed" not in cli("logs", run_id).stdout
     attempt_run = json.loads((cli.root / "runs" / run_id / "attempts" / "attempt_1" / "node_0.json").read_text())
     assert attempt_run["mlflow_run_id"] != got["mlflow_run_id"]
-    name, experiment, metrics = _mlflow(cli, attempt_run["mlflow_run_id"])
+    name, experiment, metrics, _ = _mlflow(cli, attempt_run["mlflow_run_id"])
     assert (name, experiment, metrics) == ("ddp", "cli-tests", {"loss": 0.25})
-    assert "loss" not in _mlflow(cli, got["mlflow_run_id"])[2]  # the failed first attempt's run: no loss
+    _, _, metrics, tags = _mlflow(cli, got["mlflow_run_id"])  # the failed first attempt's run
+    assert "loss" not in metrics
+    assert tags["air_magic.alert_0"] == "segfault on node 0: Segmentation fault (a simulated one)"
+    assert {"kind": "segfault", "attempt": 0, "node": 0} == {
+        k: got["alerts"][0][k] for k in ("kind", "attempt", "node")
+    }
 
 
 def test_an_attempt_past_its_timeout_ends_timedout_with_json_events_and_an_alert(cli):

@@ -106,6 +106,21 @@ def _attempt_run(env: dict[str, str], name: str, attempt: int) -> Any:
         return None
 
 
+def _tag_alerts(env: dict[str, str], raised: list[dict[str, Any]]) -> None:
+    """The attempt's alerts as tags of its MLflow run (`air_magic.alert_<i>`: kind, node and line), best effort."""
+    if not env.get("MLFLOW_RUN_ID"):
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient()
+        for i, alert in enumerate(raised[:20]):
+            text = f"{alert['kind']} on node {alert['node']}: {alert['line']}"[:5000]
+            client.set_tag(env["MLFLOW_RUN_ID"], f"air_magic.alert_{i}", text)
+    except Exception as exc:  # noqa: BLE001 - the alerts stay in the run directory; MLflow is a copy
+        print(f"air-magic: the alerts were not tagged on the MLflow run: {exc}", flush=True)
+
+
 def _hold(files: WorkloadDir, attempt: int, node_rank: int) -> int:
     """A rank of the node other than its first: it holds its GPU (or CPU slot) until the node's command ended."""
     while not files.node_end(attempt, node_rank).exists():
@@ -152,6 +167,7 @@ def run_node(node: dict[str, Any]) -> int:
     stream = proc.stdout
 
     out = getattr(sys.stdout, "buffer", None)
+    raised: list[dict[str, Any]] = []
 
     def copy() -> None:
         with open(log_path, "ab") as log, open(files.alerts, "ab") as alerts:
@@ -167,6 +183,7 @@ def run_node(node: dict[str, Any]) -> int:
                 kind = kind_of(line)
                 if kind is not None:
                     alert = {"attempt": attempt, "node": node["node_rank"], "kind": kind, "line": line}
+                    raised.append(alert)
                     alerts.write((json.dumps({**alert, "time": time.time()}) + "\n").encode())
                     alerts.flush()
 
@@ -194,6 +211,8 @@ def run_node(node: dict[str, Any]) -> int:
             mlflow_run[0].set_terminated(mlflow_run[1], status)
         except Exception:  # noqa: BLE001, S110 - the run's end is best effort; the attempt's outcome stands
             pass
+    if raised:
+        _tag_alerts(env, raised)
     files.node_end(attempt, node["node_rank"]).write_text(json.dumps(end))
 
     def say(text: str) -> None:  # in the rank's log and the attempt's, as the launch script's own lines
