@@ -38,7 +38,7 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def join_ray(num_nodes: int) -> None:
+def join_ray(num_nodes: int, one_node: str = "--override compute.num_nodes=1") -> None:
     """Join the Ray cluster of $RAY_ADDRESS, else the one started on this machine with `ray start` ("auto")."""
     from ..launch import ray_init
 
@@ -47,8 +47,9 @@ def join_ray(num_nodes: int) -> None:
         ray_init(address, log_to_driver=False)
     except Exception as exc:  # noqa: BLE001 - any failure to join is said the same way
         raise JobFileError(
-            f"compute.num_nodes: {num_nodes} runs on a Ray cluster, and joining {address!r} failed "
-            f"({type(exc).__name__}: {exc}); start one with `ray start --head` or set RAY_ADDRESS"
+            f"compute asks for {num_nodes} nodes, which run on a Ray cluster, and joining {address!r} failed "
+            f"({type(exc).__name__}: {exc}); start one with `ray start --head` or set RAY_ADDRESS, or run one "
+            f"node with {one_node}"
         ) from None
 
 
@@ -102,7 +103,15 @@ class Job:
         """What each node's rank gets (cli/node.py's run_node)."""
         assert self.nodes is not None
         minutes = self.data.get("timeout_minutes")
+        shipped = None
+        if self.nodes.nodes > 1:  # each node's ranks have a directory of their own there: the files travel
+            shipped = {
+                "command": self.data["command"],
+                "hyperparameters": self._hyperparameters(),
+                "code_source": self._archive(),
+            }
         return {
+            "files": shipped,
             "code_source": self.code.name if self.code is not None else None,
             "local_world_size": self.nodes.per_node,
             "timeout_minutes": minutes,
@@ -141,6 +150,7 @@ class Job:
                 settings = Settings(
                     num_accelerators=self.nodes.per_node,
                     accelerator_type="GPU" if self.nodes.uses_gpu else "CPU",
+                    num_nodes=self.nodes.nodes,
                     timeout=None,
                     max_restarts=self.max_retries,
                     watch=False,
@@ -167,7 +177,7 @@ class Job:
         settings = self.settings()
         target, args, kwargs = self.target()
         if settings.num_nodes > 1:
-            join_ray(settings.num_nodes)
+            join_ray(settings.num_nodes, *([self.nodes.one_node()] if self.nodes is not None else []))
         return settings.spec(target, args, kwargs, self.name, origin="cli")
 
     def prepare(self, run_dir: Path) -> None:
@@ -182,10 +192,30 @@ class Job:
             return
         files.command.write_text(self.data["command"])
         if self.data.get("parameters"):
-            files.hyperparameters.write_text(yaml.safe_dump(self.data["parameters"], sort_keys=False))
+            files.hyperparameters.write_text(self._hyperparameters() or "")
         if self.code is not None:
             self.code.take(files.code_source)
         files.write_info(self.info())
+
+    def _hyperparameters(self) -> str | None:
+        import yaml
+
+        return yaml.safe_dump(self.data["parameters"], sort_keys=False) if self.data.get("parameters") else None
+
+    def _archive(self) -> bytes | None:
+        """The code snapshot as a tar archive, taken now (for nodes that are other machines)."""
+        if self.code is None:
+            return None
+        import io
+        import tarfile
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="air_magic-snapshot-") as tmp:
+            taken = self.code.take(Path(tmp))
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+                tar.add(taken, arcname=taken.name)
+        return buffer.getvalue()
 
     def secret_sources(self) -> dict[str, str]:
         """Each secret's reference and whether this machine has it (never its value)."""

@@ -6,9 +6,11 @@ code snapshot's directory, with the runtime's variables (`NUM_NODES`, `NODE_RANK
 `MASTER_ADDR`, `MASTER_PORT`, `CODE_SOURCE_PATH`, `HYPERPARAMETERS_PATH`, `MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI`),
 the file's `env_variables` and `secrets`, and without the rank's own `RANK`/`LOCAL_RANK`/`WORLD_SIZE`: the command's
 launcher (torchrun, accelerate, Ray) makes the ranks. Its output is the node's log (its first rank's log, and a copy
-per attempt); the other ranks wait for its end. Each attempt has `timeout_minutes`: past it the script's processes
-are stopped and the attempt ends TIMEDOUT. An attempt after the first gets an MLflow run of its own in the same
-experiment. Not for: deciding retries (the runner's max_restarts) or reading the logs.
+per attempt); the node's other ranks end at once (the call keeps the node's units leased until it ends). On several
+nodes (a Ray cluster, where each rank has a directory of its own) the files travel in the call, and node 0 tells the
+others the command's MASTER_PORT through a store at the call's own address. Each attempt has `timeout_minutes`: past
+it the script's processes are stopped and the attempt ends TIMEDOUT. An attempt after the first gets an MLflow run
+of its own in the same experiment. Not for: deciding retries (the runner's max_restarts) or reading the logs.
 """
 
 from __future__ import annotations
@@ -121,11 +123,35 @@ def _tag_alerts(env: dict[str, str], raised: list[dict[str, Any]]) -> None:
         print(f"air-magic: the alerts were not tagged on the MLflow run: {exc}", flush=True)
 
 
-def _hold(files: WorkloadDir, attempt: int, node_rank: int) -> int:
-    """A rank of the node other than its first: it holds its GPU (or CPU slot) until the node's command ended."""
-    while not files.node_end(attempt, node_rank).exists():
-        time.sleep(0.2)
-    return 0
+def _materialize(files: WorkloadDir, shipped: dict[str, Any]) -> None:
+    """On a node whose rank has a directory of its own (another machine's), the files `run` wrote: command.sh,
+    the hyperparameters and the code snapshot, from the call's payload."""
+    import io
+    import tarfile
+
+    files.command.write_text(shipped["command"])
+    if shipped.get("hyperparameters") is not None:
+        files.hyperparameters.write_text(shipped["hyperparameters"])
+    if shipped.get("code_source") is not None:
+        files.code_source.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(shipped["code_source"])) as tar:
+            tar.extractall(files.code_source, filter="data")
+
+
+def _command_port(num_nodes: int, node_rank: int) -> tuple[int, Any]:
+    """The MASTER_PORT every node's command gets: a free port of this machine on one node; on several, node 0's,
+    told to the others through a store at the call's own MASTER_ADDR:MASTER_PORT (kept open while it runs)."""
+    if num_nodes == 1:
+        return _free_port(), None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = TCPStore(addr, port, is_master=node_rank == 0, wait_for_workers=False, timeout=timedelta(minutes=10))
+    if node_rank == 0:
+        store.set("air_magic/command_port", str(_free_port()))
+    return int(store.get("air_magic/command_port")), store
 
 
 def run_node(node: dict[str, Any]) -> int:
@@ -138,13 +164,17 @@ def run_node(node: dict[str, Any]) -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     node_rank = int(os.environ.get("GROUP_RANK", "0"))
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return _hold(files, attempt, node_rank)
+        return 0  # the call keeps the node's units leased until it ends; the node's first rank runs the command
+    num_nodes = int(os.environ.get("WORLD_SIZE", "1")) // per_node
+    if not files.command.exists() and node.get("files"):
+        _materialize(files, node["files"])
+    port, store = _command_port(num_nodes, node_rank)  # the rank's own MASTER_PORT is air_magic's, not the command's
     node = {
         **node,
         "node_rank": node_rank,
-        "num_nodes": int(os.environ.get("WORLD_SIZE", "1")) // per_node,
+        "num_nodes": num_nodes,
         "master_addr": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "master_port": _free_port(),  # the rank's own MASTER_PORT is air_magic's store, not the command's
+        "master_port": port,
     }
     cwd = files.code_source / node["code_source"] if node.get("code_source") else run_dir
     env = node_env(dict(os.environ), node, files, cwd)
@@ -202,6 +232,7 @@ def run_node(node: dict[str, Any]) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
     reader.join(5.0)
+    del store  # node 0's store of the port lives as long as its command
     seconds = time.monotonic() - started
     end = {"exit_code": code, "timed_out": timed_out, "seconds": round(seconds, 3)}
     if mlflow_run is not None:

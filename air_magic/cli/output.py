@@ -40,7 +40,7 @@ def state(path: Path, record: dict[str, Any]) -> str:
         nodes = int((files.read_info() or {}).get("num_nodes") or 1)
         if attempts and any(files.read_end(attempts[-1], n).get("timed_out") for n in range(nodes)):
             return "TIMEDOUT"
-        if (files.read_info() or {}).get("kind") != "command" and "timed out" in str(record.get("error") or ""):
+        if "timed out" in str(record.get("error") or ""):  # a node of another machine, or a function's call
             return "TIMEDOUT"
     return STATES.get(status, "UNKNOWN")
 

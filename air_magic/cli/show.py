@@ -154,7 +154,9 @@ def _log_of(path: Path, info: dict[str, Any], unit: int, retry: int) -> Path:
     if retry >= 0 and retry not in attempts:
         raise UsageError(f"--retry {retry}: run {path.name} has attempts {attempts or [0]}")
     if info.get("kind") == "command" and attempts:
-        return files.node_log(attempts[-1] if retry < 0 else retry, unit)
+        kept = files.node_log(attempts[-1] if retry < 0 else retry, unit)
+        if kept.exists():  # a node of another machine keeps its attempts there: its log here is the whole one
+            return kept
     return RunDir(path).log(unit * files.per_node)
 
 

@@ -2,9 +2,10 @@
 
 The runtime reads `compute.num_accelerators` as the total over all nodes and `compute.accelerator_type` as one
 node's hardware (`GPU_8xH100`: 8 GPUs a node), so 16 x `GPU_8xH100` is 2 nodes of 8. `of(compute)` gives that
-`Topology`; `Topology.refusal(node)` says in one line why this machine cannot run it, with the `--override`
-that fits, or None. `CPU` (air_magic's) is one node of `num_accelerators` CPU processes. Not for: starting
-anything (cli/node.py runs the command once per node).
+`Topology`; `Topology.refusal(node)` says in one line why this machine cannot be its one node, with the
+`--override` that fits, or None; several nodes are the Ray cluster's this machine joined. `CPU` (air_magic's) is
+`num_accelerators` CPU processes on one node, or over `compute.num_nodes` nodes. Not for: starting anything
+(cli/node.py runs the command once per node).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class Topology:
         return self.nodes * self.per_node
 
     def refusal(self, node: Node) -> str | None:
-        """Why this machine cannot be the run's node(s), with the override that fits; None if it can."""
+        """Why this machine cannot be the run's only node, with the override that fits; None if it can (or if the
+        run has several nodes: those are the Ray cluster's, checked when it starts)."""
+        if self.nodes > 1:
+            return None
         here = f"{node.gpu_count} GPU(s) ({node.gpu_model})" if node.gpu_count else "no GPU"
         if self.uses_gpu and not node.gpu_count:
             return (
@@ -50,12 +54,13 @@ class Topology:
                 f"{here}; run on them with --override compute.accelerator_type={fits} "
                 f"--override compute.num_accelerators={node.gpu_count}"
             )
-        if self.nodes > 1:
-            return (
-                f"compute asks for {self.nodes} nodes ({self.total} x {self.accelerator_type}) and a command runs "
-                f"on this one machine; run one node with --override compute.num_accelerators={self.per_node}"
-            )
         return None
+
+    def one_node(self) -> str:
+        """The override that makes the run one node."""
+        if self.accelerator_type == "CPU":
+            return "--override compute.num_nodes=1"
+        return f"--override compute.num_accelerators={self.per_node}"
 
 
 def of(compute: dict[str, Any]) -> Topology:
@@ -71,10 +76,13 @@ def of(compute: dict[str, Any]) -> Topology:
         raise JobFileError("compute.num_accelerators is required: the GPUs of all nodes together")
     if num < 1:
         raise JobFileError(f"compute.num_accelerators must be at least 1, got {num}")
-    if kind.strip().upper() == "CPU":
-        if compute.get("num_nodes", 1) != 1:
-            raise JobFileError("compute.num_nodes is for function workloads; a command runs on one CPU node here")
-        return Topology(1, num, "CPU")
+    if kind.strip().upper() == "CPU":  # air_magic's: num_nodes CPU machines of a Ray cluster, num / num_nodes each
+        nodes = compute.get("num_nodes") or 1
+        if num % nodes:
+            raise JobFileError(
+                f"compute.num_accelerators for {nodes} CPU nodes must be a multiple of {nodes}, got {num}"
+            )
+        return Topology(nodes, num // nodes, "CPU")
     parsed = parse_gpu_type(kind)
     if parsed is None or parsed[0] is None or parsed[1] is None:
         raise JobFileError(
@@ -86,6 +94,7 @@ def of(compute: dict[str, Any]) -> Topology:
         raise JobFileError(f"compute.num_accelerators for {kind} must be a multiple of {per_node}, got {num}")
     if compute.get("num_nodes") is not None:
         raise JobFileError(
-            f"compute.num_nodes is for function workloads; with {kind} the nodes are num_accelerators / {per_node}"
+            f"compute.num_nodes is for CPU and function workloads; with {kind} the nodes are num_accelerators / "
+            f"{per_node}"
         )
     return Topology(num // per_node, per_node, kind)

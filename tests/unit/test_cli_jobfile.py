@@ -65,13 +65,18 @@ def test_num_accelerators_is_the_total_over_nodes_of_the_types_size():
             Node(2, "H100"),
             "--override compute.accelerator_type=GPU_2xH100 --override compute.num_accelerators=2",
         ),
-        (topology.Topology(2, 8, "GPU_8xH100"), Node(8, "H100"), "--override compute.num_accelerators=8"),
     ],
 )
 def test_a_node_this_machine_cannot_be_is_refused_naming_the_override_that_fits(nodes, node, override):
-    """GPUs on a machine with none, more GPUs than it has, or several nodes: one line ending in the override."""
+    """GPUs on a machine with none, or more GPUs than it has: one line ending in the override that fits; several
+    nodes are a Ray cluster's, and the override that makes them one node is at hand for its message."""
     assert nodes.refusal(node).endswith(override)
     assert topology.Topology(1, 8, "GPU_8xH100").refusal(Node(8, "H100")) is None
+    two = topology.Topology(2, 8, "GPU_8xH100")
+    assert two.refusal(Node(0, None)) is None and two.one_node() == "--override compute.num_accelerators=8"
+    assert topology.of({"num_accelerators": 4, "accelerator_type": "CPU", "num_nodes": 2}) == topology.Topology(
+        2, 2, "CPU"
+    )
 
 
 @pytest.mark.parametrize(
