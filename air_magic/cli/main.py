@@ -108,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
     logs.add_argument("--rank", type=int, default=None, metavar="R", help="Rank R only (function runs).")
     logs.add_argument("--retry", type=int, default=-1, metavar="A", help="Attempt A (from 0; -1 the latest).")
     logs.add_argument("--lines", type=int, default=None, metavar="N", help="The last N lines only.")
+    logs.add_argument("--minutes", type=int, default=None, metavar="M", help=argparse.SUPPRESS)
     logs.add_argument("--follow", action="store_true", help="Follow until the run ends; exit 0 on SUCCESS, else 1.")
     logs.add_argument("--download-to", default=None, metavar="DIR", help="Write DIR/logs/node_<n>.log.")
     logs.set_defaults(func=cmd_logs)

@@ -161,6 +161,10 @@ def _log_of(path: Path, info: dict[str, Any], unit: int, retry: int) -> Path:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    if args.minutes is not None:
+        raise UsageError("--minutes is not supported here: a node's log keeps no time per line; use --lines N")
+    if args.lines is not None and args.lines < 0:
+        raise UsageError(f"--lines must be 0 or more, got {args.lines}")
     path = find(args.id)
     record = call_record.load(path) or {}
     info = WorkloadDir(path).read_info() or {}
