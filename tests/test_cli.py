@@ -1,7 +1,7 @@
 """The `air-magic` command line as users run it, a subprocess, with the runtime's workload files: a `torchrun`
 command run once per node on CPU (its variables, parameters, a retry in fresh processes with a new MLflow run,
-per-attempt logs), an attempt past `timeout_minutes` ending TIMEDOUT with the JSON events and an ALERT, a
-function workload, cancel and the idempotency token, and files refused with exit code 2 before anything
+per-attempt logs), an attempt past `timeout_minutes` ending TIMEDOUT with the JSON events and an ALERT, the
+code snapshot taken at `run`, a function workload, cancel and the idempotency token, and files refused with exit code 2 before anything
 starts."""
 
 from __future__ import annotations
@@ -180,6 +180,20 @@ def test_an_attempt_past_its_timeout_ends_timedout_with_json_events_and_an_alert
     run_id = events[0]["run_id"]
     assert _data(cli("get", run_id, "--json"))["status"] == "TIMEDOUT"
     assert "timed out after 1 minute(s)" in cli("logs", run_id).stdout
+
+
+def test_the_code_is_the_snapshot_taken_at_run_even_for_a_retry(cli):
+    """Edits to root_path after `run` returns change neither the run nor its retry: both attempts read the file as
+    it was; the run ends FAILED with exit code 1 from `logs --follow`."""
+    (cli.root / "code" / "version.txt").write_text("v1\n")
+    started = _data(cli("run", "-f", "job.yaml", "-o", "json", *CPU, "--override", "command=cat version.txt; exit 4"))
+    (cli.root / "code" / "version.txt").write_text("v2\n")
+    follow = cli("logs", started["run_id"], "--follow")
+    assert follow.returncode == 1, follow.stdout + follow.stderr
+    for attempt in (0, 1):
+        lines = cli("logs", started["run_id"], "--retry", str(attempt)).stdout.splitlines()
+        assert lines[0] == "v1" and lines[-1].startswith("ERROR: Script failed with exit code 4"), lines
+    assert _data(cli("get", started["run_id"], "-o", "json"))["status"] == "FAILED"
 
 
 def test_a_function_workload_returns_each_ranks_value(cli):
