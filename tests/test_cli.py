@@ -1,7 +1,7 @@
-"""The `air-magic` command line as users run it, a subprocess, with the runtime's workload files: a `torchrun`
-command run once per node on CPU (its variables, parameters, a retry in fresh processes with a new MLflow run,
-per-attempt logs), an attempt past `timeout_minutes` ending TIMEDOUT with the JSON events and an ALERT, the
-code snapshot taken at `run`, a function workload, cancel and the idempotency token, and files refused with exit code 2 before anything
+"""The `air-magic` command line as users run it, a subprocess, with the runtime's workload files: a `torchrun` command
+run once per node on CPU (its variables, parameters, a retry in fresh processes with a new MLflow run, per-attempt
+logs), an attempt past `timeout_minutes` ending TIMEDOUT with the JSON events and an ALERT, the code snapshot taken
+at `run`, a function workload, cancel and the idempotency token, and files refused with exit code 2 before anything
 starts."""
 
 from __future__ import annotations
