@@ -13,13 +13,14 @@ import time
 from functools import partial
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
 TRAIN = """\
-import os, sys
+import os, sys, time
 import torch, torch.distributed as dist
 import yaml
 
@@ -35,6 +36,9 @@ if rank == 0 and not os.path.exists(os.path.join(marks, "failed-once")):
     open(os.path.join(marks, "failed-once"), "w").close()
     print("Segmentation fault (a simulated one)", flush=True)
     sys.exit(3)
+if rank == 0 and os.environ.get("HANG"):
+    print("hanging", flush=True)
+    time.sleep(600)
 if rank == 0:
     import mlflow
     mlflow.log_metric("loss", 0.25)
@@ -150,9 +154,10 @@ def test_a_torchrun_command_runs_once_per_node_and_its_retry_starts_fresh(cli):
 
 
 def test_an_attempt_past_its_timeout_ends_timedout_with_json_events_and_an_alert(cli):
-    """`--watch -o json`: SUBMITTED, STATUS lines, an ALERT before the fatal line; the first attempt fails, the
-    retry runs past timeout_minutes and is stopped; the run ends TIMEDOUT and the exit code is 1."""
-    command = 'command=if [ -e "$MARKS/timed" ]; then sleep 600; else touch "$MARKS/timed"; torchrunn x; fi'
+    """`--watch -o json` of the torchrun file: SUBMITTED, STATUS lines, an ALERT before the fatal line; the first
+    attempt fails, the retry hangs in torchrun's rank 0 past timeout_minutes and every process of its script is
+    stopped; the run ends TIMEDOUT and the exit code is 1."""
+    (cli.root / "marks-timeout").mkdir()
     done = cli(
         "run",
         "-f",
@@ -164,7 +169,9 @@ def test_an_attempt_past_its_timeout_ends_timedout_with_json_events_and_an_alert
         "--override",
         "timeout_minutes=1",
         "--override",
-        command,
+        f"env_variables.MARKS={cli.root / 'marks-timeout'}",
+        "--override",
+        "env_variables.HANG=1",
         timeout=400,
     )
     assert done.returncode == 1, done.stdout + done.stderr
@@ -173,13 +180,18 @@ def test_an_attempt_past_its_timeout_ends_timedout_with_json_events_and_an_alert
     statuses = [e["status"] for e in events if e.get("type") == "STATUS"]
     assert statuses[0] in ("PENDING", "RUNNING") and statuses[-2:] == ["RUNNING", "TIMEDOUT"]
     lines = [e for e in events if e.get("type") in ("ALERT", "LOG")]
-    found = next(i for i, e in enumerate(lines) if "command not found" in e["line"])
-    assert lines[found]["type"] == "ALERT" and lines[found]["kind"] == "command_not_found"
+    found = next(i for i, e in enumerate(lines) if "Segmentation fault" in e["line"])
+    assert lines[found]["type"] == "ALERT" and lines[found]["kind"] == "segfault" and lines[found]["node"] == 0
     assert lines[found + 1]["type"] == "LOG" and lines[found + 1]["line"] == lines[found]["line"]
     assert events[-1]["data"]["status"] == "TIMEDOUT"
     run_id = events[0]["run_id"]
     assert _data(cli("get", run_id, "--json"))["status"] == "TIMEDOUT"
+    assert "hanging" in cli("logs", run_id).stdout
     assert "timed out after 1 minute(s)" in cli("logs", run_id).stdout
+    left = [
+        p.info for p in psutil.process_iter(["pid", "cmdline"]) if f"{run_id}/" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert left == []
 
 
 def test_the_code_is_the_snapshot_taken_at_run_even_for_a_retry(cli):
