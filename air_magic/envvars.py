@@ -27,7 +27,23 @@ CPU_SLOTS = "AIR_MAGIC_CPU_SLOTS"
 #: Seconds of no progress from which a watched call names a hung rank, at least (default 30; docs/watching.md).
 HANG_AFTER = "AIR_MAGIC_HANG_AFTER"
 
-USER_FACING = (RUNS_DIR, WARM, PRELOAD, DISPLAY, FORCE_CPU, LARGE_RESULT_MIB, CPU_SLOTS, HANG_AFTER)
+#: A workload file's secret `scope/key`: this prefix, then SCOPE_KEY upper-cased, non-alphanumerics as `_`.
+SECRET_PREFIX = "AIR_MAGIC_SECRET_"
+#: The 0600 YAML file of secrets `{scope: {key: value}}` (default ~/.config/air_magic/secrets.yaml).
+SECRETS_FILE = "AIR_MAGIC_SECRETS_FILE"
+
+USER_FACING = (
+    RUNS_DIR,
+    WARM,
+    PRELOAD,
+    DISPLAY,
+    FORCE_CPU,
+    LARGE_RESULT_MIB,
+    CPU_SLOTS,
+    HANG_AFTER,
+    SECRET_PREFIX,
+    SECRETS_FILE,
+)
 
 # -- set by air_magic for its own processes (internal: not for users, may change) -----------------------------
 #: In a rank: the call's run directory on the rank's machine (the Ray scratch directory on another node).

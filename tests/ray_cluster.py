@@ -52,6 +52,7 @@ RAY_GROUPS = {
     "test_ray.py": "ray-a",
     "test_ray_holds.py": "ray-a",
     "test_cli_ray.py": "ray-a",
+    "test_cli_ray_command.py": "ray-a",
     "test_code_travels.py": "ray-b",
     "test_ray_sessions.py": "ray-b",
     "test_restarts.py": "ray-b",

@@ -1,6 +1,8 @@
-"""The `air-magic` command line as users run it, a subprocess: a command and a function workload on 2 CPU ranks,
---watch's exit codes, one MLflow run per run that a command's script logs into, list/get/logs in JSON, cancel, and
-a misspelled field refused with exit code 2 before anything starts."""
+"""The `air-magic` command line as users run it, a subprocess, with the runtime's workload files: a `torchrun` command
+run once per node on CPU (its variables, parameters, a retry in fresh processes with a new MLflow run, per-attempt
+logs), an attempt past `timeout_minutes` ending TIMEDOUT with the JSON events and an ALERT, the code snapshot taken
+at `run`, a function workload, cancel and the idempotency token, and files refused with exit code 2 before anything
+starts."""
 
 from __future__ import annotations
 
@@ -11,18 +13,58 @@ import time
 from functools import partial
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = """\
-import os
-import mlflow
-rank = int(os.environ["RANK"])
-print("hello from rank", rank, "of", os.environ["WORLD_SIZE"], "in", os.environ["CODE_SOURCE_PATH"], flush=True)
+TRAIN = """\
+import os, sys, time
+import torch, torch.distributed as dist
+import yaml
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+params = yaml.safe_load(open(os.environ["HYPERPARAMETERS_PATH"]))
+print(f"rank {rank} of {dist.get_world_size()} sum {total.item()} lr {params['lr']} batch {os.environ['BATCH_SIZE']}",
+      flush=True)
+marks = os.environ["MARKS"]
+if rank == 0 and not os.path.exists(os.path.join(marks, "failed-once")):
+    open(os.path.join(marks, "failed-once"), "w").close()
+    print("Segmentation fault (a simulated one)", flush=True)
+    sys.exit(3)
+if rank == 0 and os.environ.get("HANG"):
+    print("hanging", flush=True)
+    time.sleep(600)
 if rank == 0:
+    import mlflow
     mlflow.log_metric("loss", 0.25)
+dist.destroy_process_group()
+"""
+
+# The runtime's own form: 8 H100 on one node, torchrun over them; the test adapts it with --override only.
+JOB = """\
+experiment_name: cli-tests
+mlflow_run_name: ddp
+compute:
+  num_accelerators: 8
+  accelerator_type: GPU_8xH100
+code_source:
+  type: snapshot
+  snapshot:
+    root_path: code
+env_variables:
+  BATCH_SIZE: '32'
+parameters:
+  lr: 0.1
+max_retries: 1
+timeout_minutes: 5
+command: |
+  echo "node $NODE_RANK of $NUM_NODES, $LOCAL_WORLD_SIZE local, RANK=${RANK:-unset}, in $PWD"
+  torchrun --nproc_per_node=2 $CODE_SOURCE_PATH/train.py
 """
 
 FUNCTIONS = """\
@@ -33,135 +75,208 @@ def train(lr, steps=1):
     return {"rank": int(os.environ["RANK"]), "lr": lr, "steps": steps}
 """
 
-COMMAND_JOB = """\
-experiment_name: cli-tests
-mlflow_run_name: hello
-compute:
-  num_accelerators: 2
-  accelerator_type: CPU
-command: python train.py
-code_source:
-  root_path: code
-environment:
-  dependencies: ["mlflow>=2"]
-timeout: 600
-"""
-
 FUNCTION_JOB = """\
 compute: {num_accelerators: 2, accelerator_type: CPU}
 function: fns:train
 args: [0.1]
 kwargs: {steps: 3}
-code_source: {root_path: code}
+code_source: {type: snapshot, snapshot: {root_path: code}}
+max_retries: 0
 """
+
+CPU = ("--override", "compute.accelerator_type=CPU", "--override", "compute.num_accelerators=2")
 
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     """Runs `air-magic ARGS` in a private directory (its own runs root and MLflow store); its CompletedProcess."""
     root = tmp_path_factory.mktemp("cli")
-    (root / "runs").mkdir()
-    (root / "code").mkdir()
-    (root / "code" / "train.py").write_text(SCRIPT)
+    for name in ("runs", "code", "marks"):
+        (root / name).mkdir()
+    (root / "code" / "train.py").write_text(TRAIN)
     (root / "code" / "fns.py").write_text(FUNCTIONS)
-    (root / "job.yaml").write_text(COMMAND_JOB)
+    (root / "job.yaml").write_text(
+        JOB.replace("  BATCH_SIZE: '32'\n", f"  BATCH_SIZE: '32'\n  MARKS: {root / 'marks'}\n")
+    )
     (root / "fjob.yaml").write_text(FUNCTION_JOB)
     env = process_env(kernel_env(root))
-
     run = partial(air_magic_cli, root, env)
-
     run.root = root  # type: ignore[attr-defined]
     run.env = env  # type: ignore[attr-defined]
     return run
 
 
-def _json(done: subprocess.CompletedProcess[str]):
-    assert done.returncode == 0, done.stderr
+def _data(done: subprocess.CompletedProcess[str]):
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.splitlines()[-1])["data"]
+
+
+def _mlflow(cli, run_id: str):
+    check = (
+        "import json, mlflow, sys; r = mlflow.get_run(sys.argv[1]); "
+        "print(json.dumps([r.info.run_name, mlflow.get_experiment(r.info.experiment_id).name, r.data.metrics, "
+        "r.data.tags]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check, run_id], cwd=cli.root, env=cli.env, capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout)
 
 
-def test_a_command_workload_runs_on_every_rank_and_logs_into_its_mlflow_run(cli):
-    """`run -f job.yaml --watch` prints each rank's lines prefixed by rank, exits 0, and its one MLflow run, named
-    mlflow_run_name in experiment_name, has the metric the script logged."""
-    done = cli("run", "-f", "job.yaml", "--watch")
+def test_a_torchrun_command_runs_once_per_node_and_its_retry_starts_fresh(cli):
+    """The runtime's torchrun file, with CPU overrides: the command runs once on the node, without RANK, in the
+    snapshot, with the runtime's variables, env_variables and parameters; torchrun's 2 ranks meet; the first
+    attempt fails (its fatal line an alert, recorded and tagged on its MLflow run) and the retry runs in fresh
+    processes with a new MLflow run; logs are kept per attempt."""
+    done = cli("run", "-f", "job.yaml", "--watch", *CPU)
     assert done.returncode == 0, done.stdout + done.stderr
+    run_id = done.stdout.split("Submitted workload with Run ID: ", 1)[1].split()[0]
+    snapshot = cli.root / "runs" / run_id / "code_source" / "code"
+    assert f"[node 0] node 0 of 1, 2 local, RANK=unset, in {snapshot}" in done.stdout
     for rank in (0, 1):
-        assert f"[rank {rank}] hello from rank {rank} of 2 in {cli.root / 'code'}" in done.stdout
-    assert "finished" in done.stdout.splitlines()[-1]
-    record = _json(cli("list", "--json"))[-1]
-    got = _json(cli("get", record["id"][:20], "--json"))
-    assert got["status"] == "finished" and got["owner"]["role"] == "cli"
-    check = (
-        "import json, mlflow, sys; r = mlflow.get_run(sys.argv[1]); "
-        "print(json.dumps([r.info.run_name, mlflow.get_experiment(r.info.experiment_id).name, r.data.metrics]))"
-    )
-    name, experiment, metrics = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", check, got["mlflow"]["run_id"]],
-            cwd=cli.root,
-            env=cli.env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
-    assert (name, experiment, metrics["loss"]) == ("hello", "cli-tests", 0.25)
+        assert f"rank {rank} of 2 sum 3.0 lr 0.1 batch 32" in done.stdout
+    assert "ERROR: Script failed with exit code 1" in done.stdout
+    assert "SUCCESS" in done.stdout.splitlines()[-1]
+    got = _data(cli("get", "run", run_id, "-o", "json"))
+    assert (got["status"], got["attempt_number"], got["max_retries"]) == ("SUCCESS", 1, 1)
+    first = cli("logs", run_id, "--retry", "0", "--node", "0")
+    assert "ERROR: Script failed with exit code 1" in first.stdout and "Script failed" not in cli("logs", run_id).stdout
+    attempt_run = json.loads((cli.root / "runs" / run_id / "attempts" / "attempt_1" / "node_0.json").read_text())
+    assert attempt_run["mlflow_run_id"] != got["mlflow_run_id"]
+    name, experiment, metrics, _ = _mlflow(cli, attempt_run["mlflow_run_id"])
+    assert (name, experiment, metrics) == ("ddp", "cli-tests", {"loss": 0.25})
+    _, _, metrics, tags = _mlflow(cli, got["mlflow_run_id"])  # the failed first attempt's run
+    assert "loss" not in metrics
+    assert tags["air_magic.alert_0"] == "segfault on node 0: Segmentation fault (a simulated one)"
+    assert {"kind": "segfault", "attempt": 0, "node": 0} == {
+        k: got["alerts"][0][k] for k in ("kind", "attempt", "node")
+    }
 
 
-def test_a_function_workload_returns_each_ranks_value_to_get_and_logs(cli):
-    """`run --json` returns at once with the id and run directory; `logs --follow` waits for the end; `get --json`
-    gives each rank's value (its repr); `logs --rank 1 --json` that rank's lines; `list` its status."""
-    started = _json(cli("run", "-f", "fjob.yaml", "--json"))
-    assert Path(started["run_dir"]).name == started["id"]
-    assert started["status"] in ("waiting", "running")
-    follow = cli("logs", started["id"], "--follow")
+def test_an_attempt_past_its_timeout_ends_timedout_with_json_events_and_an_alert(cli):
+    """`--watch -o json` of the torchrun file: SUBMITTED, STATUS lines, an ALERT before the fatal line; the first
+    attempt fails, the retry hangs in torchrun's rank 0 past timeout_minutes and every process of its script is
+    stopped; the run ends TIMEDOUT and the exit code is 1."""
+    (cli.root / "marks-timeout").mkdir()
+    done = cli(
+        "run",
+        "-f",
+        "job.yaml",
+        "--watch",
+        "-o",
+        "json",
+        *CPU,
+        "--override",
+        "timeout_minutes=1",
+        "--override",
+        f"env_variables.MARKS={cli.root / 'marks-timeout'}",
+        "--override",
+        "env_variables.HANG=1",
+        timeout=400,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert events[0]["type"] == "SUBMITTED"
+    statuses = [e["status"] for e in events if e.get("type") == "STATUS"]
+    assert statuses[0] in ("PENDING", "RUNNING") and statuses[-2:] == ["RUNNING", "TIMEDOUT"]
+    lines = [e for e in events if e.get("type") in ("ALERT", "LOG")]
+    found = next(i for i, e in enumerate(lines) if "Segmentation fault" in e["line"])
+    assert lines[found]["type"] == "ALERT" and lines[found]["kind"] == "segfault" and lines[found]["node"] == 0
+    assert lines[found + 1]["type"] == "LOG" and lines[found + 1]["line"] == lines[found]["line"]
+    assert events[-1]["data"]["status"] == "TIMEDOUT"
+    run_id = events[0]["run_id"]
+    assert _data(cli("get", run_id, "--json"))["status"] == "TIMEDOUT"
+    assert "hanging" in cli("logs", run_id).stdout
+    assert "timed out after 1 minute(s)" in cli("logs", run_id).stdout
+    left = [
+        p.info for p in psutil.process_iter(["pid", "cmdline"]) if f"{run_id}/" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert left == []
+
+
+def test_the_code_is_the_snapshot_taken_at_run_even_for_a_retry(cli):
+    """Edits to root_path after `run` returns change neither the run nor its retry: both attempts read the file as
+    it was; the run ends FAILED with exit code 1 from `logs --follow`."""
+    (cli.root / "code" / "version.txt").write_text("v1\n")
+    started = _data(cli("run", "-f", "job.yaml", "-o", "json", *CPU, "--override", "command=cat version.txt; exit 4"))
+    (cli.root / "code" / "version.txt").write_text("v2\n")
+    follow = cli("logs", started["run_id"], "--follow")
+    assert follow.returncode == 1, follow.stdout + follow.stderr
+    for attempt in (0, 1):
+        lines = cli("logs", started["run_id"], "--retry", str(attempt)).stdout.splitlines()
+        assert lines[0] == "v1" and lines[-1].startswith("ERROR: Script failed with exit code 4"), lines
+    assert _data(cli("get", started["run_id"], "-o", "json"))["status"] == "FAILED"
+
+
+def test_a_function_workload_returns_each_ranks_value(cli):
+    """function: module:name (air_magic's) runs on every rank; `logs --follow` waits for the end; `get` gives
+    each rank's value (its repr); `logs --rank 1` that rank's lines."""
+    started = _data(cli("run", "-f", "fjob.yaml", "-o", "json"))
+    assert Path(started["run_dir"]).name == started["run_id"] and started["status"] in ("PENDING", "RUNNING")
+    follow = cli("logs", started["run_id"], "--follow")
     assert follow.returncode == 0, follow.stdout + follow.stderr
-    got = _json(cli("get", started["id"], "--json"))
-    assert got["status"] == "finished"
+    got = _data(cli("get", started["run_id"], "--json"))
+    assert got["status"] == "SUCCESS"
     assert [r["value"] for r in got["ranks"]] == [repr({"rank": r, "lr": 0.1, "steps": 3}) for r in (0, 1)]
-    logs = _json(cli("logs", started["id"], "--rank", "1", "--json"))
-    assert "training with 0.1 3" in logs["logs"]["1"]
-    listed = {r["id"]: r["status"] for r in _json(cli("list", "--json"))}
-    assert listed[started["id"]] == "finished"
+    assert "training with 0.1 3" in cli("logs", started["run_id"], "--rank", "1").stdout
+    listed = _data(cli("list", "--all-status", "--filter", "status=success", "-o", "json"))["runs"]
+    assert started["run_id"] in [r["run_id"] for r in listed]
 
 
-def test_a_failing_command_exits_non_zero_and_a_cancelled_one_130(cli):
-    """--watch exits 1 when a rank's command fails; a run cancelled from another `air-magic cancel` ends cancelled,
-    and `attach` exits 130."""
-    failed = cli("run", "-f", "job.yaml", "--watch", "--override", "command=exit 3", "--override", "experiment_name=x")
-    assert failed.returncode == 1, failed.stdout + failed.stderr
-    assert "the command exited with code 3" in failed.stdout
-    started = _json(
-        cli(
-            "run",
-            "-f",
-            "job.yaml",
-            "--json",
-            "--override",
-            "command=echo started; sleep 600",
-            "--override",
-            "timeout=900",
-        )
+def test_a_repeat_run_with_the_same_token_starts_nothing_and_cancel_ends_it(cli):
+    """A second `run --idempotency-key K` returns the first run; `cancel` ends it CANCELED, `attach` exits 1,
+    and `list` (active runs) no longer shows it."""
+    args = (
+        "run",
+        "-f",
+        "job.yaml",
+        "-o",
+        "json",
+        *CPU,
+        "--idempotency-key",
+        "nightly-1",
+        "--override",
+        "command=echo started; sleep 600",
     )
+    first = _data(cli(*args))
+    second = _data(cli(*args))
+    assert second["run_id"] == first["run_id"] and second["existing"] is True
+    assert len([p for p in (cli.root / "runs").iterdir() if p.name == first["run_id"]]) == 1
+    log = Path(first["run_dir"]) / "rank-0.log"
     deadline = time.monotonic() + 300
-    log = Path(started["run_dir"]) / "rank-0.log"
-    while "started" not in log.read_text():  # the ranks run: their first line is in the log
-        assert time.monotonic() < deadline, (Path(started["run_dir"]) / "owner.log").read_text()
+    while "started" not in log.read_text():  # the node runs: its first line is in the log
+        assert time.monotonic() < deadline, (Path(first["run_dir"]) / "owner.log").read_text()
         time.sleep(0.2)
-    cancelled = _json(cli("cancel", started["id"], "--json"))
-    assert cancelled == [{"id": started["id"], "cancel_requested": True, "already_requested": False}]
-    attached = cli("attach", started["id"])
-    assert attached.returncode == 130, attached.stdout + attached.stderr
-    assert _json(cli("get", started["id"], "--json"))["status"] == "cancelled"
+    assert first["run_id"] in [r["run_id"] for r in _data(cli("list", "-o", "json"))["runs"]]
+    cancelled = _data(cli("cancel", first["run_id"], "-o", "json"))
+    assert cancelled["cancelled"] == [first["run_id"]] and cancelled["failed"] == []
+    attached = cli("attach", first["run_id"])
+    assert attached.returncode == 1, attached.stdout + attached.stderr
+    assert _data(cli("get", first["run_id"], "-o", "json"))["status"] == "CANCELED"
+    assert first["run_id"] not in [r["run_id"] for r in _data(cli("list", "-o", "json"))["runs"]]
 
 
-def test_a_misspelled_field_is_refused_with_exit_code_2_and_nothing_started(cli):
-    """An unknown field is one line naming it and the close name, exit code 2, no traceback, no run directory."""
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--override", "compute.num_acelerators=2"),
+            "unknown field 'compute.num_acelerators'; did you mean 'num_accelerators'?",
+        ),
+        ((), "this machine has no GPU; run on its CPU with --override compute.accelerator_type=CPU"),
+        ((*CPU, "--override", "secrets.HF_TOKEN=hf/token"), "secrets not found on this machine: HF_TOKEN (hf/token"),
+    ],
+)
+def test_a_file_that_cannot_run_is_refused_with_exit_code_2_and_nothing_started(cli, args, message):
+    """A misspelled field, GPUs on a machine without one, a missing secret: one line naming it and the fix,
+    exit code 2, no traceback, no run directory; with -o json, the error envelope."""
     before = set((cli.root / "runs").iterdir())
-    done = cli("run", "-f", "job.yaml", "--override", "compute.num_acelerators=2")
+    done = cli("run", "-f", "job.yaml", *args)
     assert done.returncode == 2
-    assert done.stderr.strip() == (
-        "air-magic: error: unknown field 'compute.num_acelerators'; did you mean 'num_accelerators'?"
-    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("air-magic: error:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert set((cli.root / "runs").iterdir()) == before
+    error = json.loads(cli("run", "-f", "job.yaml", *args, "-o", "json").stdout)["error"]
+    assert (error["code"], error["kind"], error["retryable"]) == ("INVALID_ARGS", "PERMANENT", False)
+    assert message in error["message"]

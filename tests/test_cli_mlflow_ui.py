@@ -1,5 +1,5 @@
 """The command line as users try it, a subprocess, with a local MLflow store (sqlite): the link `run --watch` prints
-opens the run in a UI that `run --watch` serves while it follows; `cancel --all` says what it cancelled; once the
+opens the run in a UI that `run --watch` serves while it follows; `cancel --all -y` says what it cancelled; once the
 call's owner is gone `get` sends to `air-magic ui ID`, which serves the run on 127.0.0.1 only until Ctrl-C; `get
 --watch` of a failed function workload shows the rank's exception and exits 1; an unknown or ambiguous id is one
 line and exit code 2."""
@@ -39,7 +39,8 @@ experiment_name: ui-tests
 compute: {num_accelerators: 2, accelerator_type: CPU}
 function: fns:wait
 args: [never]
-code_source: {root_path: code}
+code_source: {type: snapshot, snapshot: {root_path: code}}
+max_retries: 0
 """
 
 
@@ -100,15 +101,16 @@ def test_the_mlflow_link_of_a_local_store_opens_while_watching_and_later_with_ai
     with cli.start("run", "-f", "job.yaml", "--watch") as watch, _killed(watch):
         link = _line_with(watch, "MLflow run: ", seen).split("MLflow run: ", 1)[1].strip()
         assert link.startswith("http://127.0.0.1:")
-        call_id = seen[0].split("air-magic: ", 1)[1].split()[0]
+        call_id = next(line for line in seen if "Run ID: " in line).split("Run ID: ", 1)[1].split()[0]
         run_id = link.split("/runs/", 1)[1].split("?", 1)[0]
         assert _run_in_ui(link, run_id)["status"] == "RUNNING"
-        cancelled = cli("cancel", "--all")
-        assert cancelled.returncode == 0 and f"{call_id} (wait, running): cancelled" in cancelled.stdout, cancelled
-        assert watch.wait(120) == 130, "".join(seen)
+        cancelled = cli("cancel", "--all", "-y")
+        assert cancelled.returncode == 0, cancelled
+        assert f"Successfully requested cancellation for run {call_id}" in cancelled.stdout, cancelled
+        assert watch.wait(120) == 1, "".join(seen)
     got = cli("get", call_id)
     assert f"mlflow: {run_id} (open it: air-magic ui {call_id})" in got.stdout, got.stdout
-    assert json.loads(cli("get", call_id, "--json").stdout)["mlflow"]["link"] is None
+    assert json.loads(cli("get", call_id, "--json").stdout)["data"]["mlflow_url"] is None
     seen = []
     with cli.start("ui", call_id[:24]) as ui, _killed(ui):
         link = _line_with(ui, "MLflow run: ", seen).split("MLflow run: ", 1)[1].strip()
@@ -127,7 +129,7 @@ def test_get_of_a_failed_function_shows_the_ranks_exception_and_bad_ids_are_one_
     """`get --watch` waits for the end, shows rank 1's exception with its traceback, and exits 1; an unknown id and
     an ambiguous prefix are one line each with exit code 2; `cancel --all` with nothing running says so."""
     started = cli("run", "-f", "job.yaml", "--override", "function=fns:boom", "--override", "args=[3]")
-    call_id = started.stdout.strip()
+    call_id = started.stdout.split("Run ID: ", 1)[1].split()[0]
     got = cli("get", call_id, "--watch")
     assert got.returncode == 1, got.stdout + got.stderr
     assert "rank 1: failed ValueError: bad x 3" in got.stdout
@@ -135,13 +137,17 @@ def test_get_of_a_failed_function_shows_the_ranks_exception_and_bad_ids_are_one_
     unknown = cli("get", "nothing-like-this")
     assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
     assert "no call 'nothing-like-this'" in unknown.stderr and "Traceback" not in unknown.stderr
-    if len(json.loads(cli("list", "--json").stdout)) < 2:  # a prefix of two calls' ids is needed
+    if (
+        len(json.loads(cli("list", "--all-status", "--json").stdout)["data"]["runs"]) < 2
+    ):  # a prefix of two calls' ids is needed
         second = cli("run", "-f", "job.yaml", "--override", "function=fns:boom", "--override", "args=[4]")
         assert second.returncode == 0, second.stderr
-        assert cli("get", second.stdout.strip(), "--watch").returncode == 1  # over before `cancel --all` below
+        assert (
+            cli("get", second.stdout.split("Run ID: ", 1)[1].split()[0], "--watch").returncode == 1
+        )  # over before `cancel --all` below
     ambiguous = cli("logs", call_id[:2])  # every call of this module starts with the same year
     assert ambiguous.returncode == 2 and len(ambiguous.stderr.strip().splitlines()) == 1, ambiguous.stderr
     assert "names 2 calls" in ambiguous.stderr
     nothing = cli("cancel", "--all")
-    assert nothing.stdout.strip() == "air-magic: no call is waiting or running; nothing to cancel"
-    assert Path(json.loads(cli("get", call_id, "--json").stdout)["run_dir"]).name == call_id
+    assert nothing.stdout.strip() == "air-magic: no run is waiting or running; nothing to cancel"
+    assert Path(json.loads(cli("get", call_id, "--json").stdout)["data"]["run_dir"]).name == call_id

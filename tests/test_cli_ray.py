@@ -1,5 +1,5 @@
-"""`air-magic run` of a workload on two nodes of a (simulated) Ray cluster: one rank on each, their lines followed
-with --watch, exit code 0."""
+"""`air-magic run` of a function workload on two nodes of a (simulated) Ray cluster: one rank on each, their lines
+followed with --watch, exit code 0."""
 
 from __future__ import annotations
 
@@ -13,15 +13,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # Ray workers regist
 
 JOB = """\
 compute: {num_accelerators: 1, accelerator_type: CPU, num_nodes: 2}
-command: echo rank $RANK of $WORLD_SIZE
-timeout: 900
+function: fns:where
+timeout_minutes: 15
+max_retries: 0
+"""
+
+FUNCTIONS = """\
+import os
+
+def where():
+    print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], flush=True)
 """
 
 
 def test_a_workload_on_two_nodes_runs_a_rank_on_each(cluster, tmp_path):
-    """compute.num_nodes: 2 joins the cluster of RAY_ADDRESS and runs the command on both nodes' ranks."""
+    """compute.num_nodes: 2 (air_magic's, for function workloads) joins the cluster of RAY_ADDRESS and runs the
+    function on both nodes' ranks."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
     env = process_env({**kernel_env(tmp_path), "RAY_ADDRESS": cluster.address})
     done = subprocess.run(
         [sys.executable, "-m", "air_magic.cli", "run", "-f", "job.yaml", "--watch"],

@@ -27,7 +27,15 @@ time.sleep(3600)
 
 JOB = """\
 compute: {num_accelerators: 2, accelerator_type: CPU}
-command: echo ran on rank $RANK
+function: fns:hello
+max_retries: 0
+"""
+
+FUNCTIONS = """\
+import os
+
+def hello():
+    print("ran on rank", os.environ["RANK"], flush=True)
 """
 
 
@@ -36,6 +44,7 @@ def test_a_run_waits_for_slots_another_process_holds_until_that_process_is_kille
     kind and pid); after `kill -9` of the holder the run takes the slots and finishes."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
     env = process_env({**kernel_env(tmp_path), "AIR_MAGIC_CPU_SLOTS": "2"})
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -43,13 +52,13 @@ def test_a_run_waits_for_slots_another_process_holds_until_that_process_is_kille
 
         cli = partial(air_magic_cli, tmp_path, env)
 
-        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
         deadline = time.monotonic() + 300
         while True:
-            got = json.loads(cli("get", started["id"], "--json").stdout)
+            got = json.loads(cli("get", started["id"], "--json").stdout)["data"]
             if got["waiting_for"]:
                 break
-            assert got["status"] == "waiting" and time.monotonic() < deadline, got
+            assert got["status"] == "PENDING" and time.monotonic() < deadline, got
             time.sleep(0.2)
         assert got["waiting_for"] == f"2 CPU slot(s); 0 of 2 free, held by call hold-1 (holder) (cli pid {holder.pid})"
         os.kill(holder.pid, signal.SIGKILL)

@@ -17,15 +17,17 @@ pytestmark = [
 #: The kernel of this module sees the node's GPUs (the rest of the suite runs the CPU path).
 KERNEL_ENV = REAL_NODE
 
-#: A command workload on every GPU that holds its device until a flag file appears.
-JOB = "experiment_name: gpu-lease\ncommand: python hold.py\n"
+#: A function workload on every GPU that holds its device until a flag file appears.
+JOB = "experiment_name: gpu-lease\nfunction: hold:main\nmax_retries: 0\n"
 HOLD = """\
 import os, pathlib, time, torch
-torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-x = torch.ones(1, device="cuda")
-print("holding", os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
-while not pathlib.Path(__file__).with_name("go").exists():
-    time.sleep(0.05)
+
+def main():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    x = torch.ones(1, device="cuda")
+    print("holding", os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
+    while not pathlib.Path(__file__).with_name("go").exists():
+        time.sleep(0.05)
 """
 
 
@@ -38,7 +40,7 @@ def test_a_kernels_call_waits_for_the_gpus_a_command_line_run_holds_then_runs(ke
 
     cli = partial(air_magic_cli, workdir, env)
 
-    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
     kernel.execute("%load_ext air_magic").check()
     kernel.execute(
         "import json, time\nfrom pathlib import Path\nfrom air_magic import attach, distributed\n"
@@ -64,4 +66,4 @@ def test_a_kernels_call_waits_for_the_gpus_a_command_line_run_holds_then_runs(ke
     out = kernel.execute("print('REPORT', json.dumps([mine.result(), mine.status]))", timeout=300).check()
     devices, status = json.loads(out.stdout.split("REPORT ", 1)[1])
     assert status == "finished" and len(devices) == gpu_count()
-    assert json.loads(cli("get", started["id"], "--json").stdout)["status"] == "finished"
+    assert json.loads(cli("get", started["id"], "--json").stdout)["data"]["status"] == "SUCCESS"

@@ -55,16 +55,24 @@ def start(
     experiment_id: str | None = None,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
+    prepare: Callable[[Path], None] | None = None,
 ) -> Path:
     """Start `spec` in an owner process of its own; its run directory (`.name` is the call's id) once it runs there.
 
     `role` names the owner to waiting calls ("detached" from a notebook, "cli" from the command line); `env`
-    adds to this process's environment, which the owner (and so the ranks) inherit.
+    adds to this process's environment, which the owner (and so the ranks) inherit; `prepare(run_dir)` writes
+    what the call reads into its run directory before the owner starts (if it raises, nothing is left).
     """
     blob = payload.serialize(spec.target, spec.args, spec.kwargs)  # fails here, before anything starts
     if spec.session is not None:
         raise AirMagicError("a call in a session cannot be detached: its ranks belong to this kernel's session.")
     run = RunDir.create(spec.name, spec.world_size)
+    if prepare is not None:
+        try:
+            prepare(run.path)
+        except BaseException:
+            run.remove()
+            raise
     settings = dataclasses.replace(spec, target=_gone, args=(), kwargs={})
     workdir = cwd or os.getcwd()
     hand_off: dict[str, Any] = {

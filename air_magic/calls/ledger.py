@@ -1,21 +1,23 @@
-"""The ledger of this node's GPUs and CPU worker slots: which call (or session) holds which, and who waits.
+"""The ledger of this node's GPUs and CPU worker slots: who holds which (a call, or a kept world), and who waits.
 
-Calls that run at once never share a GPU. Every call of the kernel on this node, foreground or background,
-takes its units here before its ranks start and gives them back when it ends; a session keeps its GPUs
-from its first call until it ends (`keep`). A call whose units are not free waits, first come first
-served, and can say what it waits for (`why_waiting`). The same rule holds for CPU worker slots: there are
-`$AIR_MAGIC_CPU_SLOTS` of them (default: the machine's core count); a CPU call asking for more slots than
-exist runs once every slot is free, as an oversubscribed call always has.
+Calls that run at once never share a GPU. Every call of the process on this node takes its units here before its
+ranks start; a call that leaves a world kept (hot ranks, a session) hands its units to that world (`hand_over`),
+which holds them until the owner gives them back at the world's end. A call may borrow units a kept world of this
+process holds (`take(..., borrow=...)`: a session's call its session's, any call idle hot ranks'). A call whose
+units are not free waits, first come first served, and can say what it waits for (`why_waiting`). The same rule
+holds for CPU worker slots: there are `$AIR_MAGIC_CPU_SLOTS` of them (default: the machine's core count); a CPU call
+asking for more slots than exist runs once every slot is free, as an oversubscribed call always has.
 
-The ledger of `node()` is machine-wide: each unit it hands out is also leased (leases.py) by a lock the OS
-frees when this process ends, so kernels, command-line runs and detached calls of this user on the machine
-never share a unit, and a call waiting for one held elsewhere names that holder (kernel, cli or detached, and
-its call). The line of waiting calls is this process's; between processes, the first to find units free
-takes them.
+A ledger with leases (`machine_ledger()`, the owner's) is machine-wide: each unit it hands out is also leased
+(leases.py) by a lock the OS frees when this process ends, so kernels, command-line runs and detached calls of this
+user on the machine never share a unit, and a call waiting for one held elsewhere names that holder. The line of
+waiting calls is this process's; between processes, the first to find units free takes them.
 
-`Ledger` is a plain object (tests/unit/test_ledger.py): `take(holder, n, kind)` / `give_back(holder)`,
-`holders()`. `node()` is the one ledger of this process. `Claim` is how a call uses it: take now or wait,
-then hand the call's spec its GPUs (`CUDA_VISIBLE_DEVICES`). Not for: starting or stopping processes.
+`Ledger` is a plain object (tests/unit/test_ledger.py). How a call uses it is its claim (owner/claims.py). Not for:
+starting or stopping processes.
+
+Over 300 lines because taking, borrowing, handing over and giving back units are one set of rules over one table
+of holders and their leases.
 """
 
 from __future__ import annotations

@@ -1,133 +1,44 @@
-"""The workload file of `air-magic run -f job.yaml`: its fields (the runtime's names), their checks, and the JobSpec.
+"""The workload file of `air-magic run -f job.yaml`, read as the runtime reads it, and the call it becomes.
 
-`load(path, overrides)` reads the YAML file, applies `--override KEY=VALUE`, and checks every field before
-anything starts: an unknown or misspelled field (with the close name), a missing file or directory, a bad
-value or a dependency that is not installed is a `JobFileError` naming it. `Job.spec()` builds the same
-`JobSpec` as the notebook's doors (decorator.Settings), so the call takes the same path: `command` becomes
-`run_command` on every rank, `function: module:name` the function itself. Not for: starting or following
-the call (cli/main.py, calls/detached.py).
+`load(path, overrides)` reads the YAML file, applies `--override KEY=VALUE` (each change said on stderr), checks
+every field (cli/schema.py), finds the code snapshot's root (cli/snapshot.py), the nodes (cli/topology.py) and the
+secrets (cli/secrets.py), and gives a `Job`. A `command` workload is a call of a rank per GPU (or CPU slot) of each
+node whose first rank on the node runs the command once (cli/node.py); `function: module:name` (air_magic's) is the
+function itself on every rank, as `@distributed` runs it. `Job.prepare(run_dir)` writes what the nodes read
+(cli/files.py) before the call starts. Not for: starting or following the call (cli/main.py, calls/detached.py).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..decorator import DEFAULT_TIMEOUT, Settings
+from ..decorator import Settings
 from ..errors import AirMagicError
 from ..job import JobSpec
+from . import dependencies, schema, snapshot, topology
+from .files import WorkloadDir
+from .schema import JobFileError
+from .yamlfile import apply_override, read
 
-#: Every field the file takes, and the fields of its sections.
-FIELDS: dict[str, Any] = {
-    "experiment_name": str,
-    "compute": {"num_accelerators": int, "accelerator_type": str, "num_nodes": int},
-    "command": str,
-    "function": str,
-    "args": list,
-    "kwargs": dict,
-    "code_source": {"root_path": str},
-    "environment": {"dependencies": list},
-    "mlflow_run_name": str,
-    "max_retries": int,
-    "timeout": (int, float, type(None)),
-}
+__all__ = ["Job", "JobFileError", "apply_override", "load"]
+
+#: max_retries when the file leaves it out, as the runtime defaults it.
+DEFAULT_MAX_RETRIES = 3
 
 
-class JobFileError(AirMagicError):
-    """The workload file cannot run as written; the message names the field (exit code 2, nothing started)."""
+def _text(value: Any) -> str:
+    """An env_variables value as the variable's text: YAML's `true` is "true", `null` is ""."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)
 
 
-class CommandFailed(RuntimeError):
-    """A workload's `command` ended with a non-zero exit code on a rank."""
-
-
-def run_command(command: str, root: str) -> int:
-    """What each rank runs for a `command` workload: the shell command in `root`, with the rank's torchrun
-    variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), MLflow's run and $CODE_SOURCE_PATH, and
-    this environment's `python` first on PATH."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    env = {**os.environ, "CODE_SOURCE_PATH": root}
-    # `python` in the command is this environment's, as in an activated virtual environment
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    # a script's `mlflow.log_metric` is written before the script exits, whether or not it ends its run
-    env["MLFLOW_ENABLE_ASYNC_LOGGING"] = "false"
-    code = subprocess.call(["/bin/sh", "-c", command], cwd=root, env=env)
-    if code != 0:
-        raise CommandFailed(f"the command exited with code {code}: {command}")
-    return code
-
-
-def _close(name: str, known: Any) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(known))}"
-
-
-def _check_fields(data: dict[str, Any], known: dict[str, Any], where: str = "") -> None:
-    for key, value in data.items():
-        path = f"{where}{key}"
-        if key not in known:
-            raise JobFileError(f"unknown field {path!r}{_close(str(key), known)}")
-        kind = known[key]
-        if isinstance(kind, dict):
-            if not isinstance(value, dict):
-                raise JobFileError(f"{path} must be a mapping of {', '.join(kind)}, got {value!r}")
-            _check_fields(value, kind, f"{path}.")
-        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            name = kind.__name__ if isinstance(kind, type) else "a number or null"
-            raise JobFileError(f"{path} must be {name}, got {value!r}")
-
-
-def apply_override(data: dict[str, Any], text: str) -> None:
-    """`compute.num_accelerators=2` into `data` (the value read as YAML: 2 is a number, CPU a string)."""
-    import yaml
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise JobFileError(f"--override {text!r} must be KEY=VALUE, such as compute.num_accelerators=2")
-    parts = key.split(".")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise JobFileError(f"--override {text!r}: {part} is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError as exc:
-        raise JobFileError(f"--override {text!r}: the value is not valid: {exc}") from None
-
-
-def check_dependencies(requirements: list[Any]) -> None:
-    """Each requirement ("torch>=2.4") is installed here in a version it allows, else a JobFileError naming it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    for text in requirements:
-        try:
-            req = Requirement(str(text))
-        except InvalidRequirement as exc:
-            raise JobFileError(f"environment.dependencies: {text!r} is not a requirement: {exc}") from None
-        if req.marker is not None and not req.marker.evaluate():
-            continue
-        try:
-            found = version(req.name)
-        except PackageNotFoundError:
-            raise JobFileError(
-                f"environment.dependencies: {text!r} is not installed in {sys.prefix}; install it "
-                f"(pip install {str(text)!r}) and run again"
-            ) from None
-        if req.specifier and not req.specifier.contains(found, prereleases=True):
-            raise JobFileError(f"environment.dependencies: {text!r} is not satisfied: {req.name} {found} is installed")
-
-
-def join_ray(num_nodes: int) -> None:
+def join_ray(num_nodes: int, one_node: str = "--override compute.num_nodes=1") -> None:
     """Join the Ray cluster of $RAY_ADDRESS, else the one started on this machine with `ray start` ("auto")."""
     from ..launch import ray_init
 
@@ -136,8 +47,9 @@ def join_ray(num_nodes: int) -> None:
         ray_init(address, log_to_driver=False)
     except Exception as exc:  # noqa: BLE001 - any failure to join is said the same way
         raise JobFileError(
-            f"compute.num_nodes: {num_nodes} runs on a Ray cluster, and joining {address!r} failed "
-            f"({type(exc).__name__}: {exc}); start one with `ray start --head` or set RAY_ADDRESS"
+            f"compute asks for {num_nodes} nodes, which run on a Ray cluster, and joining {address!r} failed "
+            f"({type(exc).__name__}: {exc}); start one with `ray start --head` or set RAY_ADDRESS, or run one "
+            f"node with {one_node}"
         ) from None
 
 
@@ -147,19 +59,73 @@ class Job:
 
     path: Path
     data: dict[str, Any]
-    root: Path
-    settings: Settings
     name: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    code: snapshot.Snapshot | None
+    nodes: topology.Topology | None  # a command workload's; None for a function
+    secrets: dict[str, str] = field(default_factory=dict)
+    lacking: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
 
     @property
     def experiment_name(self) -> str | None:
         return self.data.get("experiment_name")
 
+    @property
+    def max_retries(self) -> int:
+        value = self.data.get("max_retries")
+        return DEFAULT_MAX_RETRIES if value is None else int(value)
+
+    @property
+    def idempotency_token(self) -> str | None:
+        return self.data.get("idempotency_token")
+
+    @property
+    def root(self) -> Path:
+        return self.code.root if self.code is not None else self.path.parent.resolve()
+
+    def resolve_secrets(self) -> None:
+        """Read every secret from the local store (cli/secrets.py); JobFileError naming the missing ones."""
+        from . import secrets
+
+        self.secrets = secrets.resolve(self.data.get("secrets") or {})
+
+    def refusal(self) -> str | None:
+        """Why this machine cannot run the file as written (with the override that fits), or None."""
+        from ..accelerators import detect
+
+        if self.nodes is not None:
+            why = self.nodes.refusal(detect())
+            if why:
+                return why
+        return dependencies.refusal(self.lacking) if self.lacking else None
+
+    def node(self) -> dict[str, Any]:
+        """What each node's rank gets (cli/node.py's run_node)."""
+        assert self.nodes is not None
+        minutes = self.data.get("timeout_minutes")
+        shipped = None
+        if self.nodes.nodes > 1:  # each node's ranks have a directory of their own there: the files travel
+            shipped = {
+                "command": self.data["command"],
+                "hyperparameters": self._hyperparameters(),
+                "code_source": self._archive(),
+            }
+        return {
+            "files": shipped,
+            "code_source": self.code.name if self.code is not None else None,
+            "local_world_size": self.nodes.per_node,
+            "timeout_minutes": minutes,
+            "env_variables": {k: _text(v) for k, v in (self.data.get("env_variables") or {}).items()},
+            "secrets": self.secrets,
+            "run_name": self.name,
+        }
+
     def target(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-        """What every rank runs: `run_command(command, root)`, or the function with its args and kwargs."""
-        if "command" in self.data:
-            return run_command, (self.data["command"], str(self.root)), {}
+        """What every rank runs: `run_node(node)` once per node, or the function with its args and kwargs."""
+        if self.nodes is not None:
+            from .node import run_node
+
+            return run_node, (self.node(),), {}
         module_name, _, attr = self.data["function"].partition(":")
         if str(self.root) not in sys.path:
             sys.path.insert(0, str(self.root))
@@ -174,74 +140,161 @@ class Job:
             raise JobFileError(f"function: {module_name!r} has no function {attr!r}")
         return func, tuple(self.data.get("args") or ()), dict(self.data.get("kwargs") or {})
 
-    def spec(self) -> JobSpec:
-        target, args, kwargs = self.target()
-        if self.settings.num_nodes > 1:
-            join_ray(self.settings.num_nodes)
-        return self.settings.spec(target, args, kwargs, self.name, origin="cli")
+    def settings(self) -> Settings:
+        compute = self.data.get("compute") or {}
+        minutes = self.data.get("timeout_minutes")
+        try:
+            if self.nodes is not None:
+                # a rank per GPU (or CPU slot), so that the node's units are leased as one call's; the node's
+                # first rank runs the command (cli/node.py). Each attempt's time is its own: no call-wide limit.
+                settings = Settings(
+                    num_accelerators=self.nodes.per_node,
+                    accelerator_type="GPU" if self.nodes.uses_gpu else "CPU",
+                    num_nodes=self.nodes.nodes,
+                    timeout=None,
+                    max_restarts=self.max_retries,
+                    watch=False,
+                )
+                settings.resolve()
+                return settings
+            settings = Settings(
+                num_accelerators=compute.get("num_accelerators"),
+                accelerator_type=compute.get("accelerator_type"),
+                num_nodes=compute.get("num_nodes", 1),
+                timeout=minutes * 60 if minutes else None,
+                max_restarts=self.max_retries,
+                env={"CODE_SOURCE_PATH": str(self.root)},
+            )
+            settings.resolve()
+            return settings
+        except AirMagicError as exc:  # the message names the setting; the file calls max_restarts max_retries
+            raise JobFileError(str(exc).replace("max_restarts", "max_retries")) from None
 
-    def describe(self) -> dict[str, Any]:
-        """What would run, for --dry-run."""
-        s = self.settings
+    def spec(self) -> JobSpec:
+        why = self.refusal()
+        if why:
+            raise JobFileError(why)
+        settings = self.settings()
+        target, args, kwargs = self.target()
+        if settings.num_nodes > 1:
+            join_ray(settings.num_nodes, *([self.nodes.one_node()] if self.nodes is not None else []))
+        return settings.spec(target, args, kwargs, self.name, origin="cli")
+
+    def prepare(self, run_dir: Path) -> None:
+        """Write into the call's run directory what its nodes read: the file as run, command.sh, the
+        hyperparameters, the code snapshot and the workload's summary."""
+        import yaml
+
+        files = WorkloadDir(run_dir)
+        files.config.write_text(yaml.safe_dump(self.data, sort_keys=False))
+        if self.nodes is None:
+            files.write_info(self.info())
+            return
+        files.command.write_text(self.data["command"])
+        if self.data.get("parameters"):
+            files.hyperparameters.write_text(self._hyperparameters() or "")
+        if self.code is not None:
+            self.code.take(files.code_source)
+        files.write_info(self.info())
+
+    def _hyperparameters(self) -> str | None:
+        import yaml
+
+        return yaml.safe_dump(self.data["parameters"], sort_keys=False) if self.data.get("parameters") else None
+
+    def _archive(self) -> bytes | None:
+        """The code snapshot as a tar archive, taken now (for nodes that are other machines)."""
+        if self.code is None:
+            return None
+        import io
+        import tarfile
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="air_magic-snapshot-") as tmp:
+            taken = self.code.take(Path(tmp))
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+                tar.add(taken, arcname=taken.name)
+        return buffer.getvalue()
+
+    def secret_sources(self) -> dict[str, str]:
+        """Each secret's reference and whether this machine has it (never its value)."""
+        from . import secrets
+
+        found = {}
+        for name, ref in (self.data.get("secrets") or {}).items():
+            try:
+                secrets.resolve({name: ref})
+                found[name] = f"{ref} (found)"
+            except JobFileError:
+                found[name] = f"{ref} (missing: set {secrets.env_name(ref)}, or add it to {secrets.store_path()})"
+        return found
+
+    def info(self) -> dict[str, Any]:
+        """What `get` and `list` show of the workload beside the call."""
+        compute = self.data.get("compute") or {}
         return {
-            "job_file": str(self.path),
-            "name": self.name,
             "experiment_name": self.experiment_name,
-            "command": self.data.get("command"),
-            "function": self.data.get("function"),
-            "args": self.data.get("args") or [],
-            "kwargs": self.data.get("kwargs") or {},
-            "root_path": str(self.root),
-            "num_accelerators": s.num_accelerators,
-            "accelerator_type": s.accelerator_type,
-            "num_nodes": s.num_nodes,
-            "max_retries": s.max_restarts,
-            "timeout": s.timeout,
+            "run_name": self.name,
+            "job_file": str(self.path),
+            "num_accelerators": compute.get("num_accelerators"),
+            "accelerator_type": compute.get("accelerator_type"),
+            "num_nodes": self.nodes.nodes if self.nodes is not None else compute.get("num_nodes", 1),
+            "per_node": self.nodes.per_node if self.nodes is not None else compute.get("num_accelerators"),
+            "max_retries": self.max_retries,
+            "timeout_minutes": self.data.get("timeout_minutes"),
+            "idempotency_token": self.idempotency_token,
+            "kind": "command" if self.nodes is not None else "function",
         }
 
+    def describe(self) -> dict[str, Any]:
+        """What would run, for --dry-run: the nodes, the command, the variables, what would be installed."""
+        out: dict[str, Any] = {
+            "job_file": str(self.path),
+            "experiment_name": self.experiment_name,
+            "run_name": self.name,
+        }
+        if self.nodes is not None:
+            out["nodes"] = self.nodes.nodes
+            out["per_node"] = f"{self.nodes.per_node} x {self.nodes.accelerator_type}"
+            out["command"] = self.data["command"]
+            variables = ["NUM_NODES", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MLFLOW_RUN_ID"]
+            variables += ["MLFLOW_TRACKING_URI"] + (["CODE_SOURCE_PATH"] if self.code is not None else [])
+            variables += ["HYPERPARAMETERS_PATH"] if self.data.get("parameters") else []
+            out["variables"] = variables + list(self.data.get("env_variables") or {})
+            out["secrets"] = self.secret_sources()
+        else:
+            out["function"] = self.data["function"]
+            out["args"] = self.data.get("args") or []
+            out["kwargs"] = self.data.get("kwargs") or {}
+        out["code_source"] = self.code.describe() if self.code is not None else None
+        out["would_install"] = self.lacking
+        out["max_retries"] = self.max_retries
+        out["timeout_minutes"] = self.data.get("timeout_minutes")
+        out["ignored_fields"] = self.notices
+        out["on_this_machine"] = self.refusal() or "runs as written"
+        return out
 
-def load(path: str | os.PathLike[str], overrides: list[str] = ()) -> Job:  # type: ignore[assignment]
-    """The checked workload of file `path` with `overrides` applied; JobFileError naming what is wrong."""
-    import yaml
 
+def load(path: str | os.PathLike[str], overrides: list[str] = (), say: Any = None) -> Job:  # type: ignore[assignment]
+    """The checked workload of file `path` with `overrides` applied; JobFileError naming what is wrong.
+
+    `say(line)` is told each override's change. Secrets are looked up by `resolve_secrets`, before the run
+    starts."""
     file = Path(path).expanduser()
-    try:
-        data = yaml.safe_load(file.read_text())
-    except FileNotFoundError:
-        raise JobFileError(f"no such job file: {file}") from None
-    except OSError as exc:
-        raise JobFileError(f"cannot read the job file {file}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise JobFileError(f"{file} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise JobFileError(f"{file} must hold a mapping of fields (experiment_name, compute, command, ...)")
+    data = read(file)
     for text in overrides:
-        apply_override(data, text)
-    _check_fields(data, FIELDS)
-    if ("command" in data) == ("function" in data):
-        raise JobFileError("give exactly one of 'command' (a shell command) or 'function' (module:name)")
-    if "function" in data and ":" not in data["function"]:
-        raise JobFileError(f"function must be 'module:name', got {data['function']!r}")
-    if "command" in data and ("args" in data or "kwargs" in data):
-        raise JobFileError("args and kwargs go with 'function', not with 'command'")
-    root_text = (data.get("code_source") or {}).get("root_path")
-    root = (file.parent / os.path.expanduser(root_text)).resolve() if root_text else file.parent.resolve()
-    if not root.is_dir():
-        raise JobFileError(f"code_source.root_path: no such directory: {root}")
-    check_dependencies((data.get("environment") or {}).get("dependencies") or [])
-    compute = data.get("compute") or {}
-    try:
-        settings = Settings(
-            num_accelerators=compute.get("num_accelerators"),
-            accelerator_type=compute.get("accelerator_type"),
-            num_nodes=compute.get("num_nodes", 1),
-            timeout=data.get("timeout", DEFAULT_TIMEOUT),
-            max_restarts=data.get("max_retries", 0),
-            env={"CODE_SOURCE_PATH": str(root)},
-        )
-        settings.resolve()
-    except AirMagicError as exc:  # the message names the setting; the file calls max_restarts max_retries
-        raise JobFileError(str(exc).replace("max_restarts", "max_retries")) from None
-    default = data.get("function", "").partition(":")[2] or str(data.get("command", "command")).split()[0]
-    name = data.get("mlflow_run_name") or Path(default).name or "job"
-    return Job(file, data, root, settings, name)
+        apply_override(data, text, say)
+    schema.check(data)
+    base = file.parent.resolve()
+    code = snapshot.of(data.get("code_source"), base)
+    nodes = topology.of(data["compute"]) if data.get("command") is not None else None
+    if code is not None:
+        code.check()
+    lacking = dependencies.missing(
+        dependencies.entries_of((data.get("environment") or {}).get("dependencies"), base), base
+    )
+    name = data.get("mlflow_run_name") or data.get("experiment_name")
+    if not name:
+        name = str(data.get("function", "")).partition(":")[2] or "job"
+    return Job(file, data, name, code, nodes, lacking=lacking, notices=schema.ignored(data))

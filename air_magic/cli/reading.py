@@ -108,9 +108,13 @@ class UsageError(AirMagicError):
     """A call that does not exist, a bad option: exit code 2."""
 
 
+class NotFound(UsageError):
+    """No call has that id (or a unique start of it): exit code 2, error code NOT_FOUND."""
+
+
 def find(call_id: str) -> Path:
     """The run directory of the call `call_id` names (its id or a unique start of it); else a one-line UsageError."""
     try:
         return call_record.find_dir(call_id)
     except AirMagicError as exc:
-        raise UsageError(str(exc)) from None
+        raise NotFound(str(exc)) from None

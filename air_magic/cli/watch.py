@@ -1,4 +1,6 @@
-"""Following a call from a terminal: every rank's lines as they come, prefixed by rank, and a status line.
+"""Following a call from a terminal: every rank's lines as they come, prefixed by rank (by node, for a command
+workload, whose command runs once per node), an `ALERT` line after a fatal one (cli/alerts.py), and a status
+line with the runtime's state (cli/output.py).
 
 `follow(path)` reads the ranks' logs in the run directory from their first byte (display/follow.py's
 `LogReader`, as a notebook's panel drawn again does) and the call's live record (calls/record.py) until the
@@ -18,35 +20,39 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
+from .alerts import kind_of
+from .files import WorkloadDir
 from .mlflow_ui import follow_link
+from .output import state
 
 #: Seconds between two looks at the logs and the record.
 LOOK = 0.2
 
 
-class _Lines:
-    """Whole lines of each rank, prefixed by its rank; a line still being written waits for its end."""
+class Lines:
+    """Whole lines of each rank (a node's, for a command workload), and the line still being written of each."""
 
     def __init__(self, world_size: int) -> None:
         self.partial = [""] * world_size
 
     def feed(self, rank: int, text: str) -> list[str]:
         *lines, self.partial[rank] = (self.partial[rank] + text).split("\n")
-        return [f"[rank {rank}] {line}" for line in lines]
+        return lines
 
-    def rest(self) -> list[str]:
-        return [f"[rank {rank}] {text}" for rank, text in enumerate(self.partial) if text]
+    def rest(self) -> list[tuple[int, str]]:
+        return [(rank, text) for rank, text in enumerate(self.partial) if text]
 
 
-def status_line(record: dict[str, Any]) -> str:
+def status_line(record: dict[str, Any], path: Path | None = None) -> str:
     elapsed = (record.get("ended") or time.time()) - (record.get("started") or time.time())
-    status = record.get("status", "?")
-    if status == call_record.WAITING and record.get("waiting_for"):
+    status = state(path, record) if path is not None else record.get("status", "?")
+    if record.get("status") == call_record.WAITING and record.get("waiting_for"):
         status += f" for {record['waiting_for']}"
-    return (
-        f"{record.get('name')} · {record['id']} · {status} · {record.get('world_size')} rank(s) "
-        f"{record.get('accelerator_type')} · {elapsed:.0f} s"
-    )
+    what = f"{record.get('world_size')} rank(s) {record.get('accelerator_type')}"
+    info = WorkloadDir(path).read_info() if path is not None else None
+    if info and info.get("kind") == "command":
+        what = f"{info['num_nodes']} node(s) of {info.get('per_node')} x {info['accelerator_type']}"
+    return f"{record.get('name')} · {record['id']} · {status} · {what} · {elapsed:.0f} s"
 
 
 def follow(
@@ -57,13 +63,15 @@ def follow(
     out = out or sys.stdout
     record = call_record.load(path) or {}
     reader = LogReader(path, int(record.get("world_size", 1)))
-    lines = _Lines(int(record.get("world_size", 1)))
+    lines = Lines(int(record.get("world_size", 1)))
+    files = WorkloadDir(path)
+    label = "node" if (files.read_info() or {}).get("kind") == "command" else "rank"
     live: Any = None
     if out.isatty():
         from rich.console import Console
 
         console = Console(file=out, highlight=False, markup=False)
-        live = console.status(status_line(record))
+        live = console.status(status_line(record, path))
         live.start()
 
     def emit(text: str) -> None:
@@ -71,6 +79,15 @@ def follow(
             console.print(text)
         else:
             print(text, file=out, flush=True)
+
+    def emit_line(rank: int, text: str) -> None:
+        unit = files.unit_of(rank)
+        if unit is None:  # a rank that only holds its node's units: the node's lines are its first rank's
+            return
+        emit(f"[{label} {unit}] {text}")
+        kind = kind_of(text)
+        if kind is not None:
+            emit(f"air-magic: ALERT {kind} on {label} {unit}: {text.strip()}")
 
     said = ""
     linked = False
@@ -86,12 +103,12 @@ def follow(
                         emit(f"air-magic: MLflow run: {link}")
                 for rank, text in sorted(reader.read().items()):
                     for line in lines.feed(rank, text):
-                        emit(line)
+                        emit_line(rank, line)
                 if live is not None:
-                    live.update(status_line(record))
+                    live.update(status_line(record, path))
                 elif record.get("status") != said and record.get("status") in call_record.LIVE:
                     said = str(record.get("status"))
-                    emit(f"air-magic: {status_line(record)}")
+                    emit(f"air-magic: {status_line(record, path)}")
                 if record.get("status") not in call_record.LIVE:
                     break
                 time.sleep(LOOK)
@@ -101,15 +118,18 @@ def follow(
                 cancelled = True
                 call_record.request_cancel(path)
                 emit(f"air-magic: cancelling {path.name} (Ctrl-C again to stop following; the call is cancelled)")
-        for rank, text in sorted(reader.read().items()):
-            for line in lines.feed(rank, text):
-                emit(line)
-        for line in lines.rest():
-            emit(line)
+        chunks = reader.read(final=True)
+        while chunks:  # every line left in the logs, however long
+            for rank, text in sorted(chunks.items()):
+                for line in lines.feed(rank, text):
+                    emit_line(rank, line)
+            chunks = reader.read(final=True)
+        for rank, line in lines.rest():
+            emit_line(rank, line)
     finally:
         if live is not None:
             live.stop()
     for line in ending(record) if ending is not None else []:  # how it failed, before the last status line
         print(line, file=out)
-    print(f"air-magic: {status_line(record)}", file=out, flush=True)
+    print(f"air-magic: {status_line(record, path)}", file=out, flush=True)
     return record
