@@ -2,8 +2,8 @@
 key of the world it runs in, and the request its launcher gets.
 
 The one place that names the listeners (`default_listeners`: the resource sampler, MLflow tracking, the watch, the
-display and the call's record), imported only when a call uses them. Not for following a call once it started (the
-runner, runner.py) nor for judging what it left (outcome.py).
+profiler, the display and the call's record), imported only when a call uses them. Not for following a call once it
+started (the runner, runner.py) nor for judging what it left (outcome.py).
 """
 
 from __future__ import annotations
@@ -139,6 +139,10 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         watcher = Watcher(spec)
         listeners.insert(1, watcher)  # before tracking and the display, which show what it found
         watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
+    if spec.profile:
+        from ..profiling.listener import Profiler
+
+        listeners.insert(1, Profiler(spec))  # before tracking and the display, which show what it found
     listeners.append(make_display(spec, sampler))
     from .record import LiveRecord
 

@@ -78,6 +78,19 @@ def restarts(text: str) -> int:
         ) from None
 
 
+def profile_steps(text: str) -> int:
+    """The text of --profile: a whole number of steps, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of steps to profile, 1 or more, such as 5, got {text!r}"
+        )
+    return value
+
+
 def rank_list(text: str) -> tuple[int, ...]:
     """The text of --ranks as rank numbers; whether they fit a session is Settings' check (sessions.check_ranks)."""
     try:

@@ -329,6 +329,9 @@ class MlflowTracker(Listener):
             for rank in result.ranks:
                 if rank.log_path is not None and rank.log_path.exists():
                     self.client.log_artifact(run_id, str(rank.log_path), artifact_path="logs")
+            profile = result.profile  # profile=N: each rank's trace and the merged one
+            for trace in [] if profile is None else [*profile.traces, *([profile.trace] if profile.trace else [])]:
+                self.client.log_artifact(run_id, str(trace), artifact_path="profile")
         except Exception as exc:  # noqa: BLE001 - the call's own outcome matters more than its logs
             warnings.warn(
                 f"air_magic could not store the rank logs in MLflow run {self.run_id}: {exc!r}. "

@@ -198,6 +198,27 @@ class RunDir:
         """The rank's step times and state now, rewritten about once a second while it is watched (step_times.py)."""
         return self.path / f"rank-{rank}.steps.json"
 
+    def trace(self, rank: int) -> Path:
+        """The rank's torch.profiler trace of its profiled steps (Chrome trace JSON; launch/rank/profiler.py)."""
+        return self.path / f"rank-{rank}.trace.json"
+
+    def profile_window(self, rank: int) -> Path:
+        """Which steps the rank profiled, when, on which thread and host (profile_windows.py)."""
+        return self.path / f"rank-{rank}.profile.json"
+
+    @property
+    def merged_trace(self) -> Path:
+        """Every rank's trace in one file, a process per rank, clocks aligned (profiling/merge.py)."""
+        return self.path / "profile.trace.json"
+
+    def memory_snapshot(self, rank: int) -> Path:
+        """The rank's CUDA memory snapshot, written when it ran out of memory (PyTorch's memory viewer reads it)."""
+        return self.path / f"rank-{rank}.memory.pickle"
+
+    def memory(self, rank: int) -> Path:
+        """What the rank's CUDA allocator says at the call's end: peak allocated bytes (memory_report.py)."""
+        return self.path / f"rank-{rank}.memory.json"
+
     def debug_wait(self, rank: int) -> Path:
         """The rank's debugger waits for an answer: its output and prompt, as JSON (debug_channel.py)."""
         return self.path / f"debug-{rank}.wait"

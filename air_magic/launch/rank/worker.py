@@ -130,6 +130,8 @@ def run(path: Path, rank: int) -> int:
     rank_debugger.install(run_dir, rank)  # breakpoint() prompts in the notebook's cell (rank_debugger.py)
     if os.environ.get(envvars.WATCH) == "1":
         steps.start(run_dir.steps(rank), rank)  # step times and state for the notebook's watch (steps.py)
+        if os.environ.get(envvars.PROFILE, "").isdigit():  # profile=N: torch.profiler over N steps (profiler.py)
+            steps.profile(int(os.environ[envvars.PROFILE]), run_dir.trace(rank), run_dir.profile_window(rank))
     try:
         _install_hooks(spec.hooks)
         target, args, kwargs, sources = load_call(run_dir.payload.read_bytes())  # notebook modules first

@@ -1,0 +1,139 @@
+"""Profiling N steps of every rank with real ranks (2 CPU ranks, gloo): the slow rank and its cause named, the traces
+merged, the ranks going on after the window; from the decorator and from `%%distributed --profile` in a kernel."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from air_magic import Profile, distributed
+from air_magic.job import JobResult
+from air_magic.launch.files import profile_windows, step_times
+from air_magic.launch.files.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+
+
+def _run(func: Any, *args: Any, **settings: Any) -> JobResult:
+    """`func` on 2 CPU ranks through the decorator's `.run` (its default listeners), no MLflow."""
+    module = inspect.getmodule(func)
+    if module is not None:
+        cloudpickle.register_pickle_by_value(module)  # the ranks need not import this test module
+    settings = {"num_accelerators": 2, "accelerator_type": "CPU", "mlflow": False, "timeout": 600, **settings}
+    return distributed(**settings)(func).run(*args)
+
+
+def ddp_train(steps: int, slow_rank: int, extra: int) -> int:
+    """DDP on a linear layer; `slow_rank` does `extra` more matrix products a step. Returns the steps it took."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import air_magic
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(256, 256))
+    x, w = torch.randn(64, 256), torch.randn(256, 256)
+    done = 0
+    for _ in range(steps):
+        y = model(x)
+        if rank == slow_rank:
+            for _ in range(extra):
+                y = y + (x @ w) * 0
+        y.sum().backward()
+        air_magic.step()
+        done += 1
+    dist.destroy_process_group()
+    return done
+
+
+def test_profile_names_the_rank_slower_in_its_compute_under_ddp(here_runs, capsys):
+    """Under DDP, rank 1 doing 30 more matrix products a step is the slowest, by its compute, and waits least in the
+    all-reduce; the merged trace holds both ranks' events as processes 0 and 1; both ranks finish every step after
+    the 5 profiled ones; the text display prints the table."""
+    result = _run(ddp_train, STEPS, 1, 30, profile=5).raise_for_status()
+    assert result.values == [STEPS, STEPS]  # they went on training after the window
+    profile = result.profile
+    assert isinstance(profile, Profile)
+    assert profile.slowest == (1, "compute"), profile.table()
+    assert profile.steps == 5 and profile.first_step == 1
+    rows = {int(row["rank"]): row for row in profile.ranks}
+    assert set(rows) == {0, 1} and all(
+        set(r) == {"rank", "step", "compute", "collective", "input", "idle"} for r in rows.values()
+    )
+    assert rows[1]["compute"] > rows[0]["compute"] and rows[0]["collective"] > rows[1]["collective"], profile.table()
+    for row in rows.values():  # the split adds up to the step (CPU ranks: no GPU to be idle)
+        assert row["compute"] + row["collective"] + row["input"] == pytest.approx(row["step"], rel=1e-6)
+        assert row["idle"] == 0.0
+    assert profile.skew is not None and profile.skew.rank == 1, profile.skew
+    assert [op.name for op in profile.top_ops[1]][:1] == ["aten::mm"], profile.top_ops[1]
+    assert len(profile.top_ops[0]) == 10
+    # each rank's trace and the merged one, in the run directory
+    run = RunDir(result.run_dir)
+    assert profile.traces == [run.trace(0), run.trace(1)] and profile.trace == run.merged_trace
+    merged = json.loads(run.merged_trace.read_bytes())
+    events = merged["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank in (0, 1):
+        steps = [e["name"] for e in events if e["pid"] == rank and e.get("name", "").startswith("air_magic step ")]
+        assert steps == [f"air_magic step {i}" for i in range(1, 6)]
+    window = profile_windows.read(run.profile_window(1))
+    assert window is not None and (window.first, window.steps, window.asked) == (1, 5, 5)
+    watched = step_times.read(run.steps(1))
+    assert watched is not None and watched.count == STEPS  # the watch went on counting every step
+    out = capsys.readouterr().out
+    assert "slowest: rank 1 (compute" in out and "collective ms" in out and str(run.merged_trace) in out
+
+
+def short_loop(steps: int) -> int:
+    """air_magic.step() after each of `steps` all_reduces."""
+    import torch
+    import torch.distributed as dist
+
+    import air_magic
+
+    dist.init_process_group("gloo")
+    t = torch.ones(8)
+    for _ in range(steps):
+        dist.all_reduce(t)
+        air_magic.step()
+    dist.destroy_process_group()
+    return steps
+
+
+def test_a_call_shorter_than_the_window_profiles_the_steps_it_had(here_runs):
+    """profile=50 over a call of 4 steps: the window closes at the call's end with the 3 steps it profiled, and the
+    blocking all_reduce is the skew's collective."""
+    result = _run(short_loop, 4, profile=50).raise_for_status()
+    profile = result.profile
+    assert profile is not None and profile.steps == 3
+    assert all(row["collective"] > 0 for row in profile.ranks)
+    assert profile.skew is not None and profile.skew.collectives == 3
+
+
+def test_the_magic_profiles_a_cell(loaded_kernel):
+    """`%%distributed --profile 3` prints the table after the cell's output; the cell's JobResult holds the Profile."""
+    cell = loaded_kernel.execute(
+        "%%distributed --gpus 2 --accelerator-type CPU --no-mlflow --profile 3\n"
+        "import torch, torch.distributed as dist, air_magic\n"
+        "dist.init_process_group('gloo')\n"
+        "for _ in range(6):\n"
+        "    dist.all_reduce(torch.ones(4)); air_magic.step()\n"
+        "dist.destroy_process_group()\n",
+        timeout=180,
+    ).check()
+    assert "profiled 3 step(s) from step 1" in cell.stdout and "collective ms" in cell.stdout, cell.stdout
+    magics = "get_ipython().magics_manager.registry['DistributedMagics']"
+    assert loaded_kernel.value(f"type({magics}.last_result.profile).__name__") == "'Profile'"
+    cell = loaded_kernel.execute("%%distributed --gpus 2 --accelerator-type CPU --profile 0\npass\n")
+    assert cell.ename == "UsageError" and "a whole number of steps to profile" in cell.traceback, cell.traceback
