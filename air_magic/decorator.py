@@ -297,7 +297,7 @@ def distributed(
         "stop" (RankHungError) or "restart" (every rank starts again, within max_restarts).
     detach: `.spawn()` runs the call in a process of its own that outlives this kernel (its SIGKILL, a restart);
         `air_magic.attach(handle.id)` in any kernel finds it again. See the command line and detached runs page.
-    profile: profile this many of every rank's steps with torch.profiler (from its second step); the call's
+    profile: profile this many of every rank's steps with torch.profiler (from its third step); the call's
         `JobResult.profile` holds each rank's compute, collective, input and idle time per step, the slowest rank
         and why, and the traces. See the profiling page of the docs.
     memory_history: GPU ranks keep CUDA's allocation history (Python stacks), so that an out-of-memory error names

@@ -212,7 +212,7 @@ class DistributedMagics(Magics):
         type=options.profile_steps,
         default=None,
         metavar="N",
-        help="Profile N steps of every rank with torch.profiler (from its second step; a step is the watch's): the "
+        help="Profile N steps of every rank with torch.profiler (from its third step; a step is the watch's): the "
         "table of each rank's compute, collective, input and idle time per step, the slowest rank and why, and the "
         "traces (one merged, a process per rank) follow the cell's output; JobResult.profile holds them.",
     )

@@ -103,7 +103,9 @@ class RankTrace:
         return str(e.get("tid")) == str(self.window.thread)
 
     def steps(self) -> list[Span]:
-        return self.spans(lambda e: self.on_main(e) and str(e.get("name", "")).startswith(STEP_MARK))
+        """The counted steps: those the window says it profiled (a last one the call's end cut short is left out)."""
+        counted = {f"{STEP_MARK}{i}" for i in range(self.window.first, self.window.first + self.window.steps)}
+        return self.spans(lambda e: self.on_main(e) and e.get("name") in counted)
 
 
 def read_trace(rank: int, path: Path, window: profile_windows.Window) -> RankTrace:

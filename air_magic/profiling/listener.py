@@ -60,8 +60,8 @@ class Profiler(Listener):
         if result.profile is None and result.error is None:
             warnings.warn(
                 f"air_magic: profile={self.steps} found no profiled step on any rank: a step is the watch's (a "
-                "DataLoader batch, or an air_magic.step() call), and profiling starts at the second one; give the "
-                "call more steps, or call air_magic.step() at the end of each.",
+                "DataLoader batch, or an air_magic.step() call), and the counted steps start at the third one; give "
+                "the call more steps, or call air_magic.step() at the end of each.",
                 RuntimeWarning,
                 stacklevel=2,
             )

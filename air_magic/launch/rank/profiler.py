@@ -1,12 +1,14 @@
 """Inside a profiled rank: torch.profiler over N of the watch's steps, and nothing outside them.
 
 A call made with `profile=N` (`%%distributed --profile N`) arms a `Window` in
-each rank's step recorder (steps.py). The window opens at the start of the
-rank's step `SKIP` (the first step pays for the DataLoader's start and DDP's
-bucket rebuild) and closes once N steps have ended there, or when the call
-ends first: torch.profiler records CPU activity (and CUDA's when the rank has
-a GPU) only in between. Outside the window the recorder's one check is an
-attribute read, the same as before. In the window each step is a
+each rank's step recorder (steps.py). torch.profiler starts at the start of
+the rank's step `SKIP` (step 0 pays for the DataLoader's start and DDP's
+bucket rebuild), which is its warm-up: the profiler's own start delays each
+rank by a different time, which the next collective would show as skew. The
+N counted steps follow it, and the profiler stops once they have ended, or
+when the call ends first (a step the call's end cut short is not counted).
+It records CPU activity (and CUDA's when the rank has a GPU) only in between.
+Outside the window the recorder's one check is an attribute read. In the window each step is a
 `air_magic step K` range of the trace, and the watch's patches mark each
 DataLoader `next()` (`air_magic: input`) and each blocking collective
 (`air_magic: all_reduce #12`), which is what the notebook's analysis
@@ -28,7 +30,8 @@ from typing import Any
 
 from ..files import profile_windows as f
 
-#: The first step profiled: step 0 starts the DataLoader's workers and DDP's first pass, not a usual step.
+#: The step torch.profiler starts at, its warm-up (not counted): step 0 starts the DataLoader's workers and DDP's
+#: first pass, not a usual step. The counted steps begin at SKIP + 1.
 SKIP = 1
 #: The prefix of every range the window adds to the trace.
 MARK = "air_magic"
@@ -45,7 +48,7 @@ def step_mark(index: int) -> str:
 
 
 class Window:
-    """N steps of one rank under torch.profiler: armed, then open from step SKIP, then written."""
+    """N steps of one rank under torch.profiler: armed, started at step SKIP, counting from the next, then written."""
 
     def __init__(self, steps: int, rank: int, trace: Path, window: Path) -> None:
         self.asked = steps
@@ -66,11 +69,16 @@ class Window:
         the window opened or closed here (its own cost is then no step's time)."""
         if self.done:
             return False
-        if not self.open:
+        if self._profiler is None:
             if index < SKIP:
                 return False
-            self._start(index)
+            self._start()
             return True
+        if not self.open:  # the warm-up step ended: the counted steps begin
+            self.open = True
+            self.first = index
+            self._begin_step(index)
+            return False
         self._end_step()
         if ended is not None:
             self.step_times.append(ended)
@@ -101,6 +109,9 @@ class Window:
             return
         self.done = True
         if not self.open:
+            if self._profiler is not None:
+                self._profiler.stop()
+                self._profiler = None
             self._write("", "the call ended before a profiled step began")
             return
         self.open = False
@@ -116,7 +127,7 @@ class Window:
         self._write("" if error else self.trace.name, error)
 
     # -- inside ------------------------------------------------------------------------
-    def _start(self, index: int) -> None:
+    def _start(self) -> None:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "profiler_start" lines in the rank's output
         try:
             import torch
@@ -131,10 +142,7 @@ class Window:
             self.done = True
             self._write("", f"torch.profiler could not start: {type(exc).__name__}: {exc}")
             return
-        self.open = True
-        self.first = index
         self._thread = threading.get_native_id()
-        self._begin_step(index)
 
     def _begin_step(self, index: int) -> None:
         self._step = self.mark(step_mark(index))
