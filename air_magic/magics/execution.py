@@ -207,22 +207,8 @@ class DistributedMagics(Magics):
         help="What a hung rank leads to: report (default: the cell goes on), stop (RankHungError), or restart "
         "(every rank starts again, within --max-restarts).",
     )
-    @argument(
-        "--profile",
-        type=options.profile_steps,
-        default=None,
-        metavar="N",
-        help="Profile N steps of every rank with torch.profiler (from its third step; a step is the watch's): the "
-        "table of each rank's compute, collective, input and idle time per step, the slowest rank and why, and the "
-        "traces (one merged, a process per rank) follow the cell's output; JobResult.profile holds them.",
-    )
-    @argument(
-        "--memory-history",
-        dest="memory_history",
-        action="store_true",
-        help="GPU ranks keep CUDA's allocation history with Python stacks: an out-of-memory error then names the "
-        "largest live allocations and writes a snapshot for PyTorch's memory viewer.",
-    )
+    @options.profile()
+    @options.memory_history()
     @options.session_flag(
         "--session",
         "Run in session NAME (default: 'default'): the first such cell starts hot ranks, later ones run in the "

@@ -147,3 +147,28 @@ def ranks(help: str) -> Any:
 def rank(help: str) -> Any:
     """--rank R: one rank (`args.rank`, None when not given)."""
     return argument("--rank", type=int, default=None, metavar="R", help=help)
+
+
+# -- options of the cell magic alone, declared here so that execution.py stays glue -----------------------------
+def profile() -> Any:
+    """--profile N: profile N steps of every rank with torch.profiler (`args.profile`, None when not given)."""
+    return argument(
+        "--profile",
+        type=profile_steps,
+        default=None,
+        metavar="N",
+        help="Profile N steps of every rank with torch.profiler (from its third step; a step is the watch's): the "
+        "table of each rank's compute, collective, input and idle time per step, the slowest rank and why, and the "
+        "traces (one merged, a process per rank) follow the cell's output; JobResult.profile holds them.",
+    )
+
+
+def memory_history() -> Any:
+    """--memory-history: GPU ranks keep CUDA's allocation history (`args.memory_history`)."""
+    return argument(
+        "--memory-history",
+        dest="memory_history",
+        action="store_true",
+        help="GPU ranks keep CUDA's allocation history with Python stacks: an out-of-memory error then names the "
+        "largest live allocations and writes a snapshot for PyTorch's memory viewer.",
+    )
