@@ -128,6 +128,8 @@ class RankResult:
     log_path: Path | None = None
     #: Wall time (time.time()) the launcher saw the rank's process end.
     exited_at: float | None = None
+    #: A GPU rank's peak allocated CUDA memory of the call, in bytes (torch.cuda.max_memory_allocated), if it used CUDA.
+    gpu_peak_allocated: int | None = None
 
 
 @dataclass

@@ -143,6 +143,10 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         from ..profiling.listener import Profiler
 
         listeners.insert(1, Profiler(spec))  # before tracking and the display, which show what it found
+    if spec.uses_gpu:
+        from ..profiling.memory import MemoryReport
+
+        listeners.insert(1, MemoryReport(spec))  # each rank's peak CUDA memory, for the record
     listeners.append(make_display(spec, sampler))
     from .record import LiveRecord
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
+from ..launch.files.memory_snapshot import human_bytes
 from ..launch.files.stack_dumps import Dump
 from ..launch.stacks import STOPPING
 from ..resources import Peak, peak_text
@@ -136,6 +137,8 @@ def record_bundle(
         title = f"rank {rank.rank}: {rank.state.value}"
         if peaks and rank.rank in peaks:
             title += f" · {peak_text(peaks[rank.rank])}"
+        if rank.gpu_peak_allocated is not None:  # torch's own counter (profiling/memory.py)
+            title += f" · peak allocated by torch {human_bytes(rank.gpu_peak_allocated)}"
         stopped = [d for d in (dumps or {}).get(rank.rank, []) if d.why == STOPPING]
         stack_html = "".join(
             f'<details class="air-magic-record-stacks" style="margin:2px 0 2px 1em"><summary style="cursor:pointer">'
