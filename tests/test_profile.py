@@ -10,7 +10,7 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from air_magic import Profile, distributed
+from air_magic import ConfigurationError, DistributedCall, Profile, distributed
 from air_magic.job import JobResult
 from air_magic.launch.files import profile_windows, step_times
 from air_magic.launch.files.rundir import RunDir
@@ -139,3 +139,51 @@ def test_the_magic_profiles_a_cell(loaded_kernel):
     assert loaded_kernel.value(f"type({magics}.last_result.profile).__name__") == "'Profile'"
     cell = loaded_kernel.execute("%%distributed --gpus 2 --accelerator-type CPU --profile 0\npass\n")
     assert "UsageError" in cell.stderr and "a whole number of steps to profile, 1 or more" in cell.stderr, cell.stderr
+
+
+def until_stopped(pause: float) -> int:
+    """An all_reduce, a pause and air_magic.step() until the call's Stop (at most 3000 steps); returns the steps."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import air_magic
+
+    dist.init_process_group("gloo")
+    t, done = torch.ones(8), 0
+    while done < 3000:
+        stop = torch.tensor([float(air_magic.should_stop())])
+        dist.all_reduce(stop)  # every rank stops at the same step
+        if stop.item():
+            break
+        dist.all_reduce(t)
+        time.sleep(pause)
+        air_magic.step()
+        done += 1
+    dist.destroy_process_group()
+    return done
+
+
+def test_a_running_background_call_is_profiled_on_demand(here_runs):
+    """handle.profile(steps=3) on a spawned call profiles its next 3 steps while it runs, and again later, each with
+    its own traces; handle.profiles keeps both, newest last; the call goes on until stopped."""
+    cloudpickle.register_pickle_by_value(inspect.getmodule(until_stopped))
+    handle = distributed(2, "CPU", mlflow=False, timeout=600)(until_stopped).spawn(0.01)
+    first = handle.profile(steps=3, timeout=120)
+    second = handle.profile(steps=3, timeout=120)
+    handle.stop()
+    done = handle.result(timeout=120)
+    assert handle.profiles == [first, second]
+    assert first.steps == second.steps == 3 and second.first_step > first.first_step
+    assert first.trace is not None and second.trace is not None and first.trace != second.trace
+    assert first.trace.is_file() and second.trace.is_file()
+    assert all(row["collective"] > 0 for row in second.ranks)
+    assert done[0] == done[1] > second.first_step + 3  # it trained on after both windows
+    unwatched = distributed(2, "CPU", mlflow=False, watch=False)(until_stopped).settings.spec(
+        until_stopped, (), {}, "f"
+    )
+    with pytest.raises(ConfigurationError, match="watch=False"):
+        DistributedCall(unwatched).profile(3)
+    with pytest.raises(ConfigurationError, match="whole number of steps to profile, 1 or more"):
+        handle.profile(0)

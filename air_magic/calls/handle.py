@@ -22,7 +22,7 @@ import threading
 import time
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import payload
 from ..errors import AirMagicError, ConfigurationError, JobCancelledError
@@ -32,6 +32,9 @@ from . import ledger, sessions
 from .handle_listener import HandleListener
 from .listeners import Listener, RunContext
 from .table import table as call_table
+
+if TYPE_CHECKING:
+    from ..profiling.profile import Profile
 
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = "waiting", "running", "finished", "failed", "cancelled"
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
@@ -67,6 +70,8 @@ class DistributedCall:
         self.watch = HandleListener(self)
         self.listeners = listeners
         self.claim: ledger.Claim | None = None
+        #: What each `profile()` of this running call found, newest last.
+        self.profiles: list[Profile] = []
 
     # -- who it is -----------------------------------------------------------
     @property
@@ -320,6 +325,16 @@ class DistributedCall:
         if self.result_ is not None:
             return list(self.result_.alerts)
         return list(self.ctx.alerts) if self.ctx is not None else []
+
+    def profile(self, steps: int = 5, timeout: float | None = 600) -> Profile:
+        """Profile the next `steps` steps of every rank of this running call with torch.profiler, and return the
+        `Profile` (also kept in `profiles`, newest last) once every rank has written its trace (docs/profiling.md)."""
+        from ..profiling.live import check, profile_running
+
+        check(steps, self.spec.watch)
+        found = profile_running(self.run_dir, self.world_size, steps, timeout, lambda: not self.done())
+        self.profiles.append(found)
+        return found
 
     @property
     def elapsed(self) -> float:

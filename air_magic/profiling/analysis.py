@@ -120,12 +120,13 @@ def read_trace(rank: int, path: Path, window: profile_windows.Window) -> RankTra
     return RankTrace(rank, path, window, events, str(raw.get("host_name", window.host)))
 
 
-def load(run_dir: RunDir, world_size: int) -> tuple[list[RankTrace], dict[int, str]]:
-    """Every rank's trace that can be read, and for each rank without one, why."""
+def load(run_dir: RunDir, world_size: int, number: int = 0) -> tuple[list[RankTrace], dict[int, str]]:
+    """Every rank's trace that can be read (of `profile=N`, or of the `number`th `handle.profile()`), and for each
+    rank without one, why."""
     traces: list[RankTrace] = []
     missing: dict[int, str] = {}
     for rank in range(world_size):
-        window = profile_windows.read(run_dir.profile_window(rank))
+        window = profile_windows.read(run_dir.profile_window(rank, number))
         if window is None:
             missing[rank] = "it wrote no profile: it ended before its second step, or was not watched"
             continue

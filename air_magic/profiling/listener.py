@@ -19,21 +19,21 @@ from . import analysis, merge
 from .profile import Profile
 
 
-def build(run_dir: RunDir, world_size: int) -> Profile | None:
-    """The profile of the call in `run_dir` from what its ranks left, with the merged trace written; None when no
-    rank left a trace."""
-    traces, missing = analysis.load(run_dir, world_size)
+def build(run_dir: RunDir, world_size: int, number: int = 0) -> Profile | None:
+    """The profile of the call in `run_dir` from what its ranks left (`profile=N`'s, or the `number`th
+    `handle.profile()`'s), with the merged trace written; None when no rank left a trace."""
+    traces, missing = analysis.load(run_dir, world_size, number)
     if not traces:
         return None
     analysis.align(traces)
     rows = [analysis.breakdown(t) for t in traces]
     slowest, lag = analysis.slowest(rows)
     sizes = {t.path.name: t.path.stat().st_size for t in traces}
-    sizes["merged"] = merge.write(traces, run_dir.merged_trace)
+    sizes["merged"] = merge.write(traces, run_dir.merged(number))
     return Profile(
         ranks=rows,
         slowest=slowest,
-        trace=run_dir.merged_trace,
+        trace=run_dir.merged(number),
         traces=[t.path for t in traces],
         lag=lag,
         top_ops={t.rank: analysis.top_ops(t) for t in traces},

@@ -16,7 +16,9 @@ DataLoader `next()` (`air_magic: input`) and each blocking collective
 
 When the window closes the rank writes its Chrome trace (`rank-N.trace.json`)
 and what it covers (`rank-N.profile.json`, launch/files/profile_windows.py),
-then goes on with its steps. Not for the notebook's side (profiling/) nor for
+then goes on with its steps. A call already running is profiled the same way
+when `handle.profile(steps)` asks (`asked`, read by the watch's own thread):
+the window opens at the rank's next step. Not for the notebook's side (profiling/) nor for
 the step times themselves (steps.py). Imports torch only when a window opens.
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import profile_windows as f
+from ..files.rundir import RunDir
 
 #: The step torch.profiler starts at, its warm-up (not counted): step 0 starts the DataLoader's workers and DDP's
 #: first pass, not a usual step. The counted steps begin at SKIP + 1.
@@ -36,6 +39,22 @@ SKIP = 1
 #: The prefix of every range the window adds to the trace.
 MARK = "air_magic"
 INPUT = f"{MARK}: input"
+
+
+#: The last request of `handle.profile()` each call's ranks took, by run directory (a hot rank serves several calls).
+_taken: dict[Path, int] = {}
+
+
+def asked(run_dir: Path, rank: int) -> Window | None:
+    """A window for a request of `handle.profile(steps)` not taken yet in this call (read from the watch's thread
+    about once a second; one file's stat when there is none), else None."""
+    run = RunDir(run_dir)
+    request = f.read_request(run.profile_request)
+    if request is None or request[0] <= _taken.get(run_dir, 0):
+        return None
+    number, steps = request
+    _taken[run_dir] = number
+    return Window(steps, rank, run.trace(rank, number), run.profile_window(rank, number))
 
 
 def collective_mark(name: str, number: int) -> str:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import step_times as f
-from .profiler import INPUT, Window, collective_mark
+from .profiler import INPUT, Window, asked, collective_mark
 
 #: Seconds between two writes of the rank's file (when something changed).
 FLUSH = 1.0
@@ -90,8 +90,10 @@ class Recorder:
         self.written = -1
         #: One pair of readings converts every time written: a state written twice reads the same both times.
         self.wall0, self.clock0 = time.time(), _clock()
-        #: The profiled steps (profiler.py), while armed or open; None outside them.
+        #: The profiled steps (profiler.py), while armed or open; None outside them. Only the main thread sets it;
+        #: a window `handle.profile()` asked for waits in `asked` until the next step.
         self.window: Window | None = None
+        self.asked: Window | None = None
 
     def wall(self, at: float) -> float:
         return self.wall0 + (at - self.clock0)  # the wall-clock time of `at` (this module's clock)
@@ -113,6 +115,8 @@ class Recorder:
         self.progress = now
         self.after = None
         self.changes += 1
+        if self.asked is not None and self.window is None:
+            self.window, self.asked = self.asked, None
         window = self.window
         if window is not None and window.boundary(self.count, ended):  # it opened or closed: not the step's time
             self.step_start = self.progress = _clock()
@@ -186,9 +190,10 @@ def stop() -> None:
     with _lock:
         recorder, _recorder = _recorder, None
     if recorder is not None:
-        if recorder.window is not None:
-            recorder.window.close()
-            recorder.window = None
+        for window in (recorder.window, recorder.asked):
+            if window is not None:
+                window.close()
+        recorder.window = recorder.asked = None
         recorder.changes += 1
         recorder.flush()
 
@@ -210,6 +215,8 @@ def _flush_loop() -> None:
         time.sleep(FLUSH)
         recorder = _recorder
         if recorder is not None:
+            if recorder.asked is None:
+                recorder.asked = asked(recorder.path.parent, recorder.rank)  # handle.profile() (profiler.py)
             recorder.flush()
 
 

@@ -1,0 +1,63 @@
+"""Profiling a call already running: `handle.profile(steps)` asks its ranks, waits for their traces, builds the
+`Profile`.
+
+The request is a file of the run directory (`profile.request`: its number and
+steps, launch/files/profile_windows.py), which each rank's watch reads about
+once a second; the ranks open a window at their next step (launch/rank/profiler.py)
+and write numbered traces, which `build` reads as it reads `profile=N`'s. Works
+for any call whose ranks run on this machine and are watched: a background, a
+detached or a session call, from any process of the user. No IPython here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import AirMagicError, ConfigurationError
+from ..launch.files import profile_windows
+from ..launch.files.rundir import RunDir
+from . import check_profile
+from .listener import build
+from .profile import Profile
+
+#: Seconds between two looks for the ranks' windows.
+POLL = 0.2
+
+
+def check(steps: object, watched: bool) -> None:
+    """`handle.profile(steps)` of a call: steps a whole number, 1 or more, of a watched call."""
+    if not watched:
+        raise ConfigurationError(
+            "this call runs with watch=False, and profiling counts the watch's steps; start it with the watch on."
+        )
+    check_profile(steps, True)
+
+
+def profile_running(
+    run_dir: Path, world_size: int, steps: int, timeout: float | None, running: Callable[[], bool]
+) -> Profile:
+    """Profile the next `steps` steps of every rank of the running call in `run_dir` (see the module; `check`
+    first)."""
+    run = RunDir(run_dir)
+    last = profile_windows.read_request(run.profile_request)
+    number = 1 if last is None else last[0] + 1
+    profile_windows.write_request(run.profile_request, number, steps)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not all(run.profile_window(rank, number).exists() for rank in range(world_size)):
+        if not running():
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise AirMagicError(
+                f"the ranks did not profile {steps} step(s) within {timeout:g} s: a step is the watch's (a DataLoader "
+                "batch, or an air_magic.step() call). Pass a longer timeout=, or fewer steps."
+            )
+        time.sleep(POLL)
+    profile = build(run, world_size, number)
+    if profile is None:
+        raise AirMagicError(
+            f"no rank profiled a step before the call ended (request {number} in {run.profile_request}); profile a "
+            "call with more steps left, or pass profile= when you start it."
+        )
+    return profile
