@@ -1,11 +1,15 @@
 """The profile of a call (`JobResult.profile`, profiling/) as HTML: the table of every rank's profiled steps, the
 slowest rank and why, the skew, the top ops and where the traces are. The record (record.py) shows it; plain HTML
-that JupyterLab keeps in untrusted notebooks. Knows nothing about widgets; the text is `Profile.table()`.
+that JupyterLab keeps in untrusted notebooks; the panel's Profile button shows it too (`PanelProfiling`). Knows
+nothing about widgets; the text is `Profile.table()`.
 """
 
 from __future__ import annotations
 
 import html
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
 from ..profiling.profile import Profile
 
@@ -37,3 +41,52 @@ def profile_html(profile: Profile) -> str:
         + "".join(f"<div>{note}</div>" for note in notes)
         + "</div>"
     )
+
+
+#: Steps the panel's Profile button profiles.
+PANEL_STEPS = 5
+
+
+class PanelProfiling:
+    """What the panel's Profile button started: `ask` (from the click's thread) profiles the next PANEL_STEPS steps
+    of the running call on a thread of its own (profiling/live.py); `take` (from the runner's thread, which alone
+    touches widgets) gives the view's HTML once, when there is something new to show."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.profiles: list[Profile] = []
+        self._html: str | None = None
+
+    def ask(self, run_dir: Path, world_size: int, watched: bool, running: Callable[[], bool]) -> None:
+        """Leave the request (one small file) and wait for the ranks' traces on a thread of its own."""
+        from ..profiling.live import check, request
+
+        if self.busy:
+            return
+        try:
+            check(PANEL_STEPS, watched)
+            number = request(run_dir, PANEL_STEPS)
+        except Exception as exc:  # noqa: BLE001 - said in the view; the call goes on
+            self._html = f'<span style="color:#c62828">profile failed: {html.escape(str(exc))}</span>'
+            return
+        self.busy = True
+        self._html = f"<i>profiling the next {PANEL_STEPS} steps of every rank…</i>"
+        args = (run_dir, world_size, number, running)
+        threading.Thread(target=self._profile, args=args, name="air_magic-profile", daemon=True).start()
+
+    def _profile(self, run_dir: Path, world_size: int, number: int, running: Callable[[], bool]) -> None:
+        from ..profiling.live import collect
+
+        try:
+            found = collect(run_dir, world_size, number, PANEL_STEPS, 600, running)
+        except Exception as exc:  # noqa: BLE001 - said in the view; the call goes on
+            self._html = f'<span style="color:#c62828">profile failed: {html.escape(str(exc))}</span>'
+        else:
+            self.profiles.append(found)
+            self._html = profile_html(found)
+        finally:
+            self.busy = False
+
+    def take(self) -> str | None:
+        shown, self._html = self._html, None
+        return shown

@@ -40,10 +40,23 @@ def profile_running(
 ) -> Profile:
     """Profile the next `steps` steps of every rank of the running call in `run_dir` (see the module; `check`
     first)."""
+    return collect(run_dir, world_size, request(run_dir, steps), steps, timeout, running)
+
+
+def request(run_dir: Path, steps: int) -> int:
+    """Ask the call's ranks to profile their next `steps` steps; the request's number."""
     run = RunDir(run_dir)
     last = profile_windows.read_request(run.profile_request)
     number = 1 if last is None else last[0] + 1
     profile_windows.write_request(run.profile_request, number, steps)
+    return number
+
+
+def collect(
+    run_dir: Path, world_size: int, number: int, steps: int, timeout: float | None, running: Callable[[], bool]
+) -> Profile:
+    """Wait for every rank's answer to request `number` (or the call's end, or `timeout`), and build its Profile."""
+    run = RunDir(run_dir)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not all(run.profile_window(rank, number).exists() for rank in range(world_size)):
         if not running():
