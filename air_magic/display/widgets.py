@@ -38,6 +38,7 @@ decided in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -232,6 +233,8 @@ class Panel(Listener):
             self.cancel_button.layout.visibility = "hidden"  # keeps the header's layout steady
         self._show_status(result.elapsed)
         self._show_link()
+        if result.profile is None and self.profiling.profiles:  # the record keeps what the Profile button found
+            result = dataclasses.replace(result, profile=self.profiling.profiles[-1])
         bundle = record_bundle(
             result,
             self.ranks.tails,
