@@ -95,6 +95,8 @@ class RankTrace:
     events: list[dict[str, Any]]
     host: str
     offset: float = 0.0
+    #: The trace's base time, in ns since the epoch (its `ts` count µs from it).
+    base_ns: int = 0
 
     def spans(self, keep: Any) -> list[Span]:
         return [(e["at"], e["end"]) for e in self.events if keep(e)]
@@ -111,13 +113,14 @@ class RankTrace:
 def read_trace(rank: int, path: Path, window: profile_windows.Window) -> RankTrace:
     """A rank's trace file as a RankTrace (raises OSError or ValueError for a file that is not one)."""
     raw = json.loads(path.read_bytes())
-    base = float(raw.get("baseTimeNanoseconds", 0)) / 1000
+    base_ns = int(raw.get("baseTimeNanoseconds", 0))
+    base = base_ns / 1000
     events = []
     for e in raw.get("traceEvents", []):
         if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float)):
             at = base + float(e["ts"])
             events.append({**e, "at": at, "end": at + float(e.get("dur", 0.0))})
-    return RankTrace(rank, path, window, events, str(raw.get("host_name", window.host)))
+    return RankTrace(rank, path, window, events, str(raw.get("host_name", window.host)), base_ns=base_ns)
 
 
 def load(run_dir: RunDir, world_size: int, number: int = 0) -> tuple[list[RankTrace], dict[int, str]]:

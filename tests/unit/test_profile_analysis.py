@@ -39,17 +39,21 @@ def _profiled_rank(run: RunDir, rank: int, input_wait: float, work: Callable[[],
     window.close()
 
 
+def _nothing() -> None:
+    return None
+
+
 def _matmuls(n: int, size: int = 64) -> Callable[[], object]:
     x = torch.randn(size, size)
     return lambda: [x @ x for _ in range(n)]
 
 
 def test_a_rank_slower_in_its_input_is_the_slowest_by_its_input(tmp_path: Path):
-    """Two real traces, rank 1 waiting 50 ms more for input a step: rank 1 is the slowest with cause input, each
+    """Two real traces, rank 1 waiting 50 ms for input a step, rank 0 not: rank 1 is the slowest with cause input, each
     split adds up to its step, and the merged trace holds both ranks' steps as processes 0 and 1."""
     run = RunDir(tmp_path)
-    _profiled_rank(run, 0, 0.0, _matmuls(4))
-    _profiled_rank(run, 1, 0.05, _matmuls(4))
+    _profiled_rank(run, 0, 0.0, _nothing)
+    _profiled_rank(run, 1, 0.05, _nothing)
     profile = build(run, 2)
     assert profile is not None and profile.slowest == (1, "input"), profile.table()
     assert profile.steps == 3 and profile.first_step == 2 and profile.lag > 0.0
@@ -58,7 +62,6 @@ def test_a_rank_slower_in_its_input_is_the_slowest_by_its_input(tmp_path: Path):
     for row in rows.values():
         assert row["compute"] + row["collective"] + row["input"] == pytest.approx(row["step"], rel=1e-6)
         assert row["collective"] >= 0.001  # the marked wait, on the steps' own thread
-    assert profile.top_ops[0][0].name == "aten::mm" and profile.top_ops[0][0].calls == 12  # 4 a step, 3 steps
     merged = json.loads(run.merged_trace.read_bytes())["traceEvents"]
     for rank in (0, 1):
         marks = [e["name"] for e in merged if e["pid"] == rank and e.get("name", "").startswith("air_magic step")]
@@ -74,6 +77,7 @@ def test_a_rank_slower_in_its_compute_is_the_slowest_by_its_compute(tmp_path: Pa
     profile = build(run, 2)
     assert profile is not None and profile.slowest == (0, "compute"), profile.table()
     assert "slowest: rank 0 (compute" in profile.table()
+    assert profile.top_ops[0][0].name == "aten::mm" and profile.top_ops[0][0].calls == 300  # 100 a step, 3 steps
 
 
 def test_a_rank_without_a_trace_is_named_with_why(tmp_path: Path):
@@ -81,7 +85,7 @@ def test_a_rank_without_a_trace_is_named_with_why(tmp_path: Path):
     run = RunDir(tmp_path)
     Window(3, 1, run.trace(1), run.profile_window(1)).close()
     assert build(run, 2) is None
-    _profiled_rank(run, 0, 0.0, _matmuls(1))
+    _profiled_rank(run, 0, 0.0, _nothing)
     profile = build(run, 2)
     assert profile is not None and [int(r["rank"]) for r in profile.ranks] == [0]
     assert profile.missing == {1: "the call ended before a profiled step began"}
@@ -165,8 +169,8 @@ def test_profile_needs_the_watch():
 def test_the_record_shows_the_profile(tmp_path: Path):
     """The static record (HTML and text) carries the table, the slowest rank and the merged trace's path."""
     run = RunDir(tmp_path)
-    _profiled_rank(run, 0, 0.0, _matmuls(1))
-    _profiled_rank(run, 1, 0.01, _matmuls(1))
+    _profiled_rank(run, 0, 0.0, _nothing)
+    _profiled_rank(run, 1, 0.05, _nothing)
     spec = JobSpec(target=print, args=(), kwargs={}, name="f", world_size=2, accelerator_type="CPU", timeout=None)
     result = JobResult(spec, tmp_path, [RankResult(0), RankResult(1)], status=JobStatus.FINISHED)
     result.profile = build(run, 2)
