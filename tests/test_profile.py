@@ -179,6 +179,10 @@ def test_a_running_background_call_is_profiled_on_demand(here_runs):
     assert first.trace is not None and second.trace is not None and first.trace != second.trace
     assert first.trace.is_file() and second.trace.is_file()
     assert all(row["collective"] > 0 for row in second.ranks)
+    run = RunDir(handle.run_dir)
+    windows = [profile_windows.read(run.profile_window(rank, 2)) for rank in (0, 1)]
+    assert windows[0] is not None and windows[1] is not None and windows[0].first == windows[1].first  # same steps
+    assert second.skew is not None and second.skew.collectives >= 3 * 2  # the loop's two all_reduces a step at least
     assert done[0] == done[1] > second.first_step + 3  # it trained on after both windows
     unwatched = distributed(2, "CPU", mlflow=False, watch=False)(until_stopped).settings.spec(
         until_stopped, (), {}, "f"

@@ -65,7 +65,7 @@ class PanelProfiling:
             return
         try:
             check(PANEL_STEPS, watched)
-            number = request(run_dir, PANEL_STEPS)
+            number = request(run_dir, world_size, PANEL_STEPS)
         except Exception as exc:  # noqa: BLE001 - said in the view; the call goes on
             self._html = f'<span style="color:#c62828">profile failed: {html.escape(str(exc))}</span>'
             return

@@ -17,8 +17,9 @@ waits (`air_magic: input`) and blocking collectives (`air_magic: all_reduce
 The slowest rank is the one whose own time (compute + input) is longest; its
 cause the one of the two by which it exceeds the other ranks' median most.
 The skew is read from the `c10d::` operators (every collective, DDP's
-included), matched across ranks by name and order: the rank that starts them
-last, and how long after the first. Times are absolute (the trace's base time
+included), matched across ranks by name and order in the same steps (no skew
+is said for windows of different steps): the rank that starts them last, and
+how long after the first. Times are absolute (the trace's base time
 plus its offsets); ranks on other hosts are aligned on the ends of their
 blocking collectives, which end together on every rank.
 
@@ -236,8 +237,8 @@ def _collective_ends(trace: RankTrace) -> dict[str, float]:
 
 def skew(traces: list[RankTrace]) -> Skew | None:
     """Who starts the collectives last (see the module), or None with fewer than 2 ranks or no collective."""
-    if len(traces) < 2:
-        return None
+    if len(traces) < 2 or len({t.window.first for t in traces}) > 1:
+        return None  # collectives are matched by their order in the same steps of every rank
     arrivals: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for trace in traces:
         seen: Counter[str] = Counter()

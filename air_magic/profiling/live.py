@@ -3,7 +3,8 @@
 
 The request is a file of the run directory (`profile.request`: its number and
 steps, launch/files/profile_windows.py), which each rank's watch reads about
-once a second; the ranks open a window at their next step (launch/rank/profiler.py)
+once a second; every rank opens its window at the same step, a few seconds of steps
+past the furthest one's (as the watch's step files say; launch/rank/profiler.py)
 and write numbered traces, which `build` reads as it reads `profile=N`'s. Works
 for any call whose ranks run on this machine and are watched: a background, a
 detached or a session call, from any process of the user. No IPython here.
@@ -11,12 +12,14 @@ detached or a session call, from any process of the user. No IPython here.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import AirMagicError, ConfigurationError
-from ..launch.files import profile_windows
+from ..launch.files import profile_windows, step_times
 from ..launch.files.rundir import RunDir
 from . import check_profile
 from .listener import build
@@ -24,6 +27,8 @@ from .profile import Profile
 
 #: Seconds between two looks for the ranks' windows.
 POLL = 0.2
+#: Seconds of steps between the furthest rank's last step and the step every rank's window starts at.
+LEAD = 3.0
 
 
 def check(steps: object, watched: bool) -> None:
@@ -40,16 +45,28 @@ def profile_running(
 ) -> Profile:
     """Profile the next `steps` steps of every rank of the running call in `run_dir` (see the module; `check`
     first)."""
-    return collect(run_dir, world_size, request(run_dir, steps), steps, timeout, running)
+    return collect(run_dir, world_size, request(run_dir, world_size, steps), steps, timeout, running)
 
 
-def request(run_dir: Path, steps: int) -> int:
-    """Ask the call's ranks to profile their next `steps` steps; the request's number."""
+def request(run_dir: Path, world_size: int, steps: int) -> int:
+    """Ask the call's ranks to profile `steps` steps, the same on every rank; the request's number."""
     run = RunDir(run_dir)
     last = profile_windows.read_request(run.profile_request)
     number = 1 if last is None else last[0] + 1
-    profile_windows.write_request(run.profile_request, number, steps)
+    profile_windows.write_request(run.profile_request, number, steps, start_step(run, world_size))
     return number
+
+
+def start_step(run: RunDir, world_size: int) -> int:
+    """The step every rank can still start at: past the furthest rank's step by LEAD seconds of steps (its watch's
+    file is up to a second old, and it reads the request up to a second later), at least 2 steps."""
+    states = [step_times.read(run.steps(rank)) for rank in range(world_size)]
+    known = [s for s in states if s is not None]
+    if not known:
+        return 0
+    totals = [step.total for s in known for step in s.recent]
+    step = statistics.median(totals) if totals else LEAD
+    return max(s.count for s in known) + max(2, math.ceil(LEAD / max(step, 1e-6)))
 
 
 def collect(

@@ -67,8 +67,8 @@ def test_every_header_button_comes_from_the_factory_and_does_its_one_thing(tmp_p
 
 
 def test_the_profile_button_asks_the_ranks_and_shows_what_it_found(tmp_path):
-    """A click leaves the request the ranks' watch reads (5 steps, request 1); a call that ended before any rank
-    profiled shows why in the profile view, and the button is free again."""
+    """A click leaves the request the ranks' watch reads (request 1, 5 steps, from step 0); a call that ended before
+    any rank profiled shows why in the profile view, and the button is free again."""
     import time
 
     from air_magic.launch.files import profile_windows
@@ -77,7 +77,7 @@ def test_the_profile_button_asks_the_ranks_and_shows_what_it_found(tmp_path):
     panel = _started(tmp_path)
     panel.ended = True  # no rank will answer: the thread ends at once
     panel.profile_button.click()
-    assert profile_windows.read_request(RunDir(tmp_path).profile_request) == (1, 5)
+    assert profile_windows.read_request(RunDir(tmp_path).profile_request) == (1, 5, 0)  # no rank's steps known yet
     deadline = time.monotonic() + 10
     while panel.profiling.busy and time.monotonic() < deadline:
         time.sleep(0.05)

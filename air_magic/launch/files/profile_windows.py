@@ -8,8 +8,9 @@ thread), on which host (ranks on other machines have other clocks), and the
 watch's own split of each profiled step (total, input, collective), or why no
 trace was written. The notebook's analysis (profiling/) reads both.
 
-A call already running is asked through `profile.request` (`handle.profile(steps)`): the request's number and
-steps, which each rank's watch reads about once a second; its files are numbered after it.
+A call already running is asked through `profile.request` (`handle.profile(steps)`): the request's number, steps
+and the step every rank starts at, which each rank's watch reads about once a second; its files are numbered
+after it.
 
 This module starts nothing and knows no process.
 """
@@ -76,16 +77,17 @@ def decode(data: bytes) -> Window | None:
         return None
 
 
-def write_request(path: Path, number: int, steps: int) -> None:
-    """Ask a running call's ranks to profile their next `steps` steps, as its `number`th request (from 1)."""
-    write_bytes(path, json.dumps({"v": VERSION, "number": number, "steps": steps}).encode())
+def write_request(path: Path, number: int, steps: int, at: int) -> None:
+    """Ask a running call's ranks to profile `steps` steps from their step `at` (its warm-up; every rank the same
+    steps), as its `number`th request (from 1)."""
+    write_bytes(path, json.dumps({"v": VERSION, "number": number, "steps": steps, "at": at}).encode())
 
 
-def read_request(path: Path) -> tuple[int, int] | None:
-    """(number, steps) of the last request, or None when there is none."""
+def read_request(path: Path) -> tuple[int, int, int] | None:
+    """(number, steps, at) of the last request, or None when there is none."""
     try:
         raw = json.loads(path.read_bytes())
-        return int(raw["number"]), int(raw["steps"])
+        return int(raw["number"]), int(raw["steps"]), int(raw["at"])
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

@@ -52,9 +52,9 @@ def asked(run_dir: Path, rank: int) -> Window | None:
     request = f.read_request(run.profile_request)
     if request is None or request[0] <= _taken.get(run_dir, 0):
         return None
-    number, steps = request
+    number, steps, at = request
     _taken[run_dir] = number
-    return Window(steps, rank, run.trace(rank, number), run.profile_window(rank, number))
+    return Window(steps, rank, run.trace(rank, number), run.profile_window(rank, number), at)
 
 
 def collective_mark(name: str, number: int) -> str:
@@ -69,8 +69,9 @@ def step_mark(index: int) -> str:
 class Window:
     """N steps of one rank under torch.profiler: armed, started at step SKIP, counting from the next, then written."""
 
-    def __init__(self, steps: int, rank: int, trace: Path, window: Path) -> None:
+    def __init__(self, steps: int, rank: int, trace: Path, window: Path, at: int = SKIP) -> None:
         self.asked = steps
+        self.at = max(SKIP, at)  # the warm-up step: the same on every rank, so their windows cover the same steps
         self.rank = rank
         self.trace = trace
         self.window = window
@@ -89,7 +90,7 @@ class Window:
         if self.done:
             return False
         if self._profiler is None:
-            if index < SKIP:
+            if index < self.at:
                 return False
             self._start()
             return True
