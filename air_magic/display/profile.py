@@ -58,27 +58,27 @@ class PanelProfiling:
         self._html: str | None = None
 
     def ask(self, run_dir: Path, world_size: int, watched: bool, running: Callable[[], bool]) -> None:
-        """Leave the request (one small file) and wait for the ranks' traces on a thread of its own."""
-        from ..profiling.live import check, request
+        """Profile on a thread of its own: the request (which may wait a moment for the ranks' first steps), then
+        the ranks' traces."""
+        from ..profiling.live import check
 
         if self.busy:
             return
         try:
             check(PANEL_STEPS, watched)
-            number = request(run_dir, world_size, PANEL_STEPS)
         except Exception as exc:  # noqa: BLE001 - said in the view; the call goes on
             self._html = f'<span style="color:#c62828">profile failed: {html.escape(str(exc))}</span>'
             return
         self.busy = True
-        self._html = f"<i>profiling the next {PANEL_STEPS} steps of every rank…</i>"
-        args = (run_dir, world_size, number, running)
+        self._html = f"<i>profiling {PANEL_STEPS} steps of every rank…</i>"
+        args = (run_dir, world_size, running)
         threading.Thread(target=self._profile, args=args, name="air_magic-profile", daemon=True).start()
 
-    def _profile(self, run_dir: Path, world_size: int, number: int, running: Callable[[], bool]) -> None:
-        from ..profiling.live import collect
+    def _profile(self, run_dir: Path, world_size: int, running: Callable[[], bool]) -> None:
+        from ..profiling.live import profile_running
 
         try:
-            found = collect(run_dir, world_size, number, PANEL_STEPS, 600, running)
+            found = profile_running(run_dir, world_size, PANEL_STEPS, 600, running)
         except Exception as exc:  # noqa: BLE001 - said in the view; the call goes on
             self._html = f'<span style="color:#c62828">profile failed: {html.escape(str(exc))}</span>'
         else:

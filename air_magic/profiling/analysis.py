@@ -18,8 +18,9 @@ The slowest rank is the one whose own time (compute + input) is longest; its
 cause the one of the two by which it exceeds the other ranks' median most.
 The skew is read from the `c10d::` operators (every collective, DDP's
 included), matched across ranks by name and order in the same steps (no skew
-is said for windows of different steps): the rank that starts them last, and
-how long after the first. Times are absolute (the trace's base time
+is said for windows of different steps): the rank furthest behind the first
+over all of them, at how many it was last, its time behind the first rank per
+step (summed over the step's collectives) and at most at one. Times are absolute (the trace's base time
 plus its offsets); ranks on other hosts are aligned on the ends of their
 blocking collectives, which end together on every rank.
 
@@ -249,14 +250,19 @@ def skew(traces: list[RankTrace]) -> Skew | None:
                 arrivals[(e["name"], seen[e["name"]])][trace.rank] = e["at"] + trace.offset
                 seen[e["name"]] += 1
     lasts: dict[int, list[float]] = defaultdict(list)
+    late: dict[int, float] = defaultdict(float)  # each rank's time after the first, over every collective
     matched = [a for a in arrivals.values() if len(a) == len(traces)]
     for at in matched:
+        first = min(at.values())
+        for r, t in at.items():
+            late[r] += t - first
         last = max(at, key=lambda r: at[r])
-        lasts[last].append((at[last] - min(at.values())) / 1e6)
+        lasts[last].append((at[last] - first) / 1e6)
     if not lasts:
         return None
-    rank = max(lasts, key=lambda r: (len(lasts[r]), statistics.median(lasts[r])))
-    return Skew(rank, statistics.median(lasts[rank]), len(lasts[rank]), len(matched))
+    rank = max(lasts, key=lambda r: late[r])  # most behind in all: not the one last most often by a hair
+    steps = min(len(t.steps()) for t in traces)
+    return Skew(rank, late[rank] / 1e6 / steps, len(lasts[rank]), len(matched), max(lasts[rank]))
 
 
 def slowest(rows: list[dict[str, float]]) -> tuple[tuple[int, str] | None, float]:

@@ -57,16 +57,20 @@ def request(run_dir: Path, world_size: int, steps: int) -> int:
     return number
 
 
-def start_step(run: RunDir, world_size: int) -> int:
+def start_step(run: RunDir, world_size: int, wait: float = LEAD) -> int:
     """The step every rank can still start at: past the furthest rank's step by LEAD seconds of steps (its watch's
-    file is up to a second old, and it reads the request up to a second later), at least 2 steps."""
-    states = [step_times.read(run.steps(rank)) for rank in range(world_size)]
-    known = [s for s in states if s is not None]
-    if not known:
-        return 0
-    totals = [step.total for s in known for step in s.recent]
+    file is up to a second old, and it reads the request up to a second later), at least 2 steps. Waits up to `wait`
+    seconds for every rank's first steps, whose length it needs."""
+    deadline = time.monotonic() + wait
+    while True:
+        states = [step_times.read(run.steps(rank)) for rank in range(world_size)]
+        known = [s for s in states if s is not None]
+        totals = [step.total for s in known for step in s.recent]
+        if (len(known) == world_size and all(s.recent for s in known)) or time.monotonic() > deadline:
+            break
+        time.sleep(POLL)
     step = statistics.median(totals) if totals else LEAD
-    return max(s.count for s in known) + max(2, math.ceil(LEAD / max(step, 1e-6)))
+    return max((s.count for s in known), default=0) + max(2, math.ceil(LEAD / max(step, 1e-6)))
 
 
 def collect(

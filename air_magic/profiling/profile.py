@@ -25,18 +25,20 @@ class Op:
 
 @dataclass(frozen=True)
 class Skew:
-    """Which rank arrives last at the collectives of the profiled steps, and by how much (the median over the
-    collectives it was last at, in seconds after the first rank), in how many of how many."""
+    """Which rank arrives last at the collectives of the profiled steps (the one furthest behind the first rank over
+    all of them), at how many of how many it was last; by how much: its seconds after the first rank per step, over
+    every collective of the step, and at most at one."""
 
     rank: int
     seconds: float
     last: int
     collectives: int
+    worst: float = 0.0
 
     def text(self) -> str:
         return (
             f"rank {self.rank} arrives last at {self.last} of {self.collectives} collectives, "
-            f"{self.seconds * 1000:.1f} ms after the first (median)"
+            f"{self.seconds * 1000:.1f} ms per step after the first rank (at most {self.worst * 1000:.1f} ms at one)"
         )
 
 

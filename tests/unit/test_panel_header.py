@@ -77,10 +77,11 @@ def test_the_profile_button_asks_the_ranks_and_shows_what_it_found(tmp_path):
     panel = _started(tmp_path)
     panel.ended = True  # no rank will answer: the thread ends at once
     panel.profile_button.click()
-    assert profile_windows.read_request(RunDir(tmp_path).profile_request) == (1, 5, 0)  # no rank's steps known yet
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while panel.profiling.busy and time.monotonic() < deadline:
         time.sleep(0.05)
+    # no rank's steps known (after waiting for them): from the 2 steps past step 0
+    assert profile_windows.read_request(RunDir(tmp_path).profile_request) == (1, 5, 2)
     panel.poll()
     assert "profile failed: no rank profiled a step before the call ended" in panel.profile_view.value
     assert panel.profile_view.layout.display is None

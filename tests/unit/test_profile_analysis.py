@@ -177,3 +177,24 @@ def test_the_record_shows_the_profile(tmp_path: Path):
     bundle = record_bundle(result, [TailBuffer(), TailBuffer()], run.logs(2), None)
     for text in bundle.values():
         assert "collective ms" in text and "slowest: rank 1 (input" in text and str(run.merged_trace) in text
+
+
+def test_the_skew_names_the_rank_furthest_behind_not_the_one_last_most_often_by_a_hair(tmp_path: Path):
+    """In one step rank 1 starts the bucket all-reduce 10 ms after rank 0, and rank 0 starts the two collectives after
+    it 0.5 ms after rank 1: rank 1 is named, last at 1 of 3, 10 ms per step behind, at most 10 ms."""
+    run = RunDir(tmp_path)
+    starts = {0: [0, 20_500, 30_500], 1: [10_000, 20_000, 30_000]}  # µs from the step's start
+    for rank, at in starts.items():
+        events = [{"ph": "X", "cat": "user_annotation", "name": "air_magic step 2", "tid": 7, "ts": 0, "dur": 40_000}]
+        events += [{"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "tid": 7, "ts": t, "dur": 10} for t in at]
+        run.trace(rank).write_text(json.dumps({"host_name": "a", "traceEvents": events}))
+        window = profile_windows.Window(rank, 1, 1, 2, 7, "a", trace=run.trace(rank).name)
+        profile_windows.write(run.profile_window(rank), window)
+    traces, _ = analysis.load(run, 2)
+    skew = analysis.skew(traces)
+    assert skew is not None and (skew.rank, skew.last, skew.collectives) == (1, 1, 3)
+    assert skew.seconds == pytest.approx(0.010) and skew.worst == pytest.approx(0.010)
+    assert (
+        skew.text()
+        == "rank 1 arrives last at 1 of 3 collectives, 10.0 ms per step after the first rank (at most 10.0 ms at one)"
+    )
