@@ -75,7 +75,8 @@ def test_profile_names_the_rank_slower_in_its_compute_under_ddp(here_runs, capsy
         assert row["compute"] + row["collective"] + row["input"] == pytest.approx(row["step"], rel=1e-6)
         assert row["idle"] == 0.0
     assert profile.skew is not None and profile.skew.rank == 1, profile.skew
-    assert [op.name for op in profile.top_ops[1]][:1] == ["aten::mm"], profile.top_ops[1]
+    mm = {rank: next(op for op in profile.top_ops[rank] if op.name == "aten::mm") for rank in (0, 1)}
+    assert mm[1].calls == mm[0].calls + 5 * 30 and mm[1].seconds > mm[0].seconds, profile.top_ops  # rank 1's extra work
     assert len(profile.top_ops[0]) == 10
     # each rank's trace and the merged one, in the run directory
     run = RunDir(result.run_dir)
