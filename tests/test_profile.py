@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -192,3 +193,23 @@ def test_a_running_background_call_is_profiled_on_demand(here_runs):
         DistributedCall(unwatched).profile(3)
     with pytest.raises(ConfigurationError, match="whole number of steps to profile, 1 or more"):
         handle.profile(0)
+
+
+def test_a_session_cell_is_profiled_in_the_sessions_ranks(loaded_kernel, releases_hot_ranks):
+    """In a session, the cell with --profile 3 is profiled in the ranks the first cell started (their process group
+    kept), and the next cell, without it, leaves no new trace."""
+    head = "%%distributed --gpus 2 --accelerator-type CPU --no-mlflow --session prof"
+    loop = "for _ in range(6):\n    dist.all_reduce(torch.ones(4)); air_magic.step()\n"
+    loaded_kernel.execute(
+        f"{head}\nimport torch, torch.distributed as dist, air_magic\ndist.init_process_group('gloo')\n{loop}",
+        timeout=180,
+    ).check()
+    cell = loaded_kernel.execute(f"{head} --profile 3\n{loop}", timeout=180).check()
+    assert "profiled 3 step(s) from step 2" in cell.stdout, cell.stdout
+    magics = "get_ipython().magics_manager.registry['DistributedMagics']"
+    assert loaded_kernel.value(f"{magics}.last_result.profile.steps") == "3"
+    cell = loaded_kernel.execute(f"{head}\n{loop}", timeout=180).check()
+    assert "profiled" not in cell.stdout
+    assert loaded_kernel.value(f"{magics}.last_result.profile") == "None"
+    run_dir = loaded_kernel.value(f"str({magics}.last_result.run_dir)").strip("'")
+    assert not list(Path(run_dir).glob("*trace*"))
