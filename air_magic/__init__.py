@@ -26,6 +26,7 @@ from .launch.rank.session import Placeholder, Ref
 from .launch.rank.steps import step
 from .owner import attach
 from .payload import PayloadSizeWarning
+from .profiling.profile import Profile
 from .stopping import should_stop
 from .sweep import sweep
 
@@ -45,6 +46,7 @@ __all__ = [
     "JobStatus",
     "PayloadSizeWarning",
     "Placeholder",
+    "Profile",
     "RankFailedError",
     "RankHungError",
     "RankResult",

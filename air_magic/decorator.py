@@ -20,6 +20,7 @@ from . import accelerators, launch
 from .calls import sessions
 from .errors import ConfigurationError
 from .job import JobResult, JobSpec
+from .profiling import check_profile
 from .watching import check_watch
 
 if TYPE_CHECKING:
@@ -97,11 +98,18 @@ class Settings:
     on_hang: str = "report"
     #: The call runs in a process of its own that outlives the kernel (calls/detached.py); `air_magic.attach` finds it.
     detach: bool = False
+    #: Profile this many steps of every rank with torch.profiler (docs/profiling.md); None = no profiling.
+    profile: int | None = None
+    #: GPU ranks keep CUDA's allocation history with Python stacks, for an out-of-memory error's snapshot.
+    memory_history: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         check_max_restarts(self.max_restarts)
         check_watch(self.watch, self.on_hang, self.max_restarts)
+        check_profile(self.profile, self.watch)
+        if not isinstance(self.memory_history, bool):
+            raise ConfigurationError(f"memory_history must be True or False, got {self.memory_history!r}.")
         object.__setattr__(self, "keep_alive", check_keep_alive(self.keep_alive))
         if self.num_accelerators is not None:
             accelerators._check_count(self.num_accelerators, "num_accelerators")
@@ -153,6 +161,8 @@ class Settings:
             max_restarts=self.max_restarts,
             watch=self.watch,
             on_hang=self.on_hang,
+            profile=self.profile,
+            memory_history=self.memory_history,
         )
         return sessions.with_session(spec, self.session, self.ranks)
 
@@ -259,6 +269,8 @@ def distributed(
     watch: bool = True,
     on_hang: str = "report",
     detach: bool = False,
+    profile: int | None = None,
+    memory_history: bool = False,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Prepare a function to run on one worker process per accelerator of this node (or of N nodes).
 
@@ -286,6 +298,11 @@ def distributed(
         "stop" (RankHungError) or "restart" (every rank starts again, within max_restarts).
     detach: `.spawn()` runs the call in a process of its own that outlives this kernel (its SIGKILL, a restart);
         `air_magic.attach(handle.id)` in any kernel finds it again. See the command line and detached runs page.
+    profile: profile this many of every rank's steps with torch.profiler (from its third step); the call's
+        `JobResult.profile` holds each rank's compute, collective, input and idle time per step, the slowest rank
+        and why, and the traces. See the profiling page of the docs.
+    memory_history: GPU ranks keep CUDA's allocation history (Python stacks), so that an out-of-memory error names
+        the largest live allocations and writes a snapshot; off by default (it costs time on each allocation).
     """
     if callable(num_accelerators) and accelerator_type is None:  # bare @distributed
         return distributed()(num_accelerators)  # type: ignore[return-value]
@@ -303,6 +320,8 @@ def distributed(
         watch=watch,
         on_hang=on_hang,
         detach=detach,
+        profile=profile,
+        memory_history=memory_history,
         **given,
     )
     settings.resolve()  # a setting that cannot fit this node fails here, at decoration

@@ -69,6 +69,13 @@ DEBUG_SERVED = "AIR_MAGIC_INTERNAL_DEBUG_SERVED"
 #: In a rank ("1"): the call is watched: the rank keeps its step times (launch/rank/steps.py).
 WATCH = "AIR_MAGIC_INTERNAL_WATCH"
 
+#: In a watched rank: how many of its steps to profile with torch.profiler (launch/rank/profiler.py).
+PROFILE = "AIR_MAGIC_INTERNAL_PROFILE"
+
+#: In a GPU rank ("1"): keep CUDA's allocation history, for the snapshot an out-of-memory error writes
+#: (launch/rank/memory.py).
+MEMORY_HISTORY = "AIR_MAGIC_INTERNAL_MEMORY_HISTORY"
+
 INTERNAL = (
     INTERNAL_RUN_DIR,
     JOB,
@@ -80,4 +87,6 @@ INTERNAL = (
     MLFLOW_RELAY,
     DEBUG_SERVED,
     WATCH,
+    PROFILE,
+    MEMORY_HISTORY,
 )

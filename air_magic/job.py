@@ -11,7 +11,10 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .profiling.profile import Profile
 
 
 class RankState(str, enum.Enum):
@@ -118,6 +121,10 @@ class JobSpec:
     #: The call is watched for stragglers and hangs (watching/); `on_hang`: what a hang leads to (ON_HANG).
     watch: bool = True
     on_hang: str = "report"
+    #: Steps of every rank to profile with torch.profiler (profiling/); None: none.
+    profile: int | None = None
+    #: GPU ranks keep CUDA's allocation history, for the snapshot an out-of-memory error writes.
+    memory_history: bool = False
 
     @property
     def uses_gpu(self) -> bool:
@@ -142,6 +149,8 @@ class RankResult:
     log_path: Path | None = None
     #: Wall time (time.time()) the launcher saw the rank's process end.
     exited_at: float | None = None
+    #: A GPU rank's peak allocated CUDA memory of the call, in bytes (torch.cuda.max_memory_allocated), if it used CUDA.
+    gpu_peak_allocated: int | None = None
 
 
 @dataclass
@@ -166,6 +175,8 @@ class JobResult:
     session_restarted: str | None = None
     #: What the watch saw: stragglers and hangs, oldest first (docs/watching.md).
     alerts: list[Alert] = field(default_factory=list)
+    #: What profiling `spec.profile` steps of every rank found (docs/profiling.md); None when not profiled.
+    profile: Profile | None = None
 
     @property
     def values(self) -> list[Any]:

@@ -112,3 +112,15 @@ def test_background_notebook_trains_while_cells_run_and_sweeps_two_trials(demo_d
     got = run_demo("background.ipynb", demo_dir, probe)
     assert got["seen"] > 0 and len(got["losses"]) == 2
     assert got["statuses"] == ["finished", "finished"]
+
+
+def test_profiling_notebook_names_the_rank_with_more_work_and_its_cause(demo_dir):
+    """The profiling demo's rank 1, doing more work each step under DDP, is the slowest, by its compute; rank 0 waits
+    in the collectives; the merged trace is written."""
+    got = run_demo(
+        "profiling.ipynb", demo_dir, '{"slowest": profile.slowest, "ranks": profile.ranks, "trace": str(profile.trace)}'
+    )
+    assert got["slowest"] == [1, "compute"], got
+    rank0, rank1 = got["ranks"]
+    assert rank0["collective"] > rank1["collective"] and rank1["compute"] > rank0["compute"], got
+    assert Path(got["trace"]).is_file()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -470,3 +471,59 @@ def test_terminal_ipython_gets_the_plain_text_display(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "display: TextDisplay" in done.stdout
+
+
+def test_the_profile_button_profiles_the_running_call_and_shows_its_table(lab_kernel):
+    """A Profile click while the call runs profiles 5 steps of every rank and shows the table under the header; the
+    ranks go on until Stop."""
+    mirror = WidgetMirror()
+    seen: dict[str, Any] = {}
+
+    def button(m: WidgetMirror, css: str) -> str:
+        return next(cid for cid, s in m.of_model("ButtonModel") if css in s.get("_dom_classes", ()))
+
+    def view(m: WidgetMirror) -> str:
+        found = [s["value"] for _, s in m.of_model("HTMLModel") if "air-magic-profile" in s.get("_dom_classes", ())]
+        return found[-1] if found else ""
+
+    def drive(m: WidgetMirror) -> None:
+        if not m.of_model("TabModel"):
+            return
+        if "profile" not in seen and all("looping" in log for log in m.panel()["logs"]):
+            click(lab_kernel, button(m, "air-magic-profile-button"))
+            seen["profile"] = True
+        elif "profile" in seen and "stop" not in seen and "collective ms" in view(m):
+            seen["table"] = view(m)
+            click(lab_kernel, button(m, "air-magic-stop"))
+            seen["stop"] = True
+
+    out = run_cell(
+        lab_kernel,
+        """
+@distributed(num_accelerators=2, accelerator_type="CPU", mlflow=False)
+def loop():
+    import time, torch, torch.distributed as dist, air_magic
+    dist.init_process_group("gloo")
+    print("looping", flush=True)
+    done = 0
+    while done < 6000:
+        stop = torch.tensor([float(air_magic.should_stop())])
+        dist.all_reduce(stop)  # every rank stops at the same step
+        if stop.item():
+            break
+        time.sleep(0.01)
+        air_magic.step()
+        done += 1
+    dist.destroy_process_group()
+    return done
+loop.distributed()
+""",
+        mirror,
+        timeout=240,
+        while_running=drive,
+    ).check()
+    assert "table" in seen, f"the profile view never showed a table: {view(mirror)!r}"
+    assert "profiled 5 step(s)" in seen["table"] and "profile-1.trace.json" in seen["table"]
+    done = json.loads(out.result or "[]")
+    assert done[0] == done[1] > 7  # both ranks went on after the window, until the Stop
+    assert "profiled 5 step(s)" in out.displays[-1]["data"]["text/plain"]  # the record keeps the table

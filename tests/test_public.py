@@ -23,6 +23,7 @@ PUBLIC = {
     "JobStatus",
     "PayloadSizeWarning",
     "Placeholder",
+    "Profile",
     "RankFailedError",
     "RankHungError",
     "RankResult",

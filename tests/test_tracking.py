@@ -122,6 +122,27 @@ train.distributed(25)
     assert "rank 1 done" in text
 
 
+def test_a_profiled_call_logs_every_trace_as_an_artifact(default_store_kernel, store, client):
+    """profile=3: each rank's trace and the merged one are artifacts of the call's run, under profile/."""
+    out = default_store_kernel.execute(
+        """
+@distributed(num_accelerators=2, timeout=600, profile=3)
+def looped():
+    import torch, torch.distributed as dist, air_magic
+    dist.init_process_group("gloo")
+    for _ in range(6):
+        dist.all_reduce(torch.ones(4))
+        air_magic.step()
+    dist.destroy_process_group()
+looped.distributed()
+""",
+        timeout=300,
+    ).check()
+    run = client.get_run(run_id_of(out.stdout))
+    names = sorted(a.path for a in client.list_artifacts(run.info.run_id, "profile"))
+    assert names == ["profile/profile.trace.json", "profile/rank-0.trace.json", "profile/rank-1.trace.json"]
+
+
 def test_link_opens_the_run_in_a_local_ui_on_loopback_over_the_same_store(default_store_kernel):
     """The printed link points at a local MLflow UI on 127.0.0.1 whose API serves the run and its metric."""
     out = default_store_kernel.execute(

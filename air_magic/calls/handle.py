@@ -22,7 +22,7 @@ import threading
 import time
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import payload
 from ..errors import AirMagicError, ConfigurationError
@@ -32,6 +32,9 @@ from ..listeners import Listener, RunContext
 from .handle_listener import HandleListener
 from .record import RUNNING, WAITING, CallRecord, LiveRecord
 from .table import CallTable
+
+if TYPE_CHECKING:
+    from ..profiling.profile import Profile
 
 #: Seconds a running call may take to make its run directory before `run_dir` gives up with an error.
 RUN_DIR_WAIT = 120.0
@@ -80,6 +83,8 @@ class DistributedCall:
         #: Whether it leaves a record on disk (a session's push, pull and reset do not).
         self.recorded = recorded
         self.live: LiveRecord | None = None
+        #: What each `profile()` of this running call found, newest last.
+        self.profiles: list[Profile] = []
 
     # -- who it is -----------------------------------------------------------
     @property
@@ -347,6 +352,18 @@ class DistributedCall:
         if self.result_ is not None:
             return list(self.result_.alerts)
         return list(self.ctx.alerts) if self.ctx is not None else []
+
+    def profile(self, steps: int = 5, timeout: float | None = 600) -> Profile:
+        """Profile the next `steps` steps of every rank of this running call with torch.profiler, and return the
+        `Profile` (also kept in `profiles`, newest last) once every rank has written its trace (docs/profiling.md).
+        The owner of the call asks the ranks (its process profiles; a rebuilt handle has none)."""
+        if self.owner is None:
+            raise AirMagicError(
+                f"call {self.short} was rebuilt from its run directory: attach to it (air_magic.attach) to profile it."
+            )
+        found: Profile = self.owner.profile(self, steps, timeout)
+        self.profiles.append(found)
+        return found
 
     @property
     def elapsed(self) -> float:

@@ -48,10 +48,10 @@ def button(
 
 
 class Header:
-    """The header's widgets: the status line on a row of its own; under it the MLflow link, the Stacks, Stop and
-    Cancel buttons, and a hint where the buttons cannot be shown."""
+    """The header's widgets: the status line on a row of its own; under it the MLflow link, the Stacks, Profile (for
+    a call `profile_now` can profile), Stop and Cancel buttons, and a hint where the buttons cannot be shown."""
 
-    def __init__(self, stacks_now: Any, stop_now: Any, cancel_now: Any) -> None:
+    def __init__(self, stacks_now: Any, stop_now: Any, cancel_now: Any, profile_now: Any = None) -> None:
         self.status = w.HTML(layout=w.Layout(width="100%", margin="0"))  # no margin: as wide as the header
         self.status.add_class("air-magic-status")
         self.link = w.HTML(layout=w.Layout(flex="1 1 auto", min_width="0"))
@@ -64,6 +64,15 @@ class Header:
             "air-magic-stacks-button",
             stacks_now,
         )
+        self.profile = button(
+            "Profile",
+            "tachometer",
+            "Profile the next 5 steps of every rank with torch.profiler: the table and the merged trace show below",
+            "air-magic-profile-button",
+            profile_now or (lambda: None),
+        )
+        if profile_now is None:
+            self.profile.layout.display = "none"  # a call the watch does not count steps of
         self.stop = button(
             "Stop",
             "step-forward",
@@ -87,12 +96,12 @@ class Header:
             self.hint.value = "<i>Stop with the kernel's interrupt button (■).</i>"
         # The status line above, the link and the buttons in a row below: each keeps its room at any width.
         self.controls = w.HBox(
-            [self.link, self.stacks, self.stop, self.cancel, self.hint],
+            [self.link, self.stacks, self.profile, self.stop, self.cancel, self.hint],
             layout=w.Layout(align_items="center", width="100%", margin="0", flex_flow="row wrap", grid_gap="8px"),
         )
         self.box = w.VBox([self.status, self.controls], layout=w.Layout(width="100%"))
         self.box.add_class("air-magic-header")
-        self.buttons = (self.stacks, self.stop, self.cancel)
+        self.buttons = (self.stacks, self.profile, self.stop, self.cancel)
 
     @property
     def widgets(self) -> list[w.Widget]:

@@ -4,7 +4,8 @@ The live panel is a widget: saved, converted or reopened without its kernel it
 shows nothing. So when a call ends the panel's output is replaced by this
 record: how it ended, how long it took, the MLflow link, each rank's last
 lines (bounded, with a note of what was left out and where the full log is),
-each rank's peak memory (and GPU memory) when they were sampled, the stacks a
+each rank's peak memory (and GPU memory) when they were sampled, the table of a
+profiled call (profile.py), the stacks a
 rank wrote when it was stopped (launch/stacks.py), the metric charts, and after
 restarts the attempt it ended on and how each earlier one ended. It uses only
 HTML that JupyterLab keeps in untrusted
@@ -19,10 +20,12 @@ from pathlib import Path
 
 from ..errors import DistributedTimeoutError, JobCancelledError
 from ..job import JobResult, JobStatus
+from ..launch.files.memory_snapshot import human_bytes
 from ..launch.files.stack_dumps import Dump
 from ..launch.stacks import STOPPING
 from ..resources import Peak, peak_text
 from .charts import MetricsTail, charts_html, charts_text
+from .profile import profile_html
 from .tail import TailBuffer
 
 #: Newest lines of each rank kept in the record.
@@ -109,6 +112,8 @@ def record_bundle(
             + "".join(f"<div>⚠ {html.escape(a.message)}</div>" for a in result.alerts)
             + "</div>"
         )
+    if result.profile is not None:  # profile=N (profiling/): every rank's profiled steps
+        parts.append(profile_html(result.profile))
     parts.append(charts_html(metrics))
     text = [
         f"air_magic: {spec.name} on {spec.world_size} rank(s), {spec.accelerator_type}: {how}"
@@ -117,6 +122,8 @@ def record_bundle(
     ]
     text += [f"earlier {line}" for line in earlier]
     text += [alert.message for alert in result.alerts]
+    if result.profile is not None:
+        text += result.profile.table().split("\n")
     if link:
         text.append(f"MLflow run: {link}")
     text.append(f"logs: {result.run_dir}")
@@ -130,6 +137,8 @@ def record_bundle(
         title = f"rank {rank.rank}: {rank.state.value}"
         if peaks and rank.rank in peaks:
             title += f" · {peak_text(peaks[rank.rank])}"
+        if rank.gpu_peak_allocated is not None:  # torch's own counter (profiling/memory.py)
+            title += f" · peak allocated by torch {human_bytes(rank.gpu_peak_allocated)}"
         stopped = [d for d in (dumps or {}).get(rank.rank, []) if d.why == STOPPING]
         stack_html = "".join(
             f'<details class="air-magic-record-stacks" style="margin:2px 0 2px 1em"><summary style="cursor:pointer">'

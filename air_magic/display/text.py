@@ -83,6 +83,8 @@ class TextDisplay(Listener):
             self.flush_rank(rank)
         self.show_link()
         self.show_alerts()
+        if result.profile is not None:  # profile=N (profiling/): the table of every rank's profiled steps
+            self.out.write("".join(f"air_magic: {line}\n" for line in result.profile.table().split("\n")))
         attempts = f" after {result.attempts} attempts" if result.attempts > 1 else ""
         self.out.write(
             f"air_magic: {result.spec.name} {result.status.value.lower()}{attempts} in {result.elapsed:.1f} s\n"

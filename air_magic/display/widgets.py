@@ -38,6 +38,7 @@ decided in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -55,6 +56,7 @@ from . import busy
 from .cancel_route import keep_on_main_shell
 from .charts import MetricsTail, charts_html
 from .header import Header, link_html, stacks_html, status_html, usage_html, watch_alerts_html
+from .profile import PanelProfiling
 from .rank_tabs import RankTabs, tab_title
 from .record import ended_as, record_bundle
 from .starting import waiting_for
@@ -176,6 +178,11 @@ class Panel(Listener):
             self.stacks_view.layout.display = None
         if self.ctx.stop_requested and not self.stop_button.disabled:
             self._show_stopping()
+        profiled = self.profiling.take()  # the Profile button's view (display/profile.py)
+        if profiled is not None:
+            self.profile_view.value = profiled
+            self.profile_view.layout.display = None
+        self.profile_button.disabled = self.profiling.busy
         if self.metrics is not None and now - self.last_charts >= CHARTS:
             self.last_charts = now
             if self.metrics.poll():
@@ -213,6 +220,7 @@ class Panel(Listener):
         self.cancel_button.disabled = True
         self.usage_header = ""
         self.stacks_button.disabled = True
+        self.profile_button.disabled, self.ended = True, True
         self.stop_button.disabled = True
         self.stop_button.layout.visibility = "hidden"
         self._show_watch()
@@ -225,6 +233,8 @@ class Panel(Listener):
             self.cancel_button.layout.visibility = "hidden"  # keeps the header's layout steady
         self._show_status(result.elapsed)
         self._show_link()
+        if result.profile is None and self.profiling.profiles:  # the record keeps what the Profile button found
+            result = dataclasses.replace(result, profile=self.profiling.profiles[-1])
         bundle = record_bundle(
             result,
             self.ranks.tails,
@@ -259,18 +269,23 @@ class Panel(Listener):
         self.alerts_view.add_class("air-magic-alerts")
         self.stacks_view = w.HTML(layout=w.Layout(display="none", width="100%"))
         self.collectives = None
-        made = Header(self._stacks_now, self._stop_now, self._cancel_now)
+        profilable = spec.watch and spec.num_nodes == 1  # the ranks' watch reads a profile request from the run dir
+        made = Header(self._stacks_now, self._stop_now, self._cancel_now, self._profile_now if profilable else None)
         self.status, self.link, self.controls, self.cancel_hint = made.status, made.link, made.controls, made.hint
         self.stacks_button, self.stop_button, self.cancel_button = made.stacks, made.stop, made.cancel
+        self.profile_button, self.profiling, self.ended = made.profile, PanelProfiling(), False
+        self.profile_view = w.HTML(layout=w.Layout(display="none", width="100%"))
+        self.profile_view.add_class("air-magic-profile")
         header = made.box
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
-        self.box = w.VBox([header, self.alerts_view, self.charts, self.stacks_view, self.ranks.tabs])
+        self.box = w.VBox([header, self.alerts_view, self.charts, self.profile_view, self.stacks_view, self.ranks.tabs])
         self.box.add_class("air-magic-panel")
         self._widgets: list[Any] = [
             self.box,
             header,
             self.charts,
             self.stacks_view,
+            self.profile_view,
             *self.ranks.widgets,
             self.alerts_view,
             *made.widgets,
@@ -298,6 +313,13 @@ class Panel(Listener):
         if self.phase == Phase.RUNNING or self.phase == "running":
             self.phase = "stopping after this step"
             self._show_status()
+
+    def _profile_now(self) -> None:
+        # On the shell-channel thread: only leave the request (one small file) and start the thread that waits for
+        # the ranks' traces (display/profile.py); poll() draws what it finds.
+        if self.ctx is not None:
+            ctx = self.ctx
+            self.profiling.ask(ctx.run_dir, ctx.spec.world_size, ctx.spec.watch, lambda: not self.ended)
 
     def _stacks_now(self) -> None:
         # On the shell-channel thread, like a cancel: only ask; the stacks arrive as the ranks' output.

@@ -136,6 +136,8 @@ class DistributedMagics(Magics):
             ranks=args.ranks,
             watch=not args.no_watch,
             on_hang=args.on_hang,
+            profile=args.profile,
+            memory_history=args.memory_history,
         )
 
     @magic_arguments()
@@ -205,6 +207,8 @@ class DistributedMagics(Magics):
         help="What a hung rank leads to: report (default: the cell goes on), stop (RankHungError), or restart "
         "(every rank starts again, within --max-restarts).",
     )
+    @options.profile()
+    @options.memory_history()
     @options.session_flag(
         "--session",
         "Run in session NAME (default: 'default'): the first such cell starts hot ranks, later ones run in the "

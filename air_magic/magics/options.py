@@ -78,6 +78,19 @@ def restarts(text: str) -> int:
         ) from None
 
 
+def profile_steps(text: str) -> int:
+    """The text of --profile: a whole number of steps, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of steps to profile, 1 or more, such as 5, got {text!r}"
+        )
+    return value
+
+
 def rank_list(text: str) -> tuple[int, ...]:
     """The text of --ranks as rank numbers; whether they fit a session is Settings' check (sessions.check_ranks)."""
     try:
@@ -134,3 +147,28 @@ def ranks(help: str) -> Any:
 def rank(help: str) -> Any:
     """--rank R: one rank (`args.rank`, None when not given)."""
     return argument("--rank", type=int, default=None, metavar="R", help=help)
+
+
+# -- options of the cell magic alone, declared here so that execution.py stays glue -----------------------------
+def profile() -> Any:
+    """--profile N: profile N steps of every rank with torch.profiler (`args.profile`, None when not given)."""
+    return argument(
+        "--profile",
+        type=profile_steps,
+        default=None,
+        metavar="N",
+        help="Profile N steps of every rank with torch.profiler (from its third step; a step is the watch's): the "
+        "table of each rank's compute, collective, input and idle time per step, the slowest rank and why, and the "
+        "traces (one merged, a process per rank) follow the cell's output; JobResult.profile holds them.",
+    )
+
+
+def memory_history() -> Any:
+    """--memory-history: GPU ranks keep CUDA's allocation history (`args.memory_history`)."""
+    return argument(
+        "--memory-history",
+        dest="memory_history",
+        action="store_true",
+        help="GPU ranks keep CUDA's allocation history with Python stacks: an out-of-memory error then names the "
+        "largest live allocations and writes a snapshot for PyTorch's memory viewer.",
+    )

@@ -1,6 +1,7 @@
-"""The listeners the owner plugs into each call: the resource sampler, the watch, MLflow tracking, the display and
-the call's live record. The one place that names them; calls/ only speaks their interface (air_magic/listeners.py).
-Not for: what a listener does (display/, tracking/, watching/, resources.py, calls/record.py).
+"""The listeners the owner plugs into each call: the resource sampler, the watch, the profiler and the GPU memory
+report, MLflow tracking and the display (the call's live record is its handle's own, calls/record.py). The one place
+that names them; calls/ only speaks their interface (air_magic/listeners.py). Not for: what a listener does
+(display/, tracking/, watching/, profiling/, resources.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Any
 from ..display import make_display
 from ..job import JobSpec
 from ..listeners import Listener
+from ..profiling.listener import Profiler
+from ..profiling.memory import MemoryReport
 from ..resources import ResourceSampler
 from ..tracking.listener import MlflowTracker, make_tracker
 from ..watching.listener import Watcher
@@ -32,6 +35,10 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         watcher = Watcher(spec)
         listeners.insert(1, watcher)  # before tracking and the display, which show what it found
         watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
+    if spec.profile:
+        listeners.insert(1, Profiler(spec))  # before tracking and the display, which show what it found
+    if spec.uses_gpu:
+        listeners.insert(1, MemoryReport(spec))  # each rank's peak CUDA memory, for the record
     listeners.append(make_display(spec, sampler))
     return listeners  # the call's record on disk is the handle's own (calls/record.py LiveRecord, put last)
 

@@ -33,6 +33,8 @@ from ..launch import Launchers
 from ..launch.files.rundir import RunDir
 from ..launch.keeper import Keeper, World
 from ..listeners import Listener
+from ..profiling.live import check, profile_running
+from ..profiling.profile import Profile
 from ..tracking import _compat, orphans, prepare
 from .claims import Claim
 from .listeners import captured, default_listeners
@@ -206,6 +208,12 @@ class Owner:
         from ..display.follow import show
 
         show(call)
+
+    @staticmethod
+    def profile(call: DistributedCall, steps: int, timeout: float | None) -> Profile:
+        """Profile the next `steps` steps of every rank of the running `call` (profiling/live.py)."""
+        check(steps, call.spec.watch)
+        return profile_running(call.run_dir, call.world_size, steps, timeout, lambda: not call.done())
 
     @staticmethod
     def link_of(record: dict[str, Any]) -> str | None:

@@ -43,6 +43,7 @@ from urllib.parse import urlparse
 
 from ..envvars import MLFLOW_RELAY, MLFLOW_RUN_ID
 from ..job import JobResult, JobSpec
+from ..launch.files.rundir import RunDir
 from ..listeners import Listener, RunContext
 from ..phase import Phase
 from . import _compat, prepare
@@ -329,6 +330,16 @@ class MlflowTracker(Listener):
             for rank in result.ranks:
                 if rank.log_path is not None and rank.log_path.exists():
                     self.client.log_artifact(run_id, str(rank.log_path), artifact_path="logs")
+            profile = result.profile  # profile=N: each rank's trace and the merged one
+            for trace in [] if profile is None else [*profile.traces, *([profile.trace] if profile.trace else [])]:
+                self.client.log_artifact(run_id, str(trace), artifact_path="profile")
+            for rank in result.ranks:  # GPU ranks: the peak torch counted, the snapshot an out-of-memory error left
+                if rank.gpu_peak_allocated is not None:
+                    name = f"memory/rank_{rank.rank}/peak_allocated_gib"
+                    self.client.log_metric(run_id, name, rank.gpu_peak_allocated / 2**30)
+                snapshot = RunDir(result.run_dir).memory_snapshot(rank.rank)
+                if snapshot.exists():
+                    self.client.log_artifact(run_id, str(snapshot), artifact_path="memory")
         except Exception as exc:  # noqa: BLE001 - the call's own outcome matters more than its logs
             warnings.warn(
                 f"air_magic could not store the rank logs in MLflow run {self.run_id}: {exc!r}. "

@@ -78,7 +78,7 @@ def _crossings(source: tuple[str, ...], target: tuple[str, ...], unless: tuple[s
 
 
 #: The listeners the owner plugs into each call (owner/listeners.py names them), and what they draw with.
-_LISTENERS = ("display", "tracking", "watching", "resources")
+_LISTENERS = ("display", "tracking", "watching", "profiling", "resources")
 #: The front doors: what users call (the decorator, the magics, the command line, a sweep).
 _FRONT_DOORS = ("magics", "cli", "decorator", "cell", "sweep", "jupyter")
 

@@ -26,7 +26,7 @@ def _started(tmp_path: Path, name: str = "f") -> Panel:
 
 
 def test_the_status_line_has_its_own_row_and_wraps_instead_of_being_cut(tmp_path):
-    """Row one: the status alone, full width, no ellipsis; row two: link, Stacks, Stop, Cancel, the hint."""
+    """Row one: the status alone, full width, no ellipsis; row two: link, Stacks, Profile, Stop, Cancel, the hint."""
     panel = _started(tmp_path, name="a_training_function_with_a_long_name_" * 4)
     header = panel.box.children[0]
     assert "air-magic-header" in header._dom_classes
@@ -37,6 +37,7 @@ def test_the_status_line_has_its_own_row_and_wraps_instead_of_being_cut(tmp_path
     assert controls.children == (
         panel.link,
         panel.stacks_button,
+        panel.profile_button,
         panel.stop_button,
         panel.cancel_button,
         panel.cancel_hint,
@@ -50,6 +51,7 @@ def test_every_header_button_comes_from_the_factory_and_does_its_one_thing(tmp_p
     panel = _started(tmp_path)
     assert panel.ctx is not None
     buttons = {"air-magic-stacks-button": panel.stacks_button, "air-magic-stop": panel.stop_button}
+    buttons["air-magic-profile-button"] = panel.profile_button
     buttons["air-magic-cancel"] = panel.cancel_button
     for css, button in buttons.items():
         assert css in button._dom_classes and button.layout.flex == "0 0 auto"
@@ -62,3 +64,25 @@ def test_every_header_button_comes_from_the_factory_and_does_its_one_thing(tmp_p
     assert panel.ctx.stop_requested and not panel.ctx.cancelled
     panel.cancel_button.click()
     assert panel.ctx.cancelled
+
+
+def test_the_profile_button_asks_the_ranks_and_shows_what_it_found(tmp_path):
+    """A click leaves the request the ranks' watch reads (request 1, 5 steps, from step 0); a call that ended before
+    any rank profiled shows why in the profile view, and the button is free again."""
+    import time
+
+    from air_magic.launch.files import profile_windows
+    from air_magic.launch.files.rundir import RunDir
+
+    panel = _started(tmp_path)
+    panel.ended = True  # no rank will answer: the thread ends at once
+    panel.profile_button.click()
+    deadline = time.monotonic() + 20
+    while panel.profiling.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # no rank's steps known (after waiting for them): from the 2 steps past step 0
+    assert profile_windows.read_request(RunDir(tmp_path).profile_request) == (1, 5, 2)
+    panel.poll()
+    assert "profile failed: no rank profiled a step before the call ended" in panel.profile_view.value
+    assert panel.profile_view.layout.display is None
+    assert not panel.profile_button.disabled

@@ -198,6 +198,38 @@ class RunDir:
         """The rank's step times and state now, rewritten about once a second while it is watched (step_times.py)."""
         return self.path / f"rank-{rank}.steps.json"
 
+    def trace(self, rank: int, number: int = 0) -> Path:
+        """The rank's torch.profiler trace of its profiled steps (Chrome trace JSON; launch/rank/profiler.py): of
+        `profile=N` (number 0), or of the call's `number`th `handle.profile()`."""
+        return self.path / (f"rank-{rank}.trace.json" if not number else f"rank-{rank}.trace-{number}.json")
+
+    def profile_window(self, rank: int, number: int = 0) -> Path:
+        """Which steps the rank profiled, on which thread and host (profile_windows.py); `number` as `trace`'s."""
+        return self.path / (f"rank-{rank}.profile.json" if not number else f"rank-{rank}.profile-{number}.json")
+
+    def merged(self, number: int = 0) -> Path:
+        """Every rank's trace in one file, a process per rank, clocks aligned (profiling/merge.py)."""
+        return self.path / ("profile.trace.json" if not number else f"profile-{number}.trace.json")
+
+    @property
+    def merged_trace(self) -> Path:
+        """The merged trace of `profile=N`."""
+        return self.merged(0)
+
+    @property
+    def profile_request(self) -> Path:
+        """`handle.profile(steps)` of a running call: its number and steps, which the ranks' watch reads
+        (profile_windows.py)."""
+        return self.path / "profile.request"
+
+    def memory_snapshot(self, rank: int) -> Path:
+        """The rank's CUDA memory snapshot, written when it ran out of memory (PyTorch's memory viewer reads it)."""
+        return self.path / f"rank-{rank}.memory.pickle"
+
+    def memory(self, rank: int) -> Path:
+        """What the rank's CUDA allocator says at the call's end: peak allocated bytes (memory_report.py)."""
+        return self.path / f"rank-{rank}.memory.json"
+
     def debug_wait(self, rank: int) -> Path:
         """The rank's debugger waits for an answer: its output and prompt, as JSON (debug_channel.py)."""
         return self.path / f"debug-{rank}.wait"

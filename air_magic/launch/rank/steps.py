@@ -16,10 +16,16 @@ Not seen: a call with `async_op=True` returns at once and its `wait()` counts as
 returns when it is queued on the GPU, so the GPU's wait shows later, where the code waits for the GPU. The rank
 says which collective it called last with nothing done since, which is what the hang rule reads.
 
+With `profile=N` the recorder also holds a torch.profiler window over N steps (profiler.py); outside it, the
+one more check per batch, step and collective is an attribute read.
+
 The main thread only adds up `time.perf_counter()` differences; a daemon thread rewrites the rank's file
 (launch/files/step_times.py) about once a second when something changed, so a hung rank's last state is on disk.
 Hot ranks keep the patches and the thread; each call gets its own file (`start`, `stop`). This module imports no
 IPython or MLflow, and torch only when `start` is called in a rank that has it.
+
+Over 300 lines because the recorder and the patches that feed it share one state per rank, kept in one place; the
+profiler's window is a module of its own (profiler.py).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 
 from ..files import step_times as f
 from . import ddp_wait
+from .profiler import INPUT, Window, asked, collective_mark
 
 #: Seconds between two writes of the rank's file (when something changed).
 FLUSH = 1.0
@@ -77,6 +84,10 @@ class Recorder:
         self.written = -1
         #: One pair of readings converts every time written: a state written twice reads the same both times.
         self.wall0, self.clock0 = time.time(), _clock()
+        #: The profiled steps (profiler.py), while armed or open; None outside them. Only the main thread sets it;
+        #: a window `handle.profile()` asked for waits in `asked` until the next step.
+        self.window: Window | None = None
+        self.asked: Window | None = None
 
     def wall(self, at: float) -> float:
         return self.wall0 + (at - self.clock0)  # the wall-clock time of `at` (this module's clock)
@@ -85,6 +96,7 @@ class Recorder:
         """A step ends (and the next begins) at `now`; DDP's all-reduce wait in it is its collective wait."""
         self.step_collective += ddp_wait.take()
         start = self.step_start
+        ended = None
         if start is not None:
             total = now - start
             self.recent.append(f.Step(self.count, total, self.step_input, self.step_collective))
@@ -92,11 +104,19 @@ class Recorder:
             self.input_total += self.step_input
             self.collective_total += self.step_collective
             self.step_total += total
+            ended = (total, self.step_input, self.step_collective)
         self.step_start = now
         self.step_input = self.step_collective = 0.0
         self.progress = now
         self.after = None
         self.changes += 1
+        if self.asked is not None and self.window is None:
+            self.window, self.asked = self.asked, None
+        window = self.window
+        if window is not None and window.boundary(self.count, ended):  # it opened or closed: not the step's time
+            self.step_start = self.progress = _clock()
+            if window.done:
+                self.window = None
 
     def snapshot(self) -> f.RankSteps:
         """What the file says now (read from the flusher's thread)."""
@@ -149,12 +169,26 @@ def start(path: Path, rank: int) -> None:
             _flusher.start()
 
 
+def profile(steps: int, trace: Path, window: Path) -> None:
+    """Profile `steps` of this call's steps with torch.profiler (profiler.py): the trace goes to `trace`, what it
+    covers to `window`. Only in a watched rank (after `start`)."""
+    recorder = _recorder
+    if recorder is not None:
+        recorder.window = Window(steps, recorder.rank, trace, window)
+
+
 def stop() -> None:
-    """The call is over: its last state goes to its file, and the rank records nothing until the next `start`."""
+    """The call is over: its last state goes to its file, and the rank records nothing until the next `start`.
+
+    A profile window still open is closed and written with the steps it has."""
     global _recorder
     with _lock:
         recorder, _recorder = _recorder, None
     if recorder is not None:
+        for window in (recorder.window, recorder.asked):
+            if window is not None:
+                window.close()
+        recorder.window = recorder.asked = None
         recorder.changes += 1
         recorder.flush()
 
@@ -176,6 +210,8 @@ def _flush_loop() -> None:
         time.sleep(FLUSH)
         recorder = _recorder
         if recorder is not None:
+            if recorder.asked is None:
+                recorder.asked = asked(recorder.path.parent, recorder.rank)  # handle.profile() (profiler.py)
             recorder.flush()
 
 
@@ -232,6 +268,9 @@ def _timed_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
         began = _clock()
         if not recorder.explicit:
             recorder.boundary(began)
+            began = recorder.step_start or began  # moved on by a profile window's opening or closing
+        window = recorder.window
+        mark = None if window is None else window.mark(INPUT)
         try:
             return next_(self)
         except StopIteration:
@@ -239,6 +278,7 @@ def _timed_next(next_: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 recorder.step_start = None  # no batch: no step began
             raise
         finally:
+            Window.leave(mark)
             ended = _clock()
             recorder.step_input += ended - began
             recorder.progress = ended
@@ -282,9 +322,12 @@ def _timed_collective(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         recorder.current = (name, number, began)
         recorder.progress = began
         recorder.changes += 1
+        window = recorder.window
+        mark = None if window is None else window.mark(collective_mark(name, number))
         try:
             return fn(*args, **kwargs)
         finally:
+            Window.leave(mark)
             ended = _clock()
             recorder.depth = 0
             recorder.current = None

@@ -31,7 +31,7 @@ from ..stacks import install as answer_stack_requests
 from ..stacks import pause as ignore_stack_requests
 from ..stopper import die_with_parent
 from . import debugger as rank_debugger
-from . import interrupts, session, steps
+from . import interrupts, memory, session, steps
 from .carried import load_call
 from .extension_locks import report_stale as clear_stale_build_locks
 from .groups import hold_destroyed_groups, keep_process_group
@@ -130,6 +130,10 @@ def run(path: Path, rank: int) -> int:
     rank_debugger.install(run_dir, rank)  # breakpoint() prompts in the notebook's cell (rank_debugger.py)
     if os.environ.get(envvars.WATCH) == "1":
         steps.start(run_dir.steps(rank), rank)  # step times and state for the notebook's watch (steps.py)
+        if os.environ.get(envvars.PROFILE, "").isdigit():  # profile=N: torch.profiler over N steps (profiler.py)
+            steps.profile(int(os.environ[envvars.PROFILE]), run_dir.trace(rank), run_dir.profile_window(rank))
+    history = os.environ.get(envvars.MEMORY_HISTORY) == "1"  # CUDA's peak, and what an OOM error says (memory.py)
+    memory.start(rank, run_dir.memory_snapshot(rank), run_dir.memory(rank), history)
     try:
         _install_hooks(spec.hooks)
         target, args, kwargs, sources = load_call(run_dir.payload.read_bytes())  # notebook modules first
@@ -144,6 +148,7 @@ def run(path: Path, rank: int) -> int:
             value = None  # a call for other ranks of the session: this one does nothing
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the caller
         exc = rank_debugger.translated(exc, rank)  # `q` at a prompt: DebuggerQuit
+        memory.explain(exc)  # an out-of-memory error says what filled the memory
         if spec.session is not None:
             why = session.ends_session(exc)
             session_kept = why is None
@@ -178,6 +183,7 @@ def run(path: Path, rank: int) -> int:
 def flush_hooks() -> None:
     """Let each hook module send what it still holds (e.g. MLflow's queued metrics) before the rank ends."""
     steps.stop()
+    memory.finish()
     for hook in _hooks:
         flush = getattr(hook, "flush", None)
         if flush is not None:
@@ -239,6 +245,7 @@ def end_call() -> None:
     """A hot rank's call is over: hooks send what they hold (metrics) and output is flushed, before it says so."""
     ignore_stack_requests()  # idle, it has no stack worth writing into the log of the call that ended
     steps.stop()
+    memory.finish()
     for hook in _hooks:
         reset = getattr(hook, "reset", None)
         if reset is not None:
