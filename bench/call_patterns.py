@@ -99,9 +99,9 @@ out["logging runs"] = len(logging)
 out["logging runs with every rank's metric"] = sum(
     1 for r in logging if len(client.get_metric_history(r.info.run_id, "x")) == ranks
 )
-from air_magic.launch import shutdown
+from air_magic.owner import owner
 from air_magic.tracking import ui
-shutdown()
+owner().shutdown()
 ui.shutdown()
 print(json.dumps(out))
 """

@@ -386,8 +386,8 @@ def logs_once(key):
 from air_magic import distributed
 assert distributed(2, accelerator_type="CPU")(logs_once).distributed("x") == [1, 1]
 print(json.dumps({{"loaded since": since, "in the call": seen["call"]}}))
-from air_magic.launch import shutdown
-shutdown()
+from air_magic.owner import owner
+owner().shutdown()
 """
 
 
