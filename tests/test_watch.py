@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import statistics
 from typing import Any
 
 import cloudpickle
@@ -13,7 +14,7 @@ from air_magic.job import JobResult
 from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir
 from air_magic.owner import owner
-from air_magic.watching import detector, listener
+from air_magic.watching import listener
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,10 @@ def _run(func: Any, *args: Any, **settings: Any) -> JobResult:
     return owner().submit(spec)
 
 
-def train(steps: int, slow_rank: int | None, slow: float) -> float | None:
+def train(steps: int, slow_rank: int | None, slow: float) -> tuple[float | None, list[float]]:
     """A DDP-like loop: a DataLoader's batch, a little compute, an all_reduce; `slow_rank`'s input is `slow` s late.
-    Returns when this rank reached step 150 (time.time()), if it did."""
+    Returns when this rank reached step 150 (time.time()), if it did, and the seconds each of its sleeps really took
+    (time.perf_counter(), measured by the rank)."""
     import time
 
     import torch
@@ -40,13 +42,17 @@ def train(steps: int, slow_rank: int | None, slow: float) -> float | None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
+    slept: list[float] = []
+
     class Numbers(Dataset):
         def __len__(self) -> int:
             return steps
 
         def __getitem__(self, i: int) -> torch.Tensor:
             if rank == slow_rank:
+                began = time.perf_counter()
                 time.sleep(slow)
+                slept.append(time.perf_counter() - began)
             return torch.full((64,), float(i))
 
     total, at_150 = torch.zeros(64), None
@@ -56,11 +62,12 @@ def train(steps: int, slow_rank: int | None, slow: float) -> float | None:
         if i == 150:
             at_150 = time.time()
     dist.destroy_process_group()
-    return at_150
+    return at_150, slept
 
 
-def stuck_before_all_reduce(sleep: float) -> int:
-    """Rank 1 sleeps before its 6th all_reduce (only in the first attempt) while rank 0 waits in it."""
+def stuck_before_all_reduce(sleep: float, mark: str) -> int:
+    """Rank 1 sleeps before its 6th all_reduce (only in the first attempt) while rank 0 waits in it; it writes to
+    `mark` when it began to sleep (time.time())."""
     import os
     import time
 
@@ -72,6 +79,8 @@ def stuck_before_all_reduce(sleep: float) -> int:
     t = torch.ones(4)
     for i in range(10):
         if rank == 1 and i == 5 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            with open(mark, "w") as out:
+                out.write(repr(time.time()))
             time.sleep(sleep)
         dist.all_reduce(t)
     dist.destroy_process_group()
@@ -100,16 +109,24 @@ def stuck_before_ddp_forward(sleep: float) -> int:
 
 def test_a_rank_slow_in_its_input_is_named_before_step_150(here_runs):
     """Rank 1's DataLoader 0.12 s late a step: named a straggler with cause input before rank 1's step 150 of 300,
-    rank 0 never; the step file counts every step, with rank 1's input wait."""
+    rank 0 never, its lag what rank 1 really slept a step; the step file counts every step, with rank 1's sleeps as
+    its input wait."""
     result = _run(train, 300, 1, 0.12).raise_for_status()
     assert [(a.kind, a.rank, a.cause) for a in result.alerts] == [("straggler", 1, "input")], result.alerts
     alert = result.alerts[0]
-    assert alert.time < result.values[1], "named after step 150"
-    # A straggler is named only past the rule's least lag (a threshold the product keeps, not a speed: load only adds)
-    assert alert.seconds > detector.LAG_SECONDS and "rank 1 is a straggler" in alert.message
+    at_150, slept = result.values[1]
+    assert alert.time < at_150, "named after step 150"
+    assert "rank 1 is a straggler" in alert.message, alert.message
+    # The lag is rank 1's input wait less rank 0's: what rank 1 slept a step, as rank 1 itself measured it.
+    assert len(slept) == 300
+    assert abs(alert.seconds - statistics.median(slept)) < 0.25 * statistics.median(slept), (alert, slept)
     steps = step_times.read(RunDir(result.run_dir).steps(1))
+    others = step_times.read(RunDir(result.run_dir).steps(0))
     assert steps is not None and steps.count == 300 and steps.calls == 300
-    assert steps.input_total > 300 * 0.1 and steps.collective is None
+    assert others is not None and others.count == 300 and steps.collective is None
+    # Every sleep of rank 1 is counted as input wait, and only rank 1 waited for its input.
+    assert sum(slept) - 0.001 <= steps.input_total < 1.25 * sum(slept), (steps.input_total, sum(slept))
+    assert others.input_total < 0.25 * sum(slept), others.input_total
 
 
 def test_a_balanced_run_raises_no_alert_and_watch_false_keeps_no_file(here_runs):
@@ -122,17 +139,21 @@ def test_a_balanced_run_raises_no_alert_and_watch_false_keeps_no_file(here_runs)
     assert result.alerts == [] and not RunDir(result.run_dir).steps(0).exists()
 
 
-def test_a_rank_that_never_reaches_its_all_reduce_is_named_hung(here_runs, monkeypatch):
-    """Rank 1 sleeps before its all_reduce while rank 0 waits in it: named hung with where it is, past the threshold
-    (AIR_MAGIC_HANG_AFTER=3 s here), and on_hang="stop" ends the call with RankHungError."""
+def test_a_rank_that_never_reaches_its_all_reduce_is_named_hung(here_runs, monkeypatch, tmp_path):
+    """Rank 1 sleeps before its all_reduce while rank 0 waits in it: named hung with where it is and for as long as it
+    had slept when named (AIR_MAGIC_HANG_AFTER=3 s here), and on_hang="stop" ends the call with RankHungError."""
     monkeypatch.setenv("AIR_MAGIC_HANG_AFTER", "3")
-    result = _run(stuck_before_all_reduce, 120, on_hang="stop")
+    mark = tmp_path / "asleep"
+    result = _run(stuck_before_all_reduce, 120, str(mark), on_hang="stop")
     assert isinstance(result.error, RankHungError), result.error
     assert [(a.kind, a.rank) for a in result.alerts] == [("hang", 1)]
-    message = result.alerts[0].message
-    assert "rank 1 hangs" in message and "rank 0 waits in all_reduce #6" in message, message
-    # A hang is named only once the rank has made no progress for the threshold (a rule, not a speed: load only adds)
-    assert "stuck_before_all_reduce" in message and result.alerts[0].seconds >= listener.hang_after()
+    alert = result.alerts[0]
+    assert "rank 1 hangs" in alert.message and "rank 0 waits in all_reduce #6" in alert.message, alert.message
+    assert "stuck_before_all_reduce" in alert.message, alert.message
+    # The hang's seconds are rank 1's sleep up to the alert, as rank 1 itself marked its start: never more, and less
+    # by at most the time the watch takes to see the rank's last file (one reading, at most a few).
+    asleep = alert.time - float(mark.read_text())
+    assert asleep - (listener.PERIOD + 2) <= alert.seconds <= asleep + 0.5, (alert.seconds, asleep)
 
 
 def test_under_ddp_a_rank_that_never_reaches_its_forward_is_named_hung(here_runs, monkeypatch):
@@ -144,9 +165,10 @@ def test_under_ddp_a_rank_that_never_reaches_its_forward_is_named_hung(here_runs
     assert "DDP's gradient all-reduce #6" in result.alerts[0].message
 
 
-def test_on_hang_restart_starts_every_rank_again(here_runs, monkeypatch):
+def test_on_hang_restart_starts_every_rank_again(here_runs, monkeypatch, tmp_path):
     """on_hang="restart" with max_restarts=1: the hung attempt is stopped and the next one finishes."""
     monkeypatch.setenv("AIR_MAGIC_HANG_AFTER", "3")
-    result = _run(stuck_before_all_reduce, 120, on_hang="restart", max_restarts=1).raise_for_status()
+    result = _run(stuck_before_all_reduce, 120, str(tmp_path / "asleep"), on_hang="restart", max_restarts=1)
+    result.raise_for_status()
     assert result.attempts == 2 and result.values == [0, 1]
     assert [(a.kind, a.rank) for a in result.alerts] == [("hang", 1)]
