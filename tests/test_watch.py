@@ -107,6 +107,54 @@ def stuck_before_ddp_forward(sleep: float) -> int:
     return rank
 
 
+def marked_steps(steps: int, batches: int) -> int:
+    """A loop that marks its steps with air_magic.step() (once before the first, once after each), taking `batches`
+    batches from a DataLoader and doing one all_reduce a step."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    import air_magic
+
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    air_magic.step()
+    for _ in range(steps):
+        for batch in DataLoader(range(batches), batch_size=None):
+            t += batch
+        dist.all_reduce(t)
+        air_magic.step()
+    dist.destroy_process_group()
+    return steps
+
+
+def late_to_all_reduce(steps: int, sleep: float) -> list[float]:
+    """Rank 0 sleeps `sleep` s before each step's all_reduce, rank 1 goes straight to it; steps marked with
+    air_magic.step(). Returns the seconds each of the rank's sleeps really took (time.perf_counter())."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import air_magic
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    dist.barrier()  # both ranks begin their first step together
+    air_magic.step()
+    slept: list[float] = []
+    for _ in range(steps):
+        if rank == 0:
+            began = time.perf_counter()
+            time.sleep(sleep)
+            slept.append(time.perf_counter() - began)
+        dist.all_reduce(t)
+        air_magic.step()
+    dist.destroy_process_group()
+    return slept
+
+
 def test_a_rank_slow_in_its_input_is_named_before_step_150(here_runs):
     """Rank 1's DataLoader 0.12 s late a step: named a straggler with cause input before rank 1's step 150 of 300,
     rank 0 never, its lag what rank 1 really slept a step; the step file counts every step, with rank 1's sleeps as
@@ -172,3 +220,31 @@ def test_on_hang_restart_starts_every_rank_again(here_runs, monkeypatch, tmp_pat
     result.raise_for_status()
     assert result.attempts == 2 and result.values == [0, 1]
     assert [(a.kind, a.rank) for a in result.alerts] == [("hang", 1)]
+
+
+def test_air_magic_step_marks_the_steps_a_rank_counts(here_runs):
+    """In real ranks each air_magic.step() ends a step: the rank's step file counts those steps, not the batches its
+    DataLoaders gave, and one collective a step."""
+    result = _run(marked_steps, 12, 3).raise_for_status()
+    for rank in (0, 1):
+        steps = step_times.read(RunDir(result.run_dir).steps(rank))
+        assert steps is not None and steps.rank == rank, steps
+        assert steps.count == 12 and steps.calls == 12, steps
+        assert [s.index for s in steps.recent] == list(range(12)), steps.recent
+
+
+def test_a_rank_waiting_for_a_late_peer_shows_it_as_collective_wait(here_runs):
+    """Rank 0 sleeps before each all_reduce: rank 1's collective wait is what rank 0 slept, and rank 0's own time
+    (compute) holds its sleeps while it barely waits in collectives."""
+    result = _run(late_to_all_reduce, 20, 0.1).raise_for_status()
+    slept = sum(result.values[0])
+    assert len(result.values[0]) == 20 and result.values[1] == []
+    late = step_times.read(RunDir(result.run_dir).steps(0))
+    waiting = step_times.read(RunDir(result.run_dir).steps(1))
+    assert late is not None and waiting is not None and late.count == waiting.count == 20, (late, waiting)
+    assert abs(waiting.collective_total - slept) < 0.25 * slept, (waiting.collective_total, slept)
+    late_compute = late.step_total - late.input_total - late.collective_total
+    waiting_compute = waiting.step_total - waiting.input_total - waiting.collective_total
+    assert late_compute >= slept - 0.001 and late_compute > waiting_compute, (late, waiting, slept)
+    assert late.collective_total < 0.25 * slept, (late.collective_total, slept)
+    assert [s.collective > s.compute for s in waiting.recent] == [True] * 20, waiting.recent
