@@ -145,7 +145,7 @@ def test_a_rank_that_asks_itself_is_let_go_by_a_py_spy_that_never_answers_and_st
     text = log.read_text()
     assert proc.returncode == 0 and "both asked" in text, text
     dumps = parse(text)
-    assert sorted(d.why for d in dumps) == sorted(["on request", STOPPING]), text
+    assert [d.why for d in dumps] == ["on request", STOPPING], text
     for dump in dumps:
         assert "in waiting_for_the_slow_rank" in dump.text(), text
         assert dump.native == [] and "py-spy did not answer within 1 s" in (dump.native_note or ""), text
