@@ -92,12 +92,19 @@ def test_a_call_whose_ranks_do_not_need_a_preparation_never_waits_for_it(slow_pr
 
 def test_a_preparation_interrupted_by_calls_is_finished_once_for_the_first_call_that_needs_it(slow_preparation):
     """After calls that interrupt it, the first call whose code imports what the preparation brings has it finished
-    before its ranks start: every rank of that call and of the next finds it imported in the helper, done once."""
+    before its ranks start: every rank of that call and of the next finds it imported in the helper, done once (the
+    preparation is held until the interrupting calls are back)."""
     launcher, marks = slow_preparation
+    hold = marks.parent / "hold"
+    hold.touch()
     launcher.prepare_hooks(["delayhook"], {})
     wait_until(marks.exists, 60, "the preparation never began")
-    run_here(bare)
-    run_here(bare)
+    try:
+        run_here(bare)
+        run_here(bare)
+        assert "m9" not in marks.read_text(), "the calls came back only once the preparation had ended"
+    finally:
+        hold.unlink()
     helper = launcher.supervisor_pid
     for _ in range(2):
         ranks = run_here(uses_it, PACKAGE).values
@@ -114,11 +121,17 @@ def _loaded_once_in(marks, pid: int) -> None:
 
 def test_asking_again_for_a_preparation_under_way_does_not_interrupt_it(slow_preparation):
     """The notebook asks twice (at load, then once its MLflow store is set up): the second request is taken while the
-    first runs, and no module of the preparation is loaded twice."""
+    first runs (held until the request is made), and no module of the preparation is loaded twice."""
     launcher, marks = slow_preparation
+    hold = marks.parent / "hold"
+    hold.touch()
     launcher.prepare_hooks(["delayhook"], {})
     wait_until(marks.exists, 60, "the preparation never began")
-    launcher.prepare_hooks(["delayhook"], {"SOME_STORE": "1"})
+    try:
+        launcher.prepare_hooks(["delayhook"], {"SOME_STORE": "1"})
+        assert "m9" not in marks.read_text(), "the preparation had ended before it was asked for again"
+    finally:
+        hold.unlink()
     wait_until(lambda: " m9" in marks.read_text(), 60, "the preparation never ended")
     run_here(bare)  # served after the preparation and its second request
     _loaded_once_in(marks, launcher.supervisor_pid)
