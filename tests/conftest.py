@@ -23,7 +23,7 @@ pytest_plugins = ("lab", "s3_server", "ray_cluster")
 
 #: Fixtures that start a kernel, a server, a cluster or worker processes: a test that uses one (directly or through
 #: another fixture) is a behaviour test and must be marked `slow`, so that `make check` (-m "not slow") stays quick.
-STARTS_PROCESSES = ("kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
+STARTS_PROCESSES = ("kernel", "lab_kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
 
 
 #: Seconds each module took alone in the last recorded run (`make test-costs` writes it: `--record-costs`).
@@ -200,6 +200,23 @@ def demo_dir(tmp_path: Path) -> Path:
     """A private working directory for one demo notebook, with its runs/ directory."""
     (tmp_path / "runs").mkdir()
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def lab_kernel(workdir, request):
+    """A real ipykernel in its default display mode (the panel), with air_magic importable and the module's
+    `LAB_KERNEL_SETUP` (code, if any) run in it first."""
+    from widget_state import WidgetMirror, run_cell
+
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
+    run_cell(k, getattr(request.module, "LAB_KERNEL_SETUP", "pass"), WidgetMirror()).check()
+    yield k
+    kids = psutil.Process(k.pid).children(recursive=True) if psutil.pid_exists(k.pid) else []
+    k.shutdown()
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"kernel shutdown left {alive}"
 
 
 @pytest.fixture(scope="module")

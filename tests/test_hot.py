@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)
-def released():
+def releases_hot_ranks_here():
     """Every test ends with the hot ranks released (the leak check would see them otherwise)."""
     yield
     owner().launchers.local.release_hot()
