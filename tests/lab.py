@@ -243,6 +243,15 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     server.close()
 
 
+@pytest.fixture(scope="module")
+def notebooks(lab: Lab, request: pytest.FixtureRequest) -> Lab:
+    """The module's JupyterLab server with the notebooks of the module's `NOTEBOOKS` ({file name: cells}) in its
+    root."""
+    for name, cells in request.module.NOTEBOOKS.items():
+        write_notebook(lab.root / name, cells)
+    return lab
+
+
 @contextmanager
 def browser_page(width: int = 1280, height: int = 900, headers: dict[str, str] | None = None) -> Iterator[Any]:
     """A Playwright page in headless Debian Chromium (sending `headers` with every request, if given)."""

@@ -8,11 +8,9 @@ import json
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -56,23 +54,8 @@ code_source: {root_path: code}
 """
 
 
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory):
-    """Runs `air-magic ARGS` in a private directory (its own runs root and MLflow store); its CompletedProcess."""
-    root = tmp_path_factory.mktemp("cli")
-    (root / "runs").mkdir()
-    (root / "code").mkdir()
-    (root / "code" / "train.py").write_text(SCRIPT)
-    (root / "code" / "fns.py").write_text(FUNCTIONS)
-    (root / "job.yaml").write_text(COMMAND_JOB)
-    (root / "fjob.yaml").write_text(FUNCTION_JOB)
-    env = process_env(kernel_env(root))
-
-    run = partial(air_magic_cli, root, env)
-
-    run.root = root  # type: ignore[attr-defined]
-    run.env = env  # type: ignore[attr-defined]
-    return run
+#: The files of the directory the fixture `cli` (tests/conftest.py) runs `air-magic` in.
+CLI_FILES = {"code/train.py": SCRIPT, "code/fns.py": FUNCTIONS, "job.yaml": COMMAND_JOB, "fjob.yaml": FUNCTION_JOB}
 
 
 def _json(done: subprocess.CompletedProcess[str]):
