@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from functools import partial
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import Kernel, kernel_env, leftover_processes
+from helpers import Kernel, air_magic_cli, kernel_env, leftover_processes, process_env
 
 os.environ.setdefault("MLFLOW_TRACKING_URI", "")  # tests that want MLflow set their own store
 # The CPU path, whatever GPUs this machine has: `@distributed(2)` in a test means two gloo workers, on a
@@ -23,7 +26,7 @@ pytest_plugins = ("lab", "s3_server", "ray_cluster")
 
 #: Fixtures that start a kernel, a server, a cluster or worker processes: a test that uses one (directly or through
 #: another fixture) is a behaviour test and must be marked `slow`, so that `make check` (-m "not slow") stays quick.
-STARTS_PROCESSES = ("kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
+STARTS_PROCESSES = ("kernel", "lab_kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
 
 
 #: Seconds each module took alone in the last recorded run (`make test-costs` writes it: `--record-costs`).
@@ -200,6 +203,44 @@ def demo_dir(tmp_path: Path) -> Path:
     """A private working directory for one demo notebook, with its runs/ directory."""
     (tmp_path / "runs").mkdir()
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory, request):
+    """`air-magic ARGS` as a user runs it, in a private directory (its own runs root and MLflow store) holding the
+    module's `CLI_FILES` ({path: text}): `cli(...)` waits and returns the CompletedProcess, `cli.start(...)` returns
+    the running Popen (output in its stdout); `cli.root` and `cli.env` are the directory and environment."""
+    root = tmp_path_factory.mktemp("cli")
+    (root / "runs").mkdir()
+    for name, text in getattr(request.module, "CLI_FILES", {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    env = process_env(kernel_env(root))
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "air_magic.cli", *args]
+        return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    run = partial(air_magic_cli, root, env)
+    run.root, run.env, run.start = root, env, start  # type: ignore[attr-defined]
+    return run
+
+
+@pytest.fixture(scope="module")
+def lab_kernel(workdir, request):
+    """A real ipykernel in its default display mode (the panel), with air_magic importable and the module's
+    `LAB_KERNEL_SETUP` (code, if any) run in it first."""
+    from widget_state import WidgetMirror, run_cell
+
+    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
+    run_cell(k, getattr(request.module, "LAB_KERNEL_SETUP", "pass"), WidgetMirror()).check()
+    yield k
+    kids = psutil.Process(k.pid).children(recursive=True) if psutil.pid_exists(k.pid) else []
+    k.shutdown()
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"kernel shutdown left {alive}"
 
 
 @pytest.fixture(scope="module")

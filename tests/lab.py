@@ -220,3 +220,12 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     server = Lab(tmp_path_factory.mktemp("lab"))
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def notebooks(lab: Lab, request: pytest.FixtureRequest) -> Lab:
+    """The module's JupyterLab server with the notebooks of the module's `NOTEBOOKS` ({file name: cells}) in its
+    root."""
+    for name, cells in request.module.NOTEBOOKS.items():
+        write_notebook(lab.root / name, cells)
+    return lab

@@ -62,6 +62,14 @@ RAY_GROUPS = {
 _running: list = []
 
 
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    """The run directories of a Ray module's calls, private to that module (its `pytestmark` asks for it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The simulated cluster shared by the Ray tests of this pytest process, this process joined to it as a notebook

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import psutil
-import pytest
 from browser import BROWSER_MARKS, Notebook, browser_page
 from helpers import ROOT, execute_headless
 from kernel_watch import KernelWatch
@@ -64,10 +63,8 @@ train_until_cancelled.distributed()""",
 ]
 
 
-@pytest.fixture(scope="module")
-def notebooks(lab):
-    write_notebook(lab.root / "panel.ipynb", CELLS)
-    return lab
+#: Written into the module's JupyterLab root by the fixture `notebooks` (tests/lab.py).
+NOTEBOOKS = {"panel.ipynb": CELLS}
 
 
 def _log_text(cell, rank: int) -> str:

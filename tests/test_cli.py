@@ -10,12 +10,10 @@ import json
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -87,23 +85,17 @@ max_retries: 0
 CPU = ("--override", "compute.accelerator_type=CPU", "--override", "compute.num_accelerators=2")
 
 
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory):
-    """Runs `air-magic ARGS` in a private directory (its own runs root and MLflow store); its CompletedProcess."""
-    root = tmp_path_factory.mktemp("cli")
-    for name in ("runs", "code", "marks"):
-        (root / name).mkdir()
-    (root / "code" / "train.py").write_text(TRAIN)
-    (root / "code" / "fns.py").write_text(FUNCTIONS)
-    (root / "job.yaml").write_text(
-        JOB.replace("  BATCH_SIZE: '32'\n", f"  BATCH_SIZE: '32'\n  MARKS: {root / 'marks'}\n")
+#: The files of the directory the fixture `cli` (tests/conftest.py) runs `air-magic` in.
+CLI_FILES = {"code/train.py": TRAIN, "code/fns.py": FUNCTIONS, "fjob.yaml": FUNCTION_JOB}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def job_file(cli):
+    """The torchrun job in the `cli` directory, told where its ranks leave their marks."""
+    (cli.root / "marks").mkdir(exist_ok=True)
+    (cli.root / "job.yaml").write_text(
+        JOB.replace("  BATCH_SIZE: '32'\n", f"  BATCH_SIZE: '32'\n  MARKS: {cli.root / 'marks'}\n")
     )
-    (root / "fjob.yaml").write_text(FUNCTION_JOB)
-    env = process_env(kernel_env(root))
-    run = partial(air_magic_cli, root, env)
-    run.root = root  # type: ignore[attr-defined]
-    run.env = env  # type: ignore[attr-defined]
-    return run
 
 
 def _data(done: subprocess.CompletedProcess[str]):

@@ -10,13 +10,11 @@ import contextlib
 import json
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import kernel_env, process_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,28 +42,8 @@ max_retries: 0
 """
 
 
-@pytest.fixture(scope="module")
-def cli(tmp_path_factory):
-    """`air-magic ARGS` in a private directory (its own runs root and MLflow store): run(...) waits, start(...)
-    returns the Popen."""
-    root = tmp_path_factory.mktemp("cli_ui")
-    (root / "runs").mkdir()
-    (root / "code").mkdir()
-    (root / "code" / "fns.py").write_text(FUNCTIONS)
-    (root / "job.yaml").write_text(JOB)
-    env = process_env(kernel_env(root))
-
-    def start(*args: str) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "air_magic.cli", *args]
-        return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "air_magic.cli", *args]
-        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
-
-    run.start = start  # type: ignore[attr-defined]
-    run.root = root  # type: ignore[attr-defined]
-    return run
+#: The files of the directory the fixture `cli` (tests/conftest.py) runs `air-magic` in.
+CLI_FILES = {"code/fns.py": FUNCTIONS, "job.yaml": JOB}
 
 
 def _line_with(proc: subprocess.Popen[str], text: str, seen: list[str]) -> str:

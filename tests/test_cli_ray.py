@@ -3,6 +3,7 @@ followed with --watch, exit code 0."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -22,13 +23,14 @@ FUNCTIONS = """\
 import os
 
 def where():
-    print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], flush=True)
+    node = os.environ["AIR_MAGIC_RAY_NODE_ID"]
+    print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "on node", node, flush=True)
 """
 
 
 def test_a_workload_on_two_nodes_runs_a_rank_on_each(cluster, tmp_path):
     """compute.num_nodes: 2 (air_magic's, for function workloads) joins the cluster of RAY_ADDRESS and runs the
-    function on both nodes' ranks."""
+    function's two ranks on its two worker nodes, one on each."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "fns.py").write_text(FUNCTIONS)
@@ -43,4 +45,7 @@ def test_a_workload_on_two_nodes_runs_a_rank_on_each(cluster, tmp_path):
         timeout=1200,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "[rank 0] rank 0 of 2" in done.stdout and "[rank 1] rank 1 of 2" in done.stdout
+    # each rank says the Ray node its actor runs on (AIR_MAGIC_RAY_NODE_ID, from the actor's own runtime context)
+    nodes = dict(re.findall(r"^\[rank (\d)\] rank \1 of 2 on node (\w+)$", done.stdout, re.MULTILINE))
+    assert sorted(nodes) == ["0", "1"], done.stdout
+    assert nodes["0"] != nodes["1"] and set(nodes.values()) == {n.node_id for n in cluster.worker_nodes}, nodes

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import psutil
 import pytest
 from faults_common import run_here
-from helpers import Kernel, leftover_processes
+from helpers import Kernel, leftover_processes, wait_until
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow
@@ -195,9 +194,7 @@ def test_interrupt_stops_workers_and_next_call_works(text_kernel):
         "    time.sleep(300)"
     ).check()
     msg = text_kernel.send("sleeper.distributed()")
-    time.sleep(4)
-    text_kernel.interrupt()
-    out = text_kernel.collect(msg, timeout=30)
+    out = text_kernel.collect(msg, timeout=60, interrupt_when=lambda o: o.stdout.count("] sleeping") == 2)
     assert out.ename == "KeyboardInterrupt"
     left = leftover_processes(set(), wait=5, kind="job")
     assert left == [], [(p.pid, p.ppid(), p.cmdline()) for p in left]
@@ -250,12 +247,12 @@ def test_killed_kernel_leaves_no_worker(workdir):
             "    subprocess.Popen(['sleep', '300'])\n    print('up', flush=True)\n    time.sleep(300)"
         ).check()
         k.send("forever.distributed()")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(list((workdir / "runs").glob("*forever*/rank-*.log"))) < 2:
-            time.sleep(0.2)
-        logs = list((workdir / "runs").glob("*forever*/rank-*.log"))
-        while time.monotonic() < deadline and not all("up" in p.read_text() for p in logs):
-            time.sleep(0.2)
+
+        def both_up() -> bool:
+            logs = list((workdir / "runs").glob("*forever*/rank-*.log"))
+            return len(logs) >= 2 and all("up" in p.read_text() for p in logs)
+
+        wait_until(both_up, 60, "the two ranks never said they were up", step=0.2)
         tree = psutil.Process(k.pid).children(recursive=True)
         assert len(tree) >= 5, tree  # supervisor, 2 workers, 2 sleeps (and the store)
         os.kill(k.pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Self
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, wait_until
 from s3_server import S3
 
 from air_magic.data import DataLoader, StreamingFileDataset
@@ -358,15 +358,6 @@ def test_yielded_paths_stay_until_the_training_loop_opens_them(s3: S3, tmp_path:
     assert len(list((cache / "data").iterdir())) < 100, "nothing was evicted: the cap did not bite"
 
 
-def _wait_for(condition, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
-
-
 def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path):
     """A process forked while one of our threads holds the cache's lock (a DataLoader starting workers) does not keep
     the lock after the parent lets go."""
@@ -390,7 +381,7 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path):
             os.close(fd)
 
     try:
-        assert _wait_for(free), "the forked child still holds the cache's lock"
+        wait_until(free, 30, "the forked child still holds the cache's lock", step=0.01)
     finally:
         os.kill(child, 9)
         os.waitpid(child, 0)

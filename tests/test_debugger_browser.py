@@ -3,9 +3,7 @@ typed `c` finishes the call."""
 
 from __future__ import annotations
 
-import pytest
 from browser import BROWSER_MARKS, Notebook, browser_page
-from lab import write_notebook
 
 pytestmark = BROWSER_MARKS
 
@@ -23,10 +21,8 @@ stops.distributed()""",
 ]
 
 
-@pytest.fixture(scope="module")
-def notebooks(lab):
-    write_notebook(lab.root / "debugger.ipynb", CELLS)
-    return lab
+#: Written into the module's JupyterLab root by the fixture `notebooks` (tests/lab.py).
+NOTEBOOKS = {"debugger.ipynb": CELLS}
 
 
 def test_the_rank_prompt_appears_in_the_cell_and_a_typed_c_finishes_the_call(notebooks):

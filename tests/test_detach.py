@@ -27,10 +27,6 @@ def wait_for(flag):
 """
 
 
-def _wait(what, deadline: float = 300.0) -> None:
-    wait_until(what, deadline, f"still not: {what.__doc__}", step=0.2)
-
-
 def test_a_detached_call_outlives_its_kernels_sigkill_and_another_kernel_gets_its_result(workdir, loaded_kernel):
     """Kernel 1 spawns a detached call and is killed with SIGKILL mid-call; the call still runs, kernel 2 sees it in
     %distributed_calls --all, attaches with every line so far, and its result() is each rank's value."""
@@ -43,10 +39,9 @@ def test_a_detached_call_outlives_its_kernels_sigkill_and_another_kernel_gets_it
         run_dir = Path(workdir / "runs" / call_id)
 
         def working() -> bool:
-            """both ranks have printed"""
             return all("working" in (run_dir / f"rank-{r}.log").read_text() for r in (0, 1))
 
-        _wait(working)
+        wait_until(working, 300, "both ranks never printed", step=0.2)
     finally:
         first.kill()
     record = call_record.load(run_dir)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import psutil
 import pytest
-from helpers import REAL_NODE, Kernel, gpu_count, kernel_env
+from helpers import REAL_NODE, Kernel, gpu_count, kernel_env, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,42 +93,44 @@ def test_failure_timeout_and_interrupt_free_the_gpus(kernel):
     before = gpu_pids()
     err = kernel.execute("holds.distributed(True)")
     assert err.ename == "RuntimeError" and f"rank {gpu_count() - 1} fails" in err.traceback
-    time.sleep(1)
-    assert gpu_pids() - before == set()
+    wait_until(lambda: not gpu_pids() - before, 15, "a rank of the failed call still holds GPU memory")
     err = kernel.execute("holds.with_overrides(timeout=20).distributed(False)", timeout=120)
     assert err.ename == "DistributedTimeoutError"
-    time.sleep(1)
-    assert gpu_pids() - before == set()
+    wait_until(lambda: not gpu_pids() - before, 15, "a rank of the timed-out call still holds GPU memory")
     msg = kernel.send("holds.distributed(False)")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(gpu_pids() - before) < gpu_count():
-        time.sleep(0.5)
-    assert len(gpu_pids() - before) >= gpu_count(), "every rank holds GPU memory"
+    wait_until(lambda: len(gpu_pids() - before) >= gpu_count(), 60, "every rank holds GPU memory", step=0.5)
     kernel.interrupt()
     assert kernel.collect(msg, timeout=60).ename == "KeyboardInterrupt"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and gpu_pids() - before:
-        time.sleep(0.5)
-    assert gpu_pids() - before == set()
+    wait_until(lambda: not gpu_pids() - before, 15, "a rank of the interrupted call still holds GPU memory")
 
 
-def test_nccl_job_listens_on_loopback_only(kernel):
+def test_nccl_job_listens_on_loopback_only(kernel, tmp_path):
     """While an nccl job on every GPU runs, every listening socket of the job's processes is on 127.0.0.1."""
     kernel.execute(DDP).check()
     kernel.execute(
-        "@distributed()\ndef waits():\n    import os, time, torch, torch.distributed as dist\n"
+        "@distributed()\ndef waits(marks):\n    import os, time, torch, torch.distributed as dist\n"
         "    torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n    dist.init_process_group('nccl')\n"
-        "    t = torch.ones(1, device='cuda'); dist.all_reduce(t)\n    print('ready', flush=True)\n    time.sleep(8)\n"
+        "    t = torch.ones(1, device='cuda'); dist.all_reduce(t)\n"
+        "    open(os.path.join(marks, 'ready-' + os.environ['RANK']), 'w').close()\n"
+        "    while not os.path.exists(os.path.join(marks, 'sampled')):\n        time.sleep(0.1)\n"
         "    return t.item()"
     ).check()
-    msg = kernel.send("waits.distributed()")
-    time.sleep(6)
+    msg = kernel.send(f"waits.distributed({str(tmp_path)!r})")
     listening = []
-    for proc in psutil.Process(kernel.pid).children(recursive=True):
-        try:
-            listening += [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
-        except psutil.Error:
-            pass
+    try:  # the ranks stay in the call, past NCCL's set-up, until their sockets are sampled
+        wait_until(
+            lambda: len(list(tmp_path.glob("ready-*"))) == gpu_count(),
+            120,
+            "the ranks never finished their all_reduce",
+            step=0.5,
+        )
+        for proc in psutil.Process(kernel.pid).children(recursive=True):
+            try:
+                listening += [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+            except psutil.Error:
+                pass
+    finally:
+        (tmp_path / "sampled").touch()
     assert kernel.collect(msg, timeout=60).error is None
     assert listening, "the job's store at least was listening"
     assert all(addr.ip == "127.0.0.1" for addr in listening), listening
@@ -181,10 +181,7 @@ def test_hot_ranks_keep_their_cuda_context_and_free_the_gpu_when_released(kernel
     assert gpu_pids() - before == held, "the second call ran in the same processes"
     assert first.error is None and second.error is None
     kernel.execute("%distributed_release").check()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and gpu_pids() - before:
-        time.sleep(0.5)
-    assert gpu_pids() - before == set()
+    wait_until(lambda: not gpu_pids() - before, 15, "a released hot rank still holds GPU memory", step=0.5)
 
 
 def test_a_session_keeps_a_model_on_every_gpu_through_an_error_and_frees_the_gpus_when_it_ends(kernel):
@@ -211,7 +208,4 @@ def test_a_session_keeps_a_model_on_every_gpu_through_an_error_and_frees_the_gpu
     listing = kernel.execute("%distributed_session").check().stdout
     assert "cuda:0" in listing and "model: Linear" in listing
     kernel.execute("%distributed_session --end gpu").check()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and gpu_pids() - before:
-        time.sleep(0.5)
-    assert gpu_pids() - before == set()
+    wait_until(lambda: not gpu_pids() - before, 15, "a rank of the ended session still holds GPU memory", step=0.5)

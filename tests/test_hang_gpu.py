@@ -10,7 +10,7 @@ from helpers import REAL_NODE, gpu_count, reported
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
-    pytest.mark.skipif(gpu_count() < 2, reason="needs two NVIDIA GPUs"),
+    pytest.mark.skipif(gpu_count() < 2, reason="needs two NVIDIA GPUs: rank 0 and rank 1 each on a GPU of its own"),
 ]
 #: The kernel of this module sees the node's GPUs (the rest of the suite runs the CPU path).
 KERNEL_ENV = REAL_NODE

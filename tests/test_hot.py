@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import time
 
 import psutil
 import pytest
 from faults_common import Recorder, alive, run_here
-from helpers import leftover_processes, run_id_of
+from helpers import leftover_processes, run_id_of, wait_until
 
 from air_magic.owner import owner
 
@@ -16,7 +15,7 @@ pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)
-def released():
+def releases_hot_ranks_here():
     """Every test ends with the hot ranks released (the leak check would see them otherwise)."""
     yield
     owner().launchers.local.release_hot()
@@ -101,16 +100,10 @@ def test_idle_hot_ranks_end_after_keep_alive_and_release_ends_them_at_once():
     """Hot ranks idle past keep_alive exit by themselves; release_hot ends them at once."""
     short = run_here(allreduce, 0, keep_alive=1)
     assert alive(pids(short)) == pids(short)
-    deadline = time.monotonic() + 15
-    while alive(pids(short)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive(pids(short)) == []
+    wait_until(lambda: alive(pids(short)) == [], 15, "idle hot ranks outlived keep_alive", step=0.2)
     long = run_here(allreduce, 0, keep_alive=600)
     owner().launchers.local.release_hot()
-    deadline = time.monotonic() + 15
-    while alive(pids(long)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive(pids(long)) == []
+    wait_until(lambda: alive(pids(long)) == [], 15, "release_hot left hot ranks alive", step=0.2)
 
 
 def test_cancel_during_a_hot_call_ends_the_hot_ranks_and_everything_they_started():
@@ -133,6 +126,12 @@ def test_cancel_during_a_hot_call_ends_the_hot_ranks_and_everything_they_started
     assert leftover_processes(before, wait=10, kind="job") == []
 
 
+HELD_MODULE = """
+import os, time
+deadline = time.monotonic() + 120
+while os.path.exists({hold!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
 SLOW_HOOK = """
 def preload(env):
     with open(env["MARKS"], "a") as f:
@@ -144,21 +143,19 @@ def preload(env):
 """
 
 
-def _wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_hot_call_is_not_held_up_by_the_helpers_warm_up(tmp_path, monkeypatch):
-    """A call that arrives while the helper runs a warm-up (here one of 10 s) starts at once in its hot ranks; the
-    warm-up gives way and runs again, to the end, once the helper is idle."""
+    """A call that arrives while the helper runs a warm-up (here one held until the call is back) starts at once in
+    its hot ranks; the warm-up gives way and runs again, to the end, once the helper is idle."""
     (tmp_path / "slowwarm").mkdir()
     (tmp_path / "slowwarm" / "__init__.py").write_text("".join(f"from . import m{i}\n" for i in range(100)))
     for i in range(100):
         (tmp_path / "slowwarm" / f"m{i}.py").write_text("import time\ntime.sleep(0.1)\n")
+    # the last module waits while a file `hold` is there (120 s at most): a hot call that waited for the warm-up
+    # would come back only after that
+    (tmp_path / "slowwarm" / "m99.py").write_text(HELD_MODULE.format(hold=str(tmp_path / "hold")))
+    hold = tmp_path / "hold"
+    hold.touch()
     (tmp_path / "slowwarmhook.py").write_text(SLOW_HOOK)
     marks = tmp_path / "marks"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
@@ -167,12 +164,14 @@ def test_a_hot_call_is_not_held_up_by_the_helpers_warm_up(tmp_path, monkeypatch)
     try:
         first = run_here(allreduce, 0, keep_alive=60)
         launcher.prepare_hooks(["slowwarmhook"], {"MARKS": str(marks)})
-        _wait_for(lambda: marks.exists(), 60)
-        time.sleep(0.5)
-        second = run_here(allreduce, 0, keep_alive=60)
-        assert pids(second) == pids(first)
-        assert "done" not in marks.read_text(), "the hot call came back only once the warm-up had finished"
-        _wait_for(lambda: marks.read_text().endswith("done\n"), 120)
+        wait_until(marks.exists, 60, "the warm-up never began")
+        try:
+            second = run_here(allreduce, 0, keep_alive=60)
+            assert pids(second) == pids(first)
+            assert "done" not in marks.read_text(), "the hot call came back only once the warm-up had finished"
+        finally:
+            hold.unlink()
+        wait_until(lambda: marks.read_text().endswith("done\n"), 120, "the warm-up never ran to its end")
         assert marks.read_text().split() == ["start", "start", "done"]
     finally:
         launcher.release_hot()
@@ -221,10 +220,7 @@ def test_cells_with_keep_alive_log_each_call_to_its_own_run_and_interrupt_or_rel
     )
     assert alive(again) == again and not set(again) & set(hot)
     kernel.execute("%distributed_release").check()
-    deadline = time.monotonic() + 15
-    while alive(again) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive(again) == []
+    wait_until(lambda: alive(again) == [], 15, "%distributed_release left hot ranks alive", step=0.2)
 
 
 def ddp_losses(steps: int) -> list[float]:

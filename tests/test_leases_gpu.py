@@ -4,6 +4,7 @@ them, says who holds them, and runs once the command-line run ends. Skipped on m
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 
 import pytest
@@ -33,7 +34,7 @@ def main():
 
 def test_a_kernels_call_waits_for_the_gpus_a_command_line_run_holds_then_runs(kernel, workdir):
     """`air-magic run` holds every GPU; a kernel's background call of every GPU is `waiting`, naming the command
-    line's call, until the run ends; then it runs on the same GPUs."""
+    line's call by its id, until the run ends; then it runs on the GPUs that run held."""
     (workdir / "job.yaml").write_text(JOB)
     (workdir / "hold.py").write_text(HOLD)
     env = process_env({**REAL_NODE, "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "MLFLOW_TRACKING_URI": ""})
@@ -61,9 +62,16 @@ def test_a_kernels_call_waits_for_the_gpus_a_command_line_run_holds_then_runs(ke
     ).check()
     out = kernel.execute("print('REPORT', json.dumps([mine.status, mine.waiting_for]))").check()
     status, waiting_for = json.loads(out.stdout.split("REPORT ", 1)[1])
-    assert status == "waiting" and "GPU" in waiting_for and "cli" in waiting_for, waiting_for
+    # the holder as the lease names it: "call <id> (<name>) (cli pid <pid>)"
+    assert status == "waiting" and "GPU" in waiting_for, waiting_for
+    assert f"call {started['id']} (" in waiting_for and "(cli pid " in waiting_for, waiting_for
     (workdir / "go").touch()
     out = kernel.execute("print('REPORT', json.dumps([mine.result(), mine.status]))", timeout=300).check()
     devices, status = json.loads(out.stdout.split("REPORT ", 1)[1])
     assert status == "finished" and len(devices) == gpu_count()
+    run_dir = workdir / "runs" / started["id"]  # the command line's run has ended: its ranks' logs are whole
+    held = [
+        d for r in range(gpu_count()) for d in re.findall(r"holding (\S+)", (run_dir / f"rank-{r}.log").read_text())
+    ]
+    assert sorted(devices) == sorted(held), (devices, held)
     assert json.loads(cli("get", started["id"], "--json").stdout)["data"]["status"] == "SUCCESS"

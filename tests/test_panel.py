@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers import CellResult, Kernel, execute_headless, process_env
+from helpers import CellResult, execute_headless, process_env
 from widget_state import WidgetMirror, click, run_cell
 
 #: Real kernels and processes: seconds each.
@@ -23,21 +23,8 @@ SETUP = """
 import os, sys, time
 from air_magic import distributed
 """
-
-
-@pytest.fixture(scope="module")
-def lab_kernel(workdir):
-    """A real ipykernel in its default display mode (the panel), with air_magic importable."""
-    env = {"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"}
-    k = Kernel(workdir, env=env)
-    run_cell(k, SETUP, WidgetMirror()).check()
-    yield k
-    kids = psutil.Process(k.pid).children(recursive=True) if psutil.pid_exists(k.pid) else []
-    k.shutdown()
-    _, alive = psutil.wait_procs(kids, timeout=15)
-    for p in alive:
-        p.kill()
-    assert not alive, f"kernel shutdown left {alive}"
+#: Run first in the module's `lab_kernel` (tests/conftest.py).
+LAB_KERNEL_SETUP = SETUP
 
 
 def test_panel_shows_a_tab_per_rank_with_its_own_output_and_final_state(lab_kernel):

@@ -4,10 +4,10 @@ them and kept for every later call; never waited for by a call whose ranks do no
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from faults_common import run_here
+from helpers import wait_until
 
 from air_magic.owner import owner
 
@@ -73,13 +73,6 @@ def slow_preparation(tmp_path, monkeypatch):
         launcher.shutdown()
 
 
-def _wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_call_whose_ranks_do_not_need_a_preparation_never_waits_for_it(slow_preparation):
     """Calls that do not name what the helper is preparing come back while it is still at it, back to back (the
     preparation is held until they are back: a call that waited for it would wait until m9's 120 s ran out)."""
@@ -87,24 +80,31 @@ def test_a_call_whose_ranks_do_not_need_a_preparation_never_waits_for_it(slow_pr
     hold = marks.parent / "hold"
     hold.touch()
     launcher.prepare_hooks(["delayhook"], {})
-    _wait_for(marks.exists, 60)
+    wait_until(marks.exists, 60, "the preparation never began")
     try:
         for _ in range(3):
             run_here(bare)
             assert "m9" not in marks.read_text(), "a call waited for a preparation its ranks do not need"
     finally:
         hold.unlink()
-    _wait_for(lambda: "m9" in marks.read_text(), 60)  # the preparation, let go, ends
+    wait_until(lambda: "m9" in marks.read_text(), 60, "the preparation never ended")  # the preparation, let go, ends
 
 
 def test_a_preparation_interrupted_by_calls_is_finished_once_for_the_first_call_that_needs_it(slow_preparation):
     """After calls that interrupt it, the first call whose code imports what the preparation brings has it finished
-    before its ranks start: every rank of that call and of the next finds it imported in the helper, done once."""
+    before its ranks start: every rank of that call and of the next finds it imported in the helper, done once (the
+    preparation is held until the interrupting calls are back)."""
     launcher, marks = slow_preparation
+    hold = marks.parent / "hold"
+    hold.touch()
     launcher.prepare_hooks(["delayhook"], {})
-    _wait_for(marks.exists, 60)
-    run_here(bare)
-    run_here(bare)
+    wait_until(marks.exists, 60, "the preparation never began")
+    try:
+        run_here(bare)
+        run_here(bare)
+        assert "m9" not in marks.read_text(), "the calls came back only once the preparation had ended"
+    finally:
+        hold.unlink()
     helper = launcher.supervisor_pid
     for _ in range(2):
         ranks = run_here(uses_it, PACKAGE).values
@@ -121,12 +121,18 @@ def _loaded_once_in(marks, pid: int) -> None:
 
 def test_asking_again_for_a_preparation_under_way_does_not_interrupt_it(slow_preparation):
     """The notebook asks twice (at load, then once its MLflow store is set up): the second request is taken while the
-    first runs, and no module of the preparation is loaded twice."""
+    first runs (held until the request is made), and no module of the preparation is loaded twice."""
     launcher, marks = slow_preparation
+    hold = marks.parent / "hold"
+    hold.touch()
     launcher.prepare_hooks(["delayhook"], {})
-    _wait_for(marks.exists, 60)
-    launcher.prepare_hooks(["delayhook"], {"SOME_STORE": "1"})
-    _wait_for(lambda: " m9" in marks.read_text(), 60)
+    wait_until(marks.exists, 60, "the preparation never began")
+    try:
+        launcher.prepare_hooks(["delayhook"], {"SOME_STORE": "1"})
+        assert "m9" not in marks.read_text(), "the preparation had ended before it was asked for again"
+    finally:
+        hold.unlink()
+    wait_until(lambda: " m9" in marks.read_text(), 60, "the preparation never ended")
     run_here(bare)  # served after the preparation and its second request
     _loaded_once_in(marks, launcher.supervisor_pid)
 
@@ -136,7 +142,7 @@ def test_a_call_that_needs_the_preparation_under_way_lets_it_finish_instead_of_r
     module loaded twice) and the call's ranks find it imported in the helper."""
     launcher, marks = slow_preparation
     launcher.prepare_hooks(["delayhook"], {})
-    _wait_for(marks.exists, 60)
+    wait_until(marks.exists, 60, "the preparation never began")
     helper = launcher.supervisor_pid
     ranks = run_here(uses_it, PACKAGE).values
     assert [loaded_in for loaded_in, _ in ranks] == [helper, helper], (ranks, helper)

@@ -22,13 +22,7 @@ from air_magic.owner import owner
 # The ranks run this module's functions: they travel by value (a node cannot import the test module).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-
-@pytest.fixture(scope="module", autouse=True)
-def runs_dir(tmp_path_factory):
-    """The run directories of this module's calls (the fixture `cluster` is the shared one, tests/ray_cluster.py)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AIR_MAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("ray-runs")))
-        yield
+pytestmark = pytest.mark.usefixtures("runs_dir")
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ def ray_kernel(cluster, workdir):
 
 
 @pytest.fixture(autouse=True)
-def released(ray_kernel):
+def releases_ray_sessions(ray_kernel):
     """Every test ends with its sessions' actors gone and every CPU of the cluster free."""
     yield
     ray_kernel.execute("%distributed_release")

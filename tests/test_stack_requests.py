@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from air_magic.launch import stacks
 from air_magic.launch.files.stack_dumps import parse
@@ -19,10 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+#: The child answers SIGRTMAX with "pong" in its log: a signal sent after STACKS_SIGNAL is handled after it (Linux
+#: delivers pending real-time signals lowest number first), so a pong proves an earlier STACKS_SIGNAL would be handled.
 _CHILD = """
-import os, sys, time
+import os, signal, sys, time
 sys.path.insert(0, {root!r})
 from air_magic.launch import stacks
+signal.signal(signal.SIGRTMAX, lambda *_: print("pong", flush=True))
 if {install}:
     stacks.install()
 def stuck_in_data_loading():
@@ -42,10 +46,8 @@ def _start(tmp_path: Path, install: bool, fork: bool = False) -> tuple[subproces
     code = _CHILD.format(root=str(ROOT), install=install, fork=fork)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=fd, stderr=fd, start_new_session=True)
     os.close(fd)
-    deadline = time.monotonic() + 30
-    while "ready" not in log.read_text():
-        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-        time.sleep(0.05)
+    wait_until(lambda: "ready" in log.read_text() or proc.poll() is not None, 30, "the child never got ready")
+    assert proc.poll() is None, log.read_text()
     return proc, log
 
 
@@ -78,8 +80,9 @@ def test_a_process_that_does_not_answer_the_signal_is_never_sent_it(tmp_path):
     try:
         before = log.read_text()
         assert stacks.request([proc.pid]) == 0
-        time.sleep(0.2)
-        assert proc.poll() is None and log.read_text() == before
+        os.kill(proc.pid, signal.SIGRTMAX)  # handled after any STACKS_SIGNAL the request could have sent
+        wait_until(lambda: "pong" in log.read_text() or proc.poll() is not None, 30, "the child never answered")
+        assert proc.poll() is None and log.read_text() == before + "pong\n"
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
@@ -142,7 +145,7 @@ def test_a_rank_that_asks_itself_is_let_go_by_a_py_spy_that_never_answers_and_st
     text = log.read_text()
     assert proc.returncode == 0 and "both asked" in text, text
     dumps = parse(text)
-    assert sorted(d.why for d in dumps) == sorted(["on request", STOPPING]), text
+    assert [d.why for d in dumps] == ["on request", STOPPING], text
     for dump in dumps:
         assert "in waiting_for_the_slow_rank" in dump.text(), text
         assert dump.native == [] and "py-spy did not answer within 1 s" in (dump.native_note or ""), text

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import cell_values as values
 from helpers import distributed_cell as cell
+from helpers import wait_until
 
+from air_magic.launch.files import step_times
+from air_magic.launch.files.rundir import RunDir
 from air_magic.stopping import request_stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("releases_hot_ranks")]
@@ -20,14 +23,18 @@ CPU = "--gpus 2 --accelerator-type CPU --no-mlflow"
 
 def _run_dir_printing(runs: Path, text: str, after: float, rank: int = 0, limit: float = 90) -> Path:
     """The run directory, made after `after`, whose rank `rank` has printed `text`."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
+    found: list[Path] = []
+
+    def printed() -> bool:
         for path in runs.iterdir():
             log = path / f"rank-{rank}.log"
             if path.is_dir() and path.stat().st_mtime >= after and log.exists() and text in log.read_text():
-                return path
-        time.sleep(0.1)
-    raise AssertionError(f"no rank printed {text!r} within {limit} s")
+                found.append(path)
+                return True
+        return False
+
+    wait_until(printed, limit, f"no rank printed {text!r}")
+    return found[0]
 
 
 def test_a_stop_ends_a_session_loop_at_the_same_step_on_both_ranks_and_keeps_the_session(loaded_kernel, workdir):
@@ -170,7 +177,12 @@ def test_a_hung_ranks_stacks_reach_its_native_frames(loaded_kernel, workdir):
     started = time.time() - 1
     msg = loaded_kernel.send(HANG)
     run_dir = _run_dir_printing(workdir / "runs", "waiting in all_reduce", started, rank=1, limit=240)
-    time.sleep(1.0)  # inside the collective
+
+    def in_the_collective() -> bool:  # as rank 1's watched steps say
+        state = step_times.read(RunDir(run_dir).steps(1))
+        return state is not None and state.collective is not None and state.collective.op == "all_reduce"
+
+    wait_until(in_the_collective, 60, "rank 1 never waited in its all_reduce")
     loaded_kernel.interrupt()
     loaded_kernel.collect(msg, timeout=180)
     log = (run_dir / "rank-1.log").read_text()

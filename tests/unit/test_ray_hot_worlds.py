@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from air_magic.launch import protocol as p
@@ -69,13 +67,15 @@ def test_an_idle_world_ends_after_keep_alive_but_not_while_a_call_runs_in_it(end
     launcher = RayLauncher(Keeper())
     busy = world(request(key="busy"), ["b"], keep_alive=0.2)
     launcher.keep(busy)
-    assert launcher.take_hot(request(key="busy")) is busy
+    armed = busy.timer
+    assert armed is not None and launcher.take_hot(request(key="busy")) is busy
     idle = world(request(), ["i"], keep_alive=0.2)
     launcher.keep(idle)
-    deadline = time.monotonic() + 10
-    while not ended and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
+    timers = [armed, idle.timer]
+    for timer in timers:  # each timer has done what it was to do once its thread has ended
+        assert timer is not None
+        timer.join(10)
+    assert not any(timer.is_alive() for timer in timers)
     assert ended == [["i"]]
     assert launcher.hot_worlds() == [busy]
     launcher.drop(busy)
