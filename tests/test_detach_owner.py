@@ -60,8 +60,8 @@ def test_a_killed_owners_mlflow_run_is_ended_failed_by_the_first_process_that_re
     )
     env = process_env(kernel_env(tmp_path))
     cli = partial(air_magic_cli, tmp_path, env)
-    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
-    path = tmp_path / "runs" / started["id"]
+    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
+    path = tmp_path / "runs" / started["run_id"]
     seen: dict = {}
 
     def running_with_a_run() -> bool:
@@ -72,8 +72,8 @@ def test_a_killed_owners_mlflow_run_is_ended_failed_by_the_first_process_that_re
     owner = seen["owner"]["pid"]
     os.kill(owner, signal.SIGKILL)
     wait_until(lambda: not psutil.pid_exists(owner) or psutil.Process(owner).status() == "zombie", 60, "owner lives")
-    got = json.loads(cli("get", started["id"], "--json").stdout)
-    assert got["status"] == "failed", got
+    got = json.loads(cli("get", started["run_id"], "--json").stdout)["data"]
+    assert got["status"] == "FAILED" and got["air_magic_status"] == "failed", got
     assert f"its owner, cli pid {owner}, died" in got["error"], got
     from mlflow import MlflowClient
 

@@ -79,8 +79,8 @@ def _waits_for(cli, call_id: str) -> dict:
     seen: dict = {}
 
     def waiting() -> bool:
-        seen.update(json.loads(cli("get", call_id, "--json").stdout))
-        assert seen["status"] == "waiting", seen
+        seen.update(json.loads(cli("get", call_id, "--json").stdout)["data"])
+        assert seen["status"] == "PENDING", seen
         return bool(seen["waiting_for"])
 
     wait_until(waiting, 300, f"run {call_id} never said what it waits for")
@@ -93,6 +93,7 @@ def test_a_live_sessions_slots_are_leased_machine_wide_until_it_ends(tmp_path):
     gives the slots back at once and the run goes on to its end."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
     env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
     kernel = Kernel(tmp_path, env=env)
     try:
@@ -102,7 +103,7 @@ def test_a_live_sessions_slots_are_leased_machine_wide_until_it_ends(tmp_path):
         ).check()
         first = kernel.value("__import__('air_magic.owner', fromlist=['owner']).owner().table.all()[-1].id")
         cli = partial(air_magic_cli, tmp_path, process_env(env))
-        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
         got = _waits_for(cli, started["id"])
         assert f"session 's' kept by call {first.strip(chr(39))}" in got["waiting_for"], got
         assert f"(kernel pid {kernel.pid})" in got["waiting_for"], got
@@ -120,6 +121,7 @@ def test_a_run_that_needs_a_kernels_idle_hot_ranks_ends_them_and_runs(tmp_path):
     and the kernel keeps no world afterwards."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
     env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
     kernel = Kernel(tmp_path, env=env)
     try:
@@ -128,7 +130,7 @@ def test_a_run_that_needs_a_kernels_idle_hot_ranks_ends_them_and_runs(tmp_path):
         worlds = "len(__import__('air_magic.owner', fromlist=['owner']).owner().keeper.worlds())"
         assert kernel.value(worlds) == "1"
         cli = partial(air_magic_cli, tmp_path, process_env(env))
-        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)
+        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
         followed = cli("logs", started["id"], "--follow")
         assert followed.returncode == 0, followed.stdout + followed.stderr
         assert "[rank 1] ran on rank 1" in followed.stdout

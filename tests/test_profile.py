@@ -15,6 +15,7 @@ from air_magic import ConfigurationError, DistributedCall, Profile, distributed
 from air_magic.job import JobResult
 from air_magic.launch.files import profile_windows, step_times
 from air_magic.launch.files.rundir import RunDir
+from air_magic.owner import owner
 
 pytestmark = pytest.mark.slow
 
@@ -190,7 +191,7 @@ def test_a_running_background_call_is_profiled_on_demand(here_runs):
         until_stopped, (), {}, "f"
     )
     with pytest.raises(ConfigurationError, match="watch=False"):
-        DistributedCall(unwatched).profile(3)
+        DistributedCall(unwatched, owner=owner()).profile(3)
     with pytest.raises(ConfigurationError, match="whole number of steps to profile, 1 or more"):
         handle.profile(0)
 

@@ -34,9 +34,9 @@ _thread: threading.Thread | None = None
 _imported = threading.Event()  # set once mlflow's import is over (done or failed)
 
 
-def start(prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None:
+def start(prepare_hooks: Callable[[list[str], dict[str, str]], None] | None = None) -> None:
     """Start the preparation in this process, once; returns at once. `prepare_hooks` asks the launchers this process
-    uses to prepare hook modules (its owner's `Launchers.prepare_hooks`)."""
+    uses to prepare hook modules (its owner's `Launchers.prepare_hooks`); without it, only this process prepares."""
     global _thread
     with _lock:
         if _thread is not None:
@@ -63,8 +63,10 @@ def wait() -> None:
         thread.join()
 
 
-def _prepare(prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None:
+def _prepare(prepare_hooks: Callable[[list[str], dict[str, str]], None] | None) -> None:
     from .store import HOOK
+
+    prepare_hooks = prepare_hooks or _no_launcher
 
     try:
         prepare_hooks([HOOK], {})  # mlflow's import only: no store is opened before this process has set it up
@@ -81,6 +83,10 @@ def _prepare(prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None
     finally:
         # The collection the first call would run otherwise: what MLflow's import and the store's set-up left.
         gc.collect()
+
+
+def _no_launcher(hooks: list[str], env: dict[str, str]) -> None:
+    """No launcher to prepare hooks in (a preparation started without the process's owner)."""
 
 
 def _set_up_store(mlflow: Any, prepare_hooks: Callable[[list[str], dict[str, str]], None]) -> None:

@@ -18,9 +18,12 @@ callback sees it. This module imports torch only from a rank's DDP forward, wher
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
+
+from ...envvars import PROFILE
 
 _clock = time.perf_counter
 _lock = threading.Lock()
@@ -30,8 +33,11 @@ _completed: list[float] = []
 
 
 def watch(ddp: Any) -> None:
-    """Measure `ddp`'s all-reduce wait from now on, unless it has a communication hook (its user's) or is watched."""
+    """Measure `ddp`'s all-reduce wait from now on, unless it has a communication hook (its user's), is watched
+    already, or the call is profiled (torch.profiler's trace then shows DDP's own all-reduce, profiling/)."""
     if getattr(ddp, "_air_magic_waits", False) or getattr(ddp, "_air_magic_user_hook", False):
+        return
+    if os.environ.get(PROFILE):
         return
     ddp._air_magic_waits = True
     try:
