@@ -87,53 +87,53 @@ def _waits_for(cli, call_id: str) -> dict:
     return seen
 
 
-def test_a_live_sessions_slots_are_leased_machine_wide_until_it_ends(tmp_path):
+@pytest.fixture
+def keeping_kernel(tmp_path):
+    """A kernel with air_magic loaded on 2 CPU slots, and `air-magic` in the same directory with the 2-slot job: the
+    kernel, and the command line as a partial."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
+    env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
+    kernel = Kernel(tmp_path, env=env)
+    try:
+        kernel.execute("%load_ext air_magic").check()
+        yield kernel, partial(air_magic_cli, tmp_path, process_env(env))
+    finally:
+        kernel.shutdown()
+
+
+def _run_to_its_end(cli, call_id: str) -> None:
+    followed = cli("logs", call_id, "--follow")
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert "[rank 1] ran on rank 1" in followed.stdout
+
+
+def test_a_live_sessions_slots_are_leased_machine_wide_until_it_ends(keeping_kernel):
     """A kernel's session holds its 2 CPU slots for as long as its ranks live, between cells too: `air-magic run` of
     a 2-slot file waits and names the session and the call that made it (kernel pid); `%distributed_session --end`
     gives the slots back at once and the run goes on to its end."""
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "job.yaml").write_text(JOB)
-    (tmp_path / "fns.py").write_text(FUNCTIONS)
-    env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
-    kernel = Kernel(tmp_path, env=env)
-    try:
-        kernel.execute("%load_ext air_magic").check()
-        kernel.execute(
-            "%%distributed --session s --gpus 2 --accelerator-type CPU --no-mlflow --keep-alive 600\nkept = 1"
-        ).check()
-        first = kernel.value("__import__('air_magic.owner', fromlist=['owner']).owner().table.all()[-1].id")
-        cli = partial(air_magic_cli, tmp_path, process_env(env))
-        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
-        got = _waits_for(cli, started["id"])
-        assert f"session 's' kept by call {first.strip(chr(39))}" in got["waiting_for"], got
-        assert f"(kernel pid {kernel.pid})" in got["waiting_for"], got
-        kernel.execute("%distributed_session --end s").check()
-        followed = cli("logs", started["id"], "--follow")
-        assert followed.returncode == 0, followed.stdout + followed.stderr
-        assert "[rank 1] ran on rank 1" in followed.stdout
-    finally:
-        kernel.shutdown()
+    kernel, cli = keeping_kernel
+    kernel.execute(
+        "%%distributed --session s --gpus 2 --accelerator-type CPU --no-mlflow --keep-alive 600\nkept = 1"
+    ).check()
+    first = kernel.value("__import__('air_magic.owner', fromlist=['owner']).owner().table.all()[-1].id")
+    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
+    got = _waits_for(cli, started["id"])
+    assert f"session 's' kept by call {first.strip(chr(39))}" in got["waiting_for"], got
+    assert f"(kernel pid {kernel.pid})" in got["waiting_for"], got
+    kernel.execute("%distributed_session --end s").check()
+    _run_to_its_end(cli, started["id"])
 
 
-def test_a_run_that_needs_a_kernels_idle_hot_ranks_ends_them_and_runs(tmp_path):
+def test_a_run_that_needs_a_kernels_idle_hot_ranks_ends_them_and_runs(keeping_kernel):
     """A kernel's idle hot ranks (keep_alive) keep their 2 CPU slots leased; `air-magic run` of a 2-slot file asks
     that kernel to end them (a session would be waited for), so the run starts and finishes while the kernel lives,
     and the kernel keeps no world afterwards."""
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "job.yaml").write_text(JOB)
-    (tmp_path / "fns.py").write_text(FUNCTIONS)
-    env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
-    kernel = Kernel(tmp_path, env=env)
-    try:
-        kernel.execute("%load_ext air_magic").check()
-        kernel.execute("%%distributed --gpus 2 --accelerator-type CPU --no-mlflow --keep-alive 600\nkept = 1").check()
-        worlds = "len(__import__('air_magic.owner', fromlist=['owner']).owner().keeper.worlds())"
-        assert kernel.value(worlds) == "1"
-        cli = partial(air_magic_cli, tmp_path, process_env(env))
-        started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
-        followed = cli("logs", started["id"], "--follow")
-        assert followed.returncode == 0, followed.stdout + followed.stderr
-        assert "[rank 1] ran on rank 1" in followed.stdout
-        assert kernel.value(worlds) == "0"
-    finally:
-        kernel.shutdown()
+    kernel, cli = keeping_kernel
+    kernel.execute("%%distributed --gpus 2 --accelerator-type CPU --no-mlflow --keep-alive 600\nkept = 1").check()
+    worlds = "len(__import__('air_magic.owner', fromlist=['owner']).owner().keeper.worlds())"
+    assert kernel.value(worlds) == "1"
+    started = json.loads(cli("run", "-f", "job.yaml", "--json").stdout)["data"]
+    _run_to_its_end(cli, started["id"])
+    assert kernel.value(worlds) == "0"
