@@ -56,7 +56,9 @@ def test_a_killed_owners_mlflow_run_is_ended_failed_by_the_first_process_that_re
     naming the owner that died, and the call's MLflow run, left RUNNING by its owner, is FAILED from then on."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(
-        "experiment_name: orphans\ncompute: {num_accelerators: 1, accelerator_type: CPU}\ncommand: echo started; sleep 600\n"
+        "experiment_name: orphans\n"
+        "compute: {num_accelerators: 1, accelerator_type: CPU}\n"
+        "command: echo started; sleep 600\n"
     )
     env = process_env(kernel_env(tmp_path))
     cli = partial(air_magic_cli, tmp_path, env)
