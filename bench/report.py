@@ -92,6 +92,14 @@ def table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 
 #: What a result file cannot say about itself, shown under the tables that use it.
 NOTES = {
+    "launch-cpu-one-door-before.json": (
+        "the code before one owner object with one door (58c659c), run between `launch-cpu-one-door-after.json` and "
+        "`launch-cpu-one-door-after-again.json` (the code with it) on the 2-core machine in one session, 3 repeats "
+        "each, while other jobs loaded both cores (load 6-13): warm 0.134 s / 0.149 s after against 0.262 s "
+        "before; hot 0.119 s / 0.159 s against 0.135 s; first call 6.4 s / 3.7 s against 5.8 s. The load's spread "
+        "is larger than any difference: no slowdown seen, none shown to be absent within 30 %. The GPU machine could "
+        "not be started that session, so no GPU before/after exists for this change."
+    ),
     "launch-1xH100-calls-before.json": "the code before one table of calls, the watch, the command line and "
     "machine-wide leases; `launch-1xH100-calls-after.json` is the code with them, measured in the same run on the "
     "same H100 (3 repeats each: differences under about 10 % are within the runs' spread).",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import cell_values as values
+from helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -120,14 +121,16 @@ def test_a_post_mortem_opens_on_the_failing_frame_of_a_session_rank(debug_kernel
     debug_kernel.execute("%distributed_release").check()
 
 
-def test_an_interrupt_at_the_prompt_of_a_session_rank_keeps_the_session(debug_kernel):
-    """The kernel's interrupt while rank 1 waits at its prompt raises KeyboardInterrupt; the session keeps its names."""
+def test_an_interrupt_at_the_prompt_of_a_session_rank_keeps_the_session(debug_kernel, tmp_path):
+    """The kernel's interrupt while rank 1 waits at its prompt (and rank 0 has run the cell) raises
+    KeyboardInterrupt; the session keeps its names, with what the cell did on both ranks."""
     start = "import os\nrank = int(os.environ['RANK'])\nn = 1"
     debug_kernel.execute(f"%%distributed --session intr {CPU}\n{start}").check()
-    mid = debug_kernel.kc.execute(
-        f"%%distributed --session intr {CPU}\nn += 1\nif rank == 1:\n    breakpoint()\nn", allow_stdin=True
-    )
+    done = tmp_path / "rank-0-ran"
+    cell = f"n += 1\nif rank == 0:\n    open({str(done)!r}, 'w').close()\nif rank == 1:\n    breakpoint()\nn"
+    mid = debug_kernel.kc.execute(f"%%distributed --session intr {CPU}\n{cell}", allow_stdin=True)
     assert debug_kernel.kc.get_stdin_msg(timeout=120)["content"]["prompt"] == "(Pdb rank 1) "
+    wait_until(done.exists, 120, "rank 0 never ran the cell")  # a rank still loading it would keep the interrupt
     debug_kernel.interrupt()
     out = debug_kernel.collect(mid)
     assert out.ename == "KeyboardInterrupt" and "session 'intr' was kept" in out.traceback

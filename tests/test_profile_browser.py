@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import time
 
+from browser import BROWSER_MARKS, Notebook, browser_page
 from helpers import ROOT
-from lab import BROWSER_MARKS, Notebook, browser_page, write_notebook
+from lab import write_notebook
 
 pytestmark = BROWSER_MARKS
 
