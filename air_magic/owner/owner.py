@@ -163,23 +163,24 @@ class Owner:
         def cancelled() -> bool:  # a Cancel here, or from another process (its cancel file)
             return call.cancel_asked or call_record.cancel_requested(asked)
 
-        with claim.held(spec, on_wait=say, cancelled=cancelled) as held:
-            if held.session is not None:
-                held = dataclasses.replace(
-                    held, target=without_held(held.target, self.sessions.held_names(held.session))
-                )
-            launcher = self.launchers.used(self.launchers.for_nodes(held.num_nodes))
-            try:
+        try:
+            with claim.held(spec, on_wait=say, cancelled=cancelled) as held:
+                if held.session is not None:
+                    held = dataclasses.replace(
+                        held, target=without_held(held.target, self.sessions.held_names(held.session))
+                    )
+                launcher = self.launchers.used(self.launchers.for_nodes(held.num_nodes))
                 result = runner.run(held, call.listeners, launcher, run_dir=run_dir)
-            except BaseException:
-                if made_here and call.ctx is None:  # refused before it started (a value that cannot be pickled)
-                    run_dir.remove()
-                raise
-            if self.keeper.left_by(run_dir.path.name, claim.keep_in) and held.session is None:
-                self._watch_for_askers()
-            if held.session is not None:
-                self.sessions.after(held, result, found)
-            return result
+                if self.keeper.left_by(run_dir.path.name, claim.keep_in) and held.session is None:
+                    self._watch_for_askers()
+                if held.session is not None:
+                    self.sessions.after(held, result, found)
+                return result
+        except BaseException:
+            # refused or interrupted before it started (a value that cannot be pickled, Ctrl-C while it waited)
+            if made_here and call.ctx is None:
+                run_dir.remove()
+            raise
 
     def detach(self, spec: JobSpec) -> DistributedCall:
         """`detach=True`, `%%distributed --detach`: `spec` started in an owner process of its own (DETACHED), with
