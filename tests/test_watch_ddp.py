@@ -1,5 +1,5 @@
-"""The watch under DDP, with real ranks (2 CPU ranks, gloo): DDP's gradient all-reduce wait is measured per rank, so
-a rank slow in its own compute is named, and a balanced run is not."""
+"""The watch under DDP with AIR_MAGIC_WATCH_DDP=1, with real ranks (2 CPU ranks, gloo): DDP's gradient all-reduce wait
+is measured per rank, so a rank slow in its own compute is named, and a balanced run is not."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from air_magic import distributed
+from air_magic import distributed, envvars
 from air_magic.job import JobResult
 from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir
@@ -19,6 +19,12 @@ pytestmark = pytest.mark.slow
 
 #: Rank 1's extra time in its own code per step, in seconds.
 EXTRA = 0.15
+
+
+@pytest.fixture(autouse=True)
+def watch_ddp(monkeypatch):
+    """The ranks measure DDP's all-reduce wait (they take this process's environment)."""
+    monkeypatch.setenv(envvars.WATCH_DDP, "1")
 
 
 def _run(func: Any, *args: Any) -> JobResult:

@@ -2,14 +2,15 @@
 
 DDP reduces gradients in C++ inside `backward()`, so the watch's patches of torch.distributed's Python collectives
 (steps.py) never see it, and a rank that waits there for a slower peer looks as busy computing as the slow one.
-At a DDP module's first training forward, unless the user's code registered a communication hook of its own,
-this module registers one (`ddp.register_comm_hook`) that does what DDP does by default (the bucket divided by
-the group's size, then all-reduced: the mean of the ranks' gradients) and notes, for each bucket, when this rank
-launched it and when the reduction completed. The wait of one backward is the time from its last bucket's launch
-(this rank's gradients are all ready) to the last completion: a rank whose peers are slower waits that long; the
-slowest rank hardly waits. `take()` hands the wait of the backwards since the last step boundary to the recorder,
-which counts it as the step's collective wait, so a rank slow in its own compute is the one whose compute is
-longer.
+With `AIR_MAGIC_WATCH_DDP=1` in the calling process's environment (off by default: the profile analysis,
+profiling/, of a profile asked of the call mid-run reads the hook's wait as compute), at a DDP module's first
+training forward, unless the user's code registered a communication hook of its own, this module registers one
+(`ddp.register_comm_hook`) that does what DDP does by default (the bucket divided by the group's size, then
+all-reduced: the mean of the ranks' gradients) and notes, for each bucket, when this rank launched it and when the
+reduction completed. The wait of one backward is the time from its last bucket's launch (this rank's gradients are
+all ready) to the last completion: a rank whose peers are slower waits that long; the slowest rank hardly waits.
+`take()` hands the wait of the backwards since the last step boundary to the recorder, which counts it as the
+step's collective wait, so a rank slow in its own compute is the one whose compute is longer.
 
 What it cannot see: a communication hook the user registered (then nothing is measured: DDP allows one hook),
 FSDP (its collectives run in C++ too; its wait counts as compute), and on NCCL only the wait as the completion
@@ -23,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from ...envvars import PROFILE
+from ...envvars import PROFILE, WATCH_DDP
 
 _clock = time.perf_counter
 _lock = threading.Lock()
@@ -37,7 +38,7 @@ def watch(ddp: Any) -> None:
     already, or the call is profiled (torch.profiler's trace then shows DDP's own all-reduce, profiling/)."""
     if getattr(ddp, "_air_magic_waits", False) or getattr(ddp, "_air_magic_user_hook", False):
         return
-    if os.environ.get(PROFILE):
+    if os.environ.get(PROFILE) or os.environ.get(WATCH_DDP, "").strip().lower() not in ("1", "true", "yes", "on"):
         return
     ddp._air_magic_waits = True
     try:
