@@ -4,11 +4,9 @@ followed with --watch, exit code 0."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
-from helpers import kernel_env, process_env
+from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # Ray workers register slowly on a busy machine
 
@@ -35,15 +33,7 @@ def test_a_workload_on_two_nodes_runs_a_rank_on_each(cluster, tmp_path):
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "fns.py").write_text(FUNCTIONS)
     env = process_env({**kernel_env(tmp_path), "RAY_ADDRESS": cluster.address})
-    done = subprocess.run(
-        [sys.executable, "-m", "air_magic.cli", "run", "-f", "job.yaml", "--watch"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=1200,
-    )
+    done = air_magic_cli(tmp_path, env, "run", "-f", "job.yaml", "--watch", timeout=1200)
     assert done.returncode == 0, done.stdout + done.stderr
     # each rank says the Ray node its actor runs on (AIR_MAGIC_RAY_NODE_ID, from the actor's own runtime context)
     nodes = dict(re.findall(r"^\[rank (\d)\] rank \1 of 2 on node (\w+)$", done.stdout, re.MULTILINE))

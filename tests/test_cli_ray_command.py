@@ -3,11 +3,8 @@ on each node with its NODE_RANK, the same MASTER_ADDR and MASTER_PORT, and each 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from helpers import kernel_env, process_env
+from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # Ray workers register slowly on a busy machine
 
@@ -48,15 +45,7 @@ def test_a_command_on_two_nodes_runs_once_on_each_and_their_torchruns_meet(clust
     (tmp_path / "code" / "train.py").write_text(TRAIN)
     (tmp_path / "job.yaml").write_text(JOB)
     env = process_env({**kernel_env(tmp_path), "RAY_ADDRESS": cluster.address})
-    done = subprocess.run(
-        [sys.executable, "-m", "air_magic.cli", "run", "-f", "job.yaml", "--watch"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=1200,
-    )
+    done = air_magic_cli(tmp_path, env, "run", "-f", "job.yaml", "--watch", timeout=1200)
     assert done.returncode == 0, done.stdout + done.stderr
     meets = {line.split(" meets at ", 1)[1] for line in done.stdout.splitlines() if " meets at " in line}
     assert len(meets) == 1, done.stdout
