@@ -1,11 +1,14 @@
-"""Fixtures: a real Jupyter kernel per module, private run directories, and a process-leak check."""
+"""Fixtures: real Jupyter kernels (one family: `new_kernel` per test, `new_module_kernel` per module, and `kernel`
+and `lab_kernel` built on it), private run directories, and a process-leak check."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -26,7 +29,17 @@ pytest_plugins = ("lab", "s3_server", "ray_cluster")
 
 #: Fixtures that start a kernel, a server, a cluster or worker processes: a test that uses one (directly or through
 #: another fixture) is a behaviour test and must be marked `slow`, so that `make check` (-m "not slow") stays quick.
-STARTS_PROCESSES = ("kernel", "lab_kernel", "cluster", "lab", "s3", "here_runs", "demo_dir")
+STARTS_PROCESSES = (
+    "kernel",
+    "lab_kernel",
+    "new_kernel",
+    "new_module_kernel",
+    "cluster",
+    "lab",
+    "s3",
+    "here_runs",
+    "demo_dir",
+)
 
 
 #: Seconds each module took alone in the last recorded run (`make test-costs` writes it: `--record-costs`).
@@ -226,30 +239,98 @@ def cli(tmp_path_factory, request):
     return run
 
 
+class _Kernels:
+    """The one place test kernels start and end: `start(...)` starts a helpers.Kernel and keeps it; `end_all()` shuts
+    down every kept kernel that still runs, checking that its children (supervisor, workers, their children) went with
+    it, and closes this side of those its test killed, restarted or shut down itself."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.started: list[tuple[Kernel, bool]] = []
+
+    def start(
+        self,
+        env: dict[str, str] | None = None,
+        *,
+        cwd: Path | None = None,
+        display: str | None = None,
+        check_children: bool = True,
+        **extra: str,
+    ) -> Kernel:
+        """A real ipykernel started in `cwd` (the module's workdir by default) with `env` (by default
+        helpers.kernel_env(cwd): private run directories, plain-text display, a sqlite MLflow store), AIR_MAGIC_DISPLAY
+        set to `display` if given, and `extra` added. `check_children=False`: its children may outlive its shutdown."""
+        where = self.workdir if cwd is None else Path(cwd)
+        full = {**(kernel_env(where) if env is None else env), **extra}
+        if display is not None:
+            full["AIR_MAGIC_DISPLAY"] = display
+        k = Kernel(where, env=full)
+        self.started.append((k, check_children))
+        return k
+
+    def end_all(self) -> None:
+        """End the kept kernels, the last started first; every one is ended even if another's check fails."""
+        if not self.started:
+            return
+        k, check = self.started.pop()
+        try:
+            _end_kernel(k, check)
+        finally:
+            self.end_all()
+
+
+def _end_kernel(k: Kernel, check: bool) -> None:
+    """Shut a live kernel down (helpers.Kernel.shutdown: with `check`, its children must go within 15 s, and any left
+    are killed); of one already dead (killed, shut down), stop the channels, reap the process and free what is left."""
+    if k.km.is_alive():
+        k.shutdown(check=check)
+        return
+    k.kc.stop_channels()
+    process = getattr(k.km.provisioner, "process", None)
+    if process is not None:
+        process.wait()
+    k.km.cleanup_resources()
+
+
+@contextlib.contextmanager
+def _kernels(workdir: Path) -> Iterator[Callable[..., Kernel]]:
+    kernels = _Kernels(workdir)
+    try:
+        yield kernels.start
+    finally:
+        kernels.end_all()
+
+
+@pytest.fixture
+def new_kernel(workdir):
+    """`new_kernel(env=None, *, cwd=None, display=None, check_children=True, **extra)`: a real ipykernel for this test
+    (see _Kernels.start); at the test's end every one still running is shut down and its children must be gone."""
+    with _kernels(workdir) as start:
+        yield start
+
+
 @pytest.fixture(scope="module")
-def lab_kernel(workdir, request):
+def new_module_kernel(workdir):
+    """`new_kernel` for module-scoped fixtures: the kernels it starts end with the module."""
+    with _kernels(workdir) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def lab_kernel(new_module_kernel, workdir, request):
     """A real ipykernel in its default display mode (the panel), with air_magic importable and the module's
     `LAB_KERNEL_SETUP` (code, if any) run in it first."""
     from widget_state import WidgetMirror, run_cell
 
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
+    k = new_module_kernel(env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs")}, display="auto")
     run_cell(k, getattr(request.module, "LAB_KERNEL_SETUP", "pass"), WidgetMirror()).check()
-    yield k
-    kids = psutil.Process(k.pid).children(recursive=True) if psutil.pid_exists(k.pid) else []
-    k.shutdown()
-    _, alive = psutil.wait_procs(kids, timeout=15)
-    for proc in alive:
-        proc.kill()
-    assert not alive, f"kernel shutdown left {alive}"
+    return k
 
 
 @pytest.fixture(scope="module")
-def kernel(workdir, request):
+def kernel(new_module_kernel, request):
     """A real ipykernel shared by the tests of one module, with air_magic importable.
 
     A module's `KERNEL_ENV` (a dict) is added to the kernel's environment: GPU tests pass helpers.REAL_NODE.
     """
-    extra = getattr(request.module, "KERNEL_ENV", {})
-    k = Kernel(workdir, env=kernel_env(workdir, **extra))
-    yield k
-    k.shutdown()
+    return new_module_kernel(**getattr(request.module, "KERNEL_ENV", {}))

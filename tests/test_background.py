@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from helpers import Kernel, kernel_env
 
 pytestmark = pytest.mark.slow
 
@@ -150,16 +149,14 @@ def test_background_cell_stores_its_handle_and_a_finished_call_is_rebuilt_from_i
     assert out.stdout.splitlines() == ["[0, 10]", "finished [0, 10] [0, 0] True"]
 
 
-def test_kernel_shutdown_ends_background_ranks(workdir):
+def test_kernel_shutdown_ends_background_ranks(workdir, new_kernel):
     """Shutting the kernel down while a background call runs leaves no rank, helper or child behind."""
-    kernel = Kernel(workdir, env=kernel_env(workdir))
-    try:
-        kernel.execute("%load_ext air_magic").check()
-        kernel.execute(SETUP).check()
-        kernel.execute(f"h = wait_for.spawn({str(workdir / 'never')!r})\nuntil(lambda: 'working' in h.logs(1))").check()
-        pids = eval(kernel.execute("print(sorted(h.ctx.pids.values()))").check().stdout)
-    finally:
-        kernel.shutdown(check=True)
+    kernel = new_kernel()
+    kernel.execute("%load_ext air_magic").check()
+    kernel.execute(SETUP).check()
+    kernel.execute(f"h = wait_for.spawn({str(workdir / 'never')!r})\nuntil(lambda: 'working' in h.logs(1))").check()
+    pids = eval(kernel.execute("print(sorted(h.ctx.pids.values()))").check().stdout)
+    kernel.shutdown(check=True)
     _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)
     assert not alive
 

@@ -9,7 +9,7 @@ import signal
 import psutil
 import pytest
 from faults_common import run_here
-from helpers import Kernel, leftover_processes, wait_until
+from helpers import leftover_processes, wait_until
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow
@@ -236,31 +236,27 @@ def test_decorated_object_api(text_kernel):
     assert err.ename == "ConfigurationError"
 
 
-def test_killed_kernel_leaves_no_worker(workdir):
+def test_killed_kernel_leaves_no_worker(workdir, new_kernel):
     """SIGKILL of the kernel mid-run ends the supervisor, every worker and their children."""
     before = {p.pid for p in psutil.process_iter()}
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs")})
-    try:
-        k.execute(SETUP).check()
-        k.execute(
-            "@distributed(2, timeout=None)\ndef forever():\n    import subprocess, time\n"
-            "    subprocess.Popen(['sleep', '300'])\n    print('up', flush=True)\n    time.sleep(300)"
-        ).check()
-        k.send("forever.distributed()")
+    k = new_kernel(env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs")})
+    k.execute(SETUP).check()
+    k.execute(
+        "@distributed(2, timeout=None)\ndef forever():\n    import subprocess, time\n"
+        "    subprocess.Popen(['sleep', '300'])\n    print('up', flush=True)\n    time.sleep(300)"
+    ).check()
+    k.send("forever.distributed()")
 
-        def both_up() -> bool:
-            logs = list((workdir / "runs").glob("*forever*/rank-*.log"))
-            return len(logs) >= 2 and all("up" in p.read_text() for p in logs)
+    def both_up() -> bool:
+        logs = list((workdir / "runs").glob("*forever*/rank-*.log"))
+        return len(logs) >= 2 and all("up" in p.read_text() for p in logs)
 
-        wait_until(both_up, 60, "the two ranks never said they were up", step=0.2)
-        tree = psutil.Process(k.pid).children(recursive=True)
-        assert len(tree) >= 5, tree  # supervisor, 2 workers, 2 sleeps (and the store)
-        os.kill(k.pid, signal.SIGKILL)
-        k.km.provisioner.process.wait()
-        assert leftover_processes(before, wait=10) == []
-    finally:
-        k.kc.stop_channels()
-        k.km.cleanup_resources()
+    wait_until(both_up, 60, "the two ranks never said they were up", step=0.2)
+    tree = psutil.Process(k.pid).children(recursive=True)
+    assert len(tree) >= 5, tree  # supervisor, 2 workers, 2 sleeps (and the store)
+    os.kill(k.pid, signal.SIGKILL)
+    k.km.provisioner.process.wait()
+    assert leftover_processes(before, wait=10) == []
 
 
 def _visible_devices():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import Kernel, kernel_env, wait_until
+from helpers import wait_until
 
 from air_magic.calls import record as call_record
 
@@ -27,23 +27,23 @@ def wait_for(flag):
 """
 
 
-def test_a_detached_call_outlives_its_kernels_sigkill_and_another_kernel_gets_its_result(workdir, loaded_kernel):
+def test_a_detached_call_outlives_its_kernels_sigkill_and_another_kernel_gets_its_result(
+    workdir, loaded_kernel, new_kernel
+):
     """Kernel 1 spawns a detached call and is killed with SIGKILL mid-call; the call still runs, kernel 2 sees it in
     %distributed_calls --all, attaches with every line so far, and its result() is each rank's value."""
     flag = workdir / "go"
-    first = Kernel(workdir, env=kernel_env(workdir))
-    try:
-        first.execute(SETUP).check()
-        started = first.execute(f"h = wait_for.spawn({str(flag)!r}); print('ID', h.id)").check()
-        call_id = started.stdout.split("ID ", 1)[1].split()[0]
-        run_dir = Path(workdir / "runs" / call_id)
+    first = new_kernel()
+    first.execute(SETUP).check()
+    started = first.execute(f"h = wait_for.spawn({str(flag)!r}); print('ID', h.id)").check()
+    call_id = started.stdout.split("ID ", 1)[1].split()[0]
+    run_dir = Path(workdir / "runs" / call_id)
 
-        def working() -> bool:
-            return all("working" in (run_dir / f"rank-{r}.log").read_text() for r in (0, 1))
+    def working() -> bool:
+        return all("working" in (run_dir / f"rank-{r}.log").read_text() for r in (0, 1))
 
-        wait_until(working, 300, "both ranks never printed", step=0.2)
-    finally:
-        first.kill()
+    wait_until(working, 300, "both ranks never printed", step=0.2)
+    first.kill()
     record = call_record.load(run_dir)
     assert record is not None and record["status"] == "running" and record["owner"]["role"] == "detached"
     listed = loaded_kernel.execute("%distributed_calls --all").check().stdout

@@ -14,7 +14,7 @@ from faults_common import (
     procs,
     steps,
 )
-from helpers import Kernel, leftover_processes, reported
+from helpers import leftover_processes, reported
 
 from air_magic.launch.files.rundir import RunDir
 
@@ -49,47 +49,39 @@ def _wait_for_logs(runs: Path, tag: str, timeout: float = 90) -> Path:
     raise AssertionError(f"job {tag} did not start in {timeout} s")
 
 
-def test_two_kernels_run_side_by_side_and_a_shutdown_or_restart_mid_run_leaves_nothing(workdir):
+def test_two_kernels_run_side_by_side_and_a_shutdown_or_restart_mid_run_leaves_nothing(workdir, new_kernel):
     """Two kernels' jobs get their own ports and run directories; shutting one down and restarting the other mid-run
     leaves no worker."""
     before = procs()
     runs_a, runs_b = workdir / "runs-a", workdir / "runs-b"
     env = {"AIR_MAGIC_DISPLAY": "text", "AIR_MAGIC_WARM": "0"}
-    a = Kernel(workdir, env=dict(env, AIR_MAGIC_RUNS_DIR=str(runs_a)))
-    b = Kernel(workdir, env=dict(env, AIR_MAGIC_RUNS_DIR=str(runs_b)))
-    try:
-        for k in (a, b):
-            k.execute(FOREVER).check()
-        a.send("forever.distributed('A')")
-        b.send("forever.distributed('B')")
-        dir_a, dir_b = _wait_for_logs(runs_a, "A"), _wait_for_logs(runs_b, "B")
-        port = {
-            t: RunDir(d).log(0).read_text().split(f"{t} port ")[1].split()[0] for t, d in (("A", dir_a), ("B", dir_b))
-        }
-        assert port["A"] != port["B"] and dir_a != dir_b
-        pids_a, pids_b = pids_in(dir_a, 0) + pids_in(dir_a, 1), pids_in(dir_b, 0) + pids_in(dir_b, 1)
-        assert len(alive(pids_a)) == 4 and len(alive(pids_b)) == 4
+    a = new_kernel(env=dict(env, AIR_MAGIC_RUNS_DIR=str(runs_a)))
+    b = new_kernel(env=dict(env, AIR_MAGIC_RUNS_DIR=str(runs_b)))
+    for k in (a, b):
+        k.execute(FOREVER).check()
+    a.send("forever.distributed('A')")
+    b.send("forever.distributed('B')")
+    dir_a, dir_b = _wait_for_logs(runs_a, "A"), _wait_for_logs(runs_b, "B")
+    port = {t: RunDir(d).log(0).read_text().split(f"{t} port ")[1].split()[0] for t, d in (("A", dir_a), ("B", dir_b))}
+    assert port["A"] != port["B"] and dir_a != dir_b
+    pids_a, pids_b = pids_in(dir_a, 0) + pids_in(dir_a, 1), pids_in(dir_b, 0) + pids_in(dir_b, 1)
+    assert len(alive(pids_a)) == 4 and len(alive(pids_b)) == 4
 
-        a.kc.stop_channels()
-        a.km.shutdown_kernel(now=False)  # shutdown request while the cell runs
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and alive(pids_a):
-            time.sleep(0.2)
-        assert alive(pids_a) == []
-        assert len(alive(pids_b)) == 4, "the other kernel's job was not disturbed"
+    a.kc.stop_channels()
+    a.km.shutdown_kernel(now=False)  # shutdown request while the cell runs
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and alive(pids_a):
+        time.sleep(0.2)
+    assert alive(pids_a) == []
+    assert len(alive(pids_b)) == 4, "the other kernel's job was not disturbed"
 
-        b.km.restart_kernel(now=False)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and alive(pids_b):
-            time.sleep(0.2)
-        assert alive(pids_b) == []
-        for d in (dir_a, dir_b):
-            assert_nothing_lost(d, {0: steps(0), 1: steps(1)})
-    finally:
-        for k in (a, b):
-            k.kc.stop_channels()
-            if k.km.has_kernel:
-                k.km.shutdown_kernel(now=True)
+    b.km.restart_kernel(now=False)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and alive(pids_b):
+        time.sleep(0.2)
+    assert alive(pids_b) == []
+    for d in (dir_a, dir_b):
+        assert_nothing_lost(d, {0: steps(0), 1: steps(1)})
     assert leftover_processes(before, wait=10) == []
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from helpers import REAL_NODE, Kernel, gpu_count, kernel_env, wait_until
+from helpers import REAL_NODE, Kernel, gpu_count, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -136,14 +136,10 @@ def test_nccl_job_listens_on_loopback_only(kernel, tmp_path):
     assert all(addr.ip == "127.0.0.1" for addr in listening), listening
 
 
-def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the_kernel(workdir):
+def test_cuda_tensors_in_results_and_errors_come_back_on_cpu_without_cuda_in_the_kernel(new_kernel):
     """A rank returning CUDA tensors (a state_dict) or raising with one hands the kernel CPU tensors; CUDA stays off
     there."""
-    kernel = Kernel(workdir, env=kernel_env(workdir, **REAL_NODE))  # a kernel that never touched CUDA itself
-    try:
-        _tensors_come_back_on_cpu(kernel)
-    finally:
-        kernel.shutdown()
+    _tensors_come_back_on_cpu(new_kernel(**REAL_NODE))  # a kernel that never touched CUDA itself
 
 
 def _tensors_come_back_on_cpu(kernel: Kernel) -> None:

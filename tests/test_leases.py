@@ -12,7 +12,7 @@ import time
 from functools import partial
 
 import pytest
-from helpers import Kernel, air_magic_cli, kernel_env, process_env, wait_until
+from helpers import air_magic_cli, kernel_env, process_env, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -88,19 +88,16 @@ def _waits_for(cli, call_id: str) -> dict:
 
 
 @pytest.fixture
-def keeping_kernel(tmp_path):
+def keeping_kernel(new_kernel, tmp_path):
     """A kernel with air_magic loaded on 2 CPU slots, and `air-magic` in the same directory with the 2-slot job: the
     kernel, and the command line as a partial."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "fns.py").write_text(FUNCTIONS)
     env = kernel_env(tmp_path, AIR_MAGIC_CPU_SLOTS="2")
-    kernel = Kernel(tmp_path, env=env)
-    try:
-        kernel.execute("%load_ext air_magic").check()
-        yield kernel, partial(air_magic_cli, tmp_path, process_env(env))
-    finally:
-        kernel.shutdown()
+    kernel = new_kernel(env=env, cwd=tmp_path)
+    kernel.execute("%load_ext air_magic").check()
+    return kernel, partial(air_magic_cli, tmp_path, process_env(env))
 
 
 def _run_to_its_end(cli, call_id: str) -> None:

@@ -8,18 +8,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import REAL_NODE, ROOT, Kernel, gpu_count, kernel_env, leftover_processes
+from helpers import REAL_NODE, ROOT, Kernel, gpu_count, leftover_processes
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fresh_kernel(workdir):
+def fresh_kernel(new_module_kernel):
     """A notebook in a fresh kernel where air_magic has not been loaded yet."""
-    notebook = Kernel(workdir, kernel_env(workdir))
-    yield notebook
-    notebook.shutdown()
+    return new_module_kernel()
 
 
 @pytest.fixture
@@ -232,7 +230,7 @@ c.DistributedMagics.mlflow = False
 """
 
 
-def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_path):
+def test_kernel_config_file_loads_the_extension_and_sets_defaults(new_kernel, tmp_path):
     """jupyter-config/ipython_kernel_config.py loads air_magic in a new kernel; c.DistributedMagics.* set the
     defaults."""
     profile = tmp_path / "ipython" / "profile_default"
@@ -240,33 +238,30 @@ def test_kernel_config_file_loads_the_extension_and_sets_defaults(workdir, tmp_p
     shutil.copy(ROOT / "jupyter-config" / "ipython_kernel_config.py", profile / "ipython_kernel_config.py")
     with open(profile / "ipython_kernel_config.py", "a") as f:
         f.write(CONFIG_OVERRIDES)
-    notebook = Kernel(workdir, {**kernel_env(workdir), "IPYTHONDIR": str(tmp_path / "ipython")})
-    try:
-        magics = "get_ipython().magics_manager.registry['DistributedMagics']"
-        defaults = notebook.value(
-            f"{magics}.settings('').timeout, {magics}.settings('').accelerator_type, {magics}.settings('').mlflow"
-        )
-        assert defaults == "(4.0, 'CPU', False)"
-        # a first call on a busy machine may take longer than the configured 4 s: this cell gives its own limit
-        out = notebook.execute("%%distributed --timeout 600\nimport os\nint(os.environ['WORLD_SIZE'])").check(
-            clean_stderr=True
-        )
-        assert out.result == "[3, 3, 3]"
-        spec = f"{magics}.last_result.spec"
-        assert notebook.value(f"{spec}.accelerator_type, {spec}.mlflow") == "('CPU', False)"
-        assert notebook.value(f"{magics}.settings('--timeout none --gpus 2').timeout") == "None"
-        assert notebook.value(f"{magics}.settings('--timeout 60').num_accelerators") == "3"
+    notebook = new_kernel(IPYTHONDIR=str(tmp_path / "ipython"))
+    magics = "get_ipython().magics_manager.registry['DistributedMagics']"
+    defaults = notebook.value(
+        f"{magics}.settings('').timeout, {magics}.settings('').accelerator_type, {magics}.settings('').mlflow"
+    )
+    assert defaults == "(4.0, 'CPU', False)"
+    # a first call on a busy machine may take longer than the configured 4 s: this cell gives its own limit
+    out = notebook.execute("%%distributed --timeout 600\nimport os\nint(os.environ['WORLD_SIZE'])").check(
+        clean_stderr=True
+    )
+    assert out.result == "[3, 3, 3]"
+    spec = f"{magics}.last_result.spec"
+    assert notebook.value(f"{spec}.accelerator_type, {spec}.mlflow") == "('CPU', False)"
+    assert notebook.value(f"{magics}.settings('--timeout none --gpus 2').timeout") == "None"
+    assert notebook.value(f"{magics}.settings('--timeout 60').num_accelerators") == "3"
 
-        slow = notebook.execute("%%distributed --gpus 2\nimport time\ntime.sleep(120)")
-        assert slow.ename == "DistributedTimeoutError" and "timeout of 4 s" in slow.traceback, slow.traceback
-        assert "--timeout S" in slow.traceback
+    slow = notebook.execute("%%distributed --gpus 2\nimport time\ntime.sleep(120)")
+    assert slow.ename == "DistributedTimeoutError" and "timeout of 4 s" in slow.traceback, slow.traceback
+    assert "--timeout S" in slow.traceback
 
-        notebook.execute("%config DistributedMagics.default_timeout = None").check(clean_stderr=True)
-        assert notebook.value(f"{magics}.settings('').timeout") == "None"
-        bad = notebook.execute("%config DistributedMagics.default_timeout = 0")
-        assert "default_timeout" in bad.traceback + bad.stderr and "more than 0" in bad.traceback + bad.stderr
-    finally:
-        notebook.shutdown()
+    notebook.execute("%config DistributedMagics.default_timeout = None").check(clean_stderr=True)
+    assert notebook.value(f"{magics}.settings('').timeout") == "None"
+    bad = notebook.execute("%config DistributedMagics.default_timeout = 0")
+    assert "default_timeout" in bad.traceback + bad.stderr and "more than 0" in bad.traceback + bad.stderr
 
 
 def test_black_with_the_project_settings_formats_distributed_cells_as_python():

@@ -62,10 +62,9 @@ def test_rank_that_never_logged_builds_no_tracking_store(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def preload_nb(workdir):
+def preload_nb(new_module_kernel, workdir):
     """A kernel whose warm helper preloads mlflow at start (AIR_MAGIC_PRELOAD), tracking to a sqlite store."""
-    k = Kernel(
-        workdir,
+    k = new_module_kernel(
         env={
             "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
             "AIR_MAGIC_DISPLAY": "text",
@@ -74,10 +73,7 @@ def preload_nb(workdir):
         },
     )
     k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
-    yield k
-    sup = psutil.Process(k.pid).children()
-    k.shutdown()
-    assert not psutil.wait_procs(sup, timeout=15)[1], "the supervisor outlived its kernel"
+    return k  # new_module_kernel checks at its end that the supervisor went with the kernel
 
 
 def test_preloading_mlflow_keeps_one_helper_for_calls_that_do_not_log(preload_nb):
@@ -257,16 +253,14 @@ def server(tmp_path_factory):
             mlflow_ui.shutdown()
 
 
-def test_ranks_log_through_a_tracking_server_at_warm_speed(server, workdir):
+def test_ranks_log_through_a_tracking_server_at_warm_speed(server, workdir, new_kernel):
     """With a tracking server, later calls' ranks import mlflow from the helper and every metric reaches the server's
     run."""
-    k = Kernel(
-        workdir,
+    k = new_kernel(
         env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": server},
     )
-    try:
-        k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
-        k.execute("""
+    k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
+    k.execute("""
 @distributed(num_accelerators=2, accelerator_type='CPU', warm=True)
 def steps(n):
     import os, mlflow
@@ -274,23 +268,19 @@ def steps(n):
         mlflow.log_metric("loss", 1.0 / (i + 1) + int(os.environ["RANK"]), step=i)
     return os.environ["RANK"]
 """).check()
-        client = mlflow.MlflowClient(server)
-        for _ in range(3):
-            out = k.execute("steps.distributed(50)", timeout=300).check()
-            assert out.result == "['0', '1']"
-            assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
-        (helper,) = supervisor_pids(k)
-        wait_idle(helper)
-        out = k.execute(
-            "distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')",
-            timeout=300,
-        ).check()
-        assert out.result == "[[], []]"
-        assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
-    finally:
-        sup = psutil.Process(k.pid).children()
-        k.shutdown()
-        psutil.wait_procs(sup, timeout=15)
+    client = mlflow.MlflowClient(server)
+    for _ in range(3):
+        out = k.execute("steps.distributed(50)", timeout=300).check()
+        assert out.result == "['0', '1']"
+        assert len(client.get_metric_history(run_id_of(out.stdout), "loss")) == 100
+    (helper,) = supervisor_pids(k)
+    wait_idle(helper)
+    out = k.execute(
+        "distributed(num_accelerators=2, accelerator_type='CPU', warm=True)(logs_once).distributed('x')",
+        timeout=300,
+    ).check()
+    assert out.result == "[[], []]"
+    assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
 
 
 def test_worker_side_modules_import_no_mlflow_ipython_or_widgets():
@@ -319,35 +309,32 @@ def wait_idle(pid: int, timeout: float = 180.0) -> None:
 
 
 @pytest.mark.slow
-def test_first_and_second_calls_after_loading_the_extension_find_mlflow_ready_in_the_helper(tmp_path):
+def test_first_and_second_calls_after_loading_the_extension_find_mlflow_ready_in_the_helper(tmp_path, new_kernel):
     """Once the work %load_ext starts in the background is done (the helper's MLflow warm-up included), the first
     and the second call with MLflow on (a fresh default store) are served by that helper, their ranks import mlflow
     without running a module file, and log to their runs (what they cost against a warm call: bench/mlflow_launch.py
     --parts first)."""
     (tmp_path / "runs").mkdir()
-    k = Kernel(
-        tmp_path,
+    k = new_kernel(
         env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""},
+        cwd=tmp_path,
     )
-    try:
-        k.execute("%load_ext air_magic").check()
-        k.execute("from air_magic.tracking import prepare\nprepare.wait()", timeout=180).check()
-        (helper,) = supervisor_pids(k)
-        wait_idle(helper)
-        loaded = {Path(m.path).name for m in psutil.Process(helper).memory_maps()}
-        assert any(name.startswith("_sqlite3") for name in loaded), "the helper did not warm the store up before a call"
-        assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
-        k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
-        k.execute("logs = distributed(2, accelerator_type='CPU')(logs_once)").check()
-        client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-        for call in ("first", "second"):
-            out = k.execute("logs.distributed('x')", timeout=300).check()
-            assert out.result == "[[], []]", f"module files ran in the ranks of the {call} call: {out.result}"
-            assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
-        assert supervisor_pids(k) == {helper}, "the calls were not served by the helper that warmed up"
-        assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
-    finally:
-        k.shutdown()
+    k.execute("%load_ext air_magic").check()
+    k.execute("from air_magic.tracking import prepare\nprepare.wait()", timeout=180).check()
+    (helper,) = supervisor_pids(k)
+    wait_idle(helper)
+    loaded = {Path(m.path).name for m in psutil.Process(helper).memory_maps()}
+    assert any(name.startswith("_sqlite3") for name in loaded), "the helper did not warm the store up before a call"
+    assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
+    k.execute("from air_magic import distributed" + LOGS_AND_COUNTS_IMPORTS).check()
+    k.execute("logs = distributed(2, accelerator_type='CPU')(logs_once)").check()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for call in ("first", "second"):
+        out = k.execute("logs.distributed('x')", timeout=300).check()
+        assert out.result == "[[], []]", f"module files ran in the ranks of the {call} call: {out.result}"
+        assert sorted(m.value for m in client.get_metric_history(run_id_of(out.stdout), "x")) == [0.0, 1.0]
+    assert supervisor_pids(k) == {helper}, "the calls were not served by the helper that warmed up"
+    assert "torch" not in k.execute("import sys\nsorted(sys.modules)").check().result, "the notebook imported torch"
 
 
 #: An IPython shell (the notebook process) loads the extension, waits for the background work to end, then makes its

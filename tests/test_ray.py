@@ -12,7 +12,7 @@ import pytest
 import ray
 import ray_cluster
 from faults_common import Recorder, alive
-from helpers import ROOT, Kernel, process_env
+from helpers import ROOT, process_env
 
 from air_magic import JobCancelledError, WorkerDiedError, distributed, ray_init
 from air_magic.errors import AirMagicError, RemoteTraceback
@@ -458,81 +458,73 @@ ray.shutdown()
 
 
 @pytest.mark.slow
-def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdir):
+def test_magic_with_nodes_in_a_kernel_metrics_relayed_and_ctrl_c(cluster, workdir, new_kernel):
     """In a notebook: ray_init joins the cluster, `%%distributed --nodes 2` runs the cell on both nodes, and what
     the ranks log with mlflow.log_metric lands in the call's run in the notebook's local sqlite store; Ctrl-C
     while ranks hang on both nodes is a KeyboardInterrupt that leaves nothing held."""
     store = f"sqlite:///{workdir}/ray-mlflow.db"
-    k = Kernel(
-        workdir,
+    k = new_kernel(
         env={
             "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
             "AIR_MAGIC_DISPLAY": "text",
             "MLFLOW_TRACKING_URI": store,
         },
     )
-    try:
-        k.execute(
-            f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
-            "%load_ext air_magic"
-        ).check()
-        out = k.execute(
-            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --out got\n"
-            "import os, ray, mlflow\n"
-            "print('on node', os.environ['NODE_RANK'])\n"
-            "mlflow.log_metric('node_rank', float(os.environ['NODE_RANK']))\n"
-            "ray.get_runtime_context().get_node_id()\n",
-            timeout=300,
-        ).check()
-        assert "[rank 1] on node 1" in out.stdout
-        check = k.execute(
-            "import mlflow\n"
-            "run = mlflow.search_runs(search_all_experiments=True, order_by=['start_time DESC'], "
-            "output_format='list')[0]\n"
-            "history = mlflow.MlflowClient().get_metric_history(run.info.run_id, 'node_rank')\n"
-            "print(len(set(got)), len(got), sorted(m.value for m in history), run.info.status)\n"
-        ).check()
-        assert check.stdout.strip() == "2 2 [0.0, 1.0] FINISHED", check.stdout
-        # Ctrl-C while the ranks hang on both nodes: KeyboardInterrupt, and (all_free_after) nothing left held
-        msg_id = k.send(
-            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow\n"
-            "import time\nprint('READY', flush=True)\ntime.sleep(600)\n"
-        )
-        seen = ""
-        deadline = time.monotonic() + 240
-        while not ("[rank 0] READY" in seen and "[rank 1] READY" in seen):
-            assert time.monotonic() < deadline, seen
-            msg = k.kc.get_iopub_msg(timeout=240)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                seen += msg["content"]["text"]
-        k.interrupt()
-        stopped = k.collect(msg_id, timeout=120)
-        assert stopped.ename == "KeyboardInterrupt", stopped.traceback
-    finally:
-        k.shutdown()
+    k.execute(
+        f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n%load_ext air_magic"
+    ).check()
+    out = k.execute(
+        "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --out got\n"
+        "import os, ray, mlflow\n"
+        "print('on node', os.environ['NODE_RANK'])\n"
+        "mlflow.log_metric('node_rank', float(os.environ['NODE_RANK']))\n"
+        "ray.get_runtime_context().get_node_id()\n",
+        timeout=300,
+    ).check()
+    assert "[rank 1] on node 1" in out.stdout
+    check = k.execute(
+        "import mlflow\n"
+        "run = mlflow.search_runs(search_all_experiments=True, order_by=['start_time DESC'], "
+        "output_format='list')[0]\n"
+        "history = mlflow.MlflowClient().get_metric_history(run.info.run_id, 'node_rank')\n"
+        "print(len(set(got)), len(got), sorted(m.value for m in history), run.info.status)\n"
+    ).check()
+    assert check.stdout.strip() == "2 2 [0.0, 1.0] FINISHED", check.stdout
+    # Ctrl-C while the ranks hang on both nodes: KeyboardInterrupt, and (all_free_after) nothing left held
+    msg_id = k.send(
+        "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow\n"
+        "import time\nprint('READY', flush=True)\ntime.sleep(600)\n"
+    )
+    seen = ""
+    deadline = time.monotonic() + 240
+    while not ("[rank 0] READY" in seen and "[rank 1] READY" in seen):
+        assert time.monotonic() < deadline, seen
+        msg = k.kc.get_iopub_msg(timeout=240)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            seen += msg["content"]["text"]
+    k.interrupt()
+    stopped = k.collect(msg_id, timeout=120)
+    assert stopped.ename == "KeyboardInterrupt", stopped.traceback
 
 
 @pytest.mark.slow
-def test_hot_ranks_of_a_kernel_over_two_nodes_end_with_the_kernel(cluster, workdir):
+def test_hot_ranks_of_a_kernel_over_two_nodes_end_with_the_kernel(cluster, workdir, new_kernel):
     """`%%distributed --nodes 2 --keep-alive`: the second cell runs in the first cell's actor processes; the kernel's
     exit leaves every CPU of the cluster free and no actor alive."""
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
-    try:
-        k.execute(
-            f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
-            "%load_ext air_magic"
-        ).check()
-        cell = (
-            "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --keep-alive 600 --out pids\n"
-            "import os\nos.getpid()\n"
-        )
-        k.execute(cell, timeout=300).check()
-        k.execute("first = list(pids)").check()
-        k.execute(cell, timeout=300).check()
-        same = k.execute("print('SAME', pids == first, len(pids))").check()
-        assert "SAME True 2" in same.stdout, same.stdout
-    finally:
-        k.shutdown()
+    k = new_kernel(env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "text"})
+    k.execute(
+        f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n%load_ext air_magic"
+    ).check()
+    cell = (
+        "%%distributed --nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow --keep-alive 600 --out pids\n"
+        "import os\nos.getpid()\n"
+    )
+    k.execute(cell, timeout=300).check()
+    k.execute("first = list(pids)").check()
+    k.execute(cell, timeout=300).check()
+    same = k.execute("print('SAME', pids == first, len(pids))").check()
+    assert "SAME True 2" in same.stdout, same.stdout
+    k.shutdown()  # before the cluster is checked free (new_kernel then finds it ended)
     ray_cluster.wait_all_free(60)
 
 

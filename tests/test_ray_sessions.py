@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import ray_cluster
-from helpers import Kernel, distributed_cell, kernel_env
 from helpers import cell_values as values
+from helpers import distributed_cell
 
 pytestmark = pytest.mark.slow
 
@@ -14,17 +14,14 @@ RAY = "--nodes 2 --gpus 1 --accelerator-type CPU --no-mlflow"
 
 
 @pytest.fixture(scope="module")
-def ray_kernel(cluster, workdir):
+def ray_kernel(cluster, new_module_kernel):
     """A kernel joined to the shared cluster (tests/ray_cluster.py) with air_magic loaded."""
-    k = Kernel(workdir, env=kernel_env(workdir))
-    try:
-        k.execute(
-            f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n"
-            "%load_ext air_magic"
-        ).check()
-        yield k
-    finally:
-        k.shutdown()
+    k = new_module_kernel()
+    k.execute(
+        f"from air_magic import ray_init\n_ = ray_init({cluster.address!r}, log_to_driver=False)\n%load_ext air_magic"
+    ).check()
+    yield k
+    k.shutdown()  # before the cluster is checked free (new_module_kernel then finds it ended)
     ray_cluster.wait_all_free(60)
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from faults_common import alive, run_dirs, run_here
-from helpers import Kernel, leftover_processes, run_id_of
+from helpers import leftover_processes, run_id_of
 from widget_state import WidgetMirror, run_cell
 
 from air_magic.owner import owner
@@ -204,12 +204,11 @@ def test_the_log_and_the_record_keep_every_attempt(restart_kernel):
 
 
 @pytest.fixture(scope="module")
-def panel_kernel(workdir):
+def panel_kernel(new_module_kernel, workdir):
     """A real ipykernel that shows the live panel (its default display mode)."""
-    k = Kernel(workdir, env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs"), "AIR_MAGIC_DISPLAY": "auto"})
+    k = new_module_kernel(env={"AIR_MAGIC_RUNS_DIR": str(workdir / "runs")}, display="auto")
     run_cell(k, SETUP, WidgetMirror()).check()
-    yield k
-    k.shutdown()
+    return k
 
 
 def test_the_panel_shows_the_attempt_and_why_the_last_one_ended(panel_kernel):

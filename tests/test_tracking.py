@@ -11,7 +11,7 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
-from helpers import ROOT, SESSION, Kernel, leftover_processes, run_id_of
+from helpers import ROOT, SESSION, leftover_processes, run_id_of
 
 # MLflow 3.17's sqlite store uses a SQLAlchemy loader option that SQLAlchemy 2.1 deprecates.
 pytestmark = [pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated"), pytest.mark.slow]
@@ -64,12 +64,13 @@ def store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_store_kernel(store):
+def default_store_kernel(new_module_kernel, store):
     """A kernel with no MLflow configuration; killed outright at the end, after which no MLflow UI may remain."""
     ui_before = {p.pid for p in mlflow_ui_processes()}
     procs_before = {p.pid for p in psutil.process_iter()}
-    k = Kernel(
-        store, env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""}
+    k = new_module_kernel(
+        env={"AIR_MAGIC_RUNS_DIR": str(store / "runs"), "AIR_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": ""},
+        cwd=store,
     )
     k.execute("import os, time, re\nimport mlflow\nfrom air_magic import distributed").check()
     # The import set the default store up in the background; the tests' own client opens it only after that.

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from helpers import Kernel
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def preload_kernel(workdir):
+def preload_kernel(new_module_kernel, workdir):
     """A kernel whose warm helper preloads torch and a local package, mypkg (AIR_MAGIC_PRELOAD)."""
     pkg = workdir / "pkgs" / "mypkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("VERSION = 1\n")
-    k = Kernel(
-        workdir,
+    k = new_module_kernel(
         env={
             "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
             "AIR_MAGIC_PRELOAD": "torch,mypkg",
@@ -25,10 +23,7 @@ def preload_kernel(workdir):
         },
     )
     k.execute(f"import sys; sys.path.insert(0, {str(workdir / 'pkgs')!r})\nfrom air_magic import distributed").check()
-    yield k
-    sup = psutil.Process(k.pid).children()
-    k.shutdown()
-    assert not psutil.wait_procs(sup, timeout=15)[1], "the supervisor outlived its kernel"
+    return k  # new_module_kernel checks at its end that the supervisor went with the kernel
 
 
 def test_warm_and_fresh_workers_give_the_same_results_and_errors(preload_kernel):
