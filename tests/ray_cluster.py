@@ -56,6 +56,7 @@ RAY_GROUPS = {
     "test_code_travels.py": "ray-b",
     "test_ray_sessions.py": "ray-b",
     "test_restarts.py": "ray-b",
+    "test_ray_deaths.py": "ray-b",
 }
 
 #: The cluster of this pytest process while its Ray modules run.

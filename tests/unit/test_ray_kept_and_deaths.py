@@ -1,11 +1,13 @@
 """What Ray holds and says, as plain objects: the spares' default, the listing of kept actors, and the error for a
-worker that did not register in time (no Ray, no processes)."""
+worker that did not register in time, with its exit and the tail of its log (no Ray, no processes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from air_magic.launch.ray import cluster
+from air_magic.launch.ray import _compat, cluster, worker_log
 from air_magic.launch.ray.deaths import REGISTER_TIMEOUT_ENV, WorkerNotRegistered, not_registered
 from air_magic.launch.ray.hot import HotWorld
 from air_magic.launch.ray.launcher import held_line
@@ -105,13 +107,19 @@ def test_a_worker_that_died_twice_before_it_answered_is_named_with_its_setting_r
     assert isinstance(error, LaunchError) and error.__cause__ is bare
     assert "died before any code of the call ran" in str(error) and REGISTER_TIMEOUT_ENV in str(error)
     assert "connection error code 2" in str(error) and "OOM killer" in str(error)
+    assert "The dead worker process: pid 4242 on node 127.0.0.1; its exit, as Ray saw it: SYSTEM_ERROR" in str(error)
+    assert "no exit code or signal of it is known" in str(error)
     assert start.asked == 2 and start.killed == [(1, 0, True)]
 
 
+#: Ray's words for another death at a rank's first answer: its node died (no worker process to tell of).
+NODE_DIED = "The actor died because its node died. Worker exit type: NODE_DIED"
+
+
 def test_other_errors_at_the_first_answer_are_left_as_they_are():
-    """Another actor death, or the same words outside an actor death, are not read as a registration timeout."""
+    """The EOF words outside an actor death, or no death at all, are not read as a registration timeout and are
+    raised as they are."""
     for other in (
-        ActorDiedError("The actor died because its node died. Worker exit type: NODE_DIED"),
         RuntimeError("connection error code 2"),
         LaunchError("starting the ranks' Ray actors did not happen within 300 s"),
     ):
@@ -119,6 +127,71 @@ def test_other_errors_at_the_first_answer_are_left_as_they_are():
         with pytest.raises(type(other)) as caught:
             FailsAtFirstAnswer({0: other})._start_ranks()
         assert caught.value is other
+
+
+def test_another_actor_death_at_the_first_answer_is_said_in_rays_words_and_not_started_again():
+    """An actor death of another kind is no registration timeout: no start again, a LaunchError (not the timeout's)
+    that quotes Ray, raised from Ray's error."""
+    bare = ActorDiedError(NODE_DIED)
+    assert not_registered(bare) is None
+    start = FailsAtFirstAnswer({0: bare})
+    with pytest.raises(LaunchError) as caught:
+        start._start_ranks()
+    error = caught.value
+    assert not isinstance(error, WorkerNotRegistered) and error.__cause__ is bare
+    assert (
+        f"a rank's Ray actor died before it answered, before any code of the call ran. Ray's own words: {NODE_DIED}"
+        == str(error)
+    )
+    assert start.asked == 1 and start.killed == []
+
+
+@pytest.fixture
+def session_here(tmp_path, monkeypatch):
+    """A Ray session directory on this machine, node ip 10.1.2.3: what `_compat.local_session` says of it."""
+    (tmp_path / "logs" / "old").mkdir(parents=True)
+    monkeypatch.setattr(_compat, "local_session", lambda: (str(tmp_path), "10.1.2.3"))
+    return tmp_path
+
+
+def write_worker_logs(session, pid: int, err: str, out: str = "") -> Path:
+    """A dead worker's two logs as Ray leaves them (its log monitor's tags first; moved to logs/old); the .err."""
+    name = session / "logs" / "old" / f"worker-{'ab' * 28}-01000000-{pid}"
+    for suffix, text in ((".err", err), (".out", out)):
+        name.with_suffix(suffix).write_text(f":job_id:01000000\n:actor_name:RankActor\n{text}")
+    return name.with_suffix(".err")
+
+
+def test_a_worker_that_died_twice_is_said_with_the_tail_of_its_log_where_that_is_on_this_machine(session_here):
+    """The second death's error says the worker's pid, node and exit, and quotes the last lines of its .err and .out
+    (Ray's tags left out, at most 20 lines and 2000 characters of each) with their paths."""
+    many = "".join(f"line {i}\n" for i in range(40))
+    err = write_worker_logs(session_here, 4242, many + "Fatal: marker of the dying worker\n", "x" * 5000 + "\n")
+    write_worker_logs(session_here, 14242, "another worker's line\n")
+    with pytest.raises(WorkerNotRegistered) as caught:
+        FailsAtFirstAnswer({1: ActorDiedError(BARE)})._start_ranks()
+    said = str(caught.value)
+    assert "The dead worker process: pid 4242 on node 127.0.0.1" in said
+    assert f"Its log {err} ends:\n" in said and "\n    line 21\n" in said and "line 20" not in said
+    assert "\n    Fatal: marker of the dying worker\n" in said
+    out = said[said.index(f"Its log {err.with_suffix('.out')} ends:\n    ...xxx") :]
+    assert len(out) < worker_log.TAIL_CHARS + 200
+    assert ":job_id:" not in said and "another worker" not in said
+
+
+def test_a_worker_log_on_another_machine_is_named_with_its_node(session_here):
+    """A worker of a node at another address: its log's place and the node are named, nothing is read here."""
+    write_worker_logs(session_here, 4242, "a line of a local process of the same pid\n")
+    remote = BARE.replace("ip: 127.0.0.1", "ip: 10.9.9.9")
+    with pytest.raises(WorkerNotRegistered) as caught:
+        FailsAtFirstAnswer({1: ActorDiedError(remote)})._start_ranks()
+    said = str(caught.value)
+    assert "The dead worker process: pid 4242 on node 10.9.9.9" in said
+    assert (
+        f"Its log is worker-*-*-4242.err and .out in {session_here / 'logs'} on node 10.9.9.9 (not readable from "
+        "this machine)" in said
+    )
+    assert "a line of a local process" not in said
 
 
 @pytest.fixture

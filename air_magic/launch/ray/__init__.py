@@ -10,7 +10,8 @@ placement.py the placement group and its actors, each rank's environment, ending
 hot.py       hot worlds (keep_alive) and sessions' worlds: which call takes one, when one ends
 spares.py    spare actor sets: the next cold call's actors started ahead, which call takes them
 ending.py    a session's call: its ranks interrupted before they are stopped, the world kept or why it ends
-deaths.py    Ray's bare actor deaths whose cause is known, as errors that name it and what to change
+deaths.py    Ray's bare actor deaths at a rank's start, as errors that say them and, where known, what to change
+worker_log.py a dead actor's worker process: its exit as Ray saw it and the tail of its log
 rank.py      what runs inside each rank's actor
 _compat.py   the only uses of Ray's private names
 

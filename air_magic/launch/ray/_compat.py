@@ -74,3 +74,40 @@ def upload_py_modules(paths: list[str]) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="air_magic-py-modules-") as scratch:
         env = upload_py_modules_if_needed({"py_modules": list(paths)}, include_gitignore=False, scratch_dir=scratch)
     return [str(uri) for uri in env["py_modules"]]
+
+
+def local_session() -> tuple[str, str] | None:
+    """This process's Ray node: its session directory and ip address; None where Ray is not connected here (or no
+    longer says them: then a dead worker's log is named, not read)."""
+    worker = sys.modules.get("ray._private.worker")  # not imported: Ray never ran in this process
+    try:
+        node = worker._global_node  # type: ignore[union-attr]
+        return str(node.get_session_dir_path()), str(node.node_ip_address)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def actor_worker(actor_id: str) -> dict[str, Any] | None:
+    """The worker process an actor (id in hex) ran in, from the cluster's actor table: its pid, worker_id, node_id
+    and ip; None where Ray is not connected here or its table changed (a dead worker is then named by Ray's words
+    alone)."""
+    if "ray._private.worker" not in sys.modules:
+        return None
+    try:
+        import ray
+        from ray._private.state import state
+        from ray.core.generated import gcs_pb2
+
+        raw = state._connect_and_get_accessor().get_actor_info(ray.ActorID(bytes.fromhex(actor_id)))
+        if raw is None:
+            return None
+        data = gcs_pb2.ActorTableData.FromString(raw)  # type: ignore[attr-defined]
+        address = data.address
+        return {
+            "pid": int(data.pid),
+            "worker_id": address.worker_id.hex(),
+            "node_id": address.node_id.hex(),
+            "ip": str(address.ip_address),
+        }
+    except Exception:  # noqa: BLE001
+        return None

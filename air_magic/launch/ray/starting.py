@@ -20,7 +20,7 @@ from ..files.rundir import RunDir
 from . import packages, spares
 from .cluster import alive_nodes
 from .cluster import warming as cluster_warming
-from .deaths import not_registered
+from .deaths import died_at_start, never_answered
 from .ending import SessionCall
 from .hot import HotWorld, HotWorlds, world_key
 from .placement import LaunchError, Placement, code_dirs, rank_envs
@@ -181,17 +181,19 @@ class Starting:
 
     def _where_each(self) -> list[p.ActorPlace]:
         """Each placed actor's answer to `where`. An actor whose worker process died before it answered never ran
-        any code of the call: it is started again once, in its bundle, and said; a second such death is the clear
-        error of deaths.py."""
+        any code of the call: it is started again once, in its bundle, and said; a second such death, or any other
+        death of an actor there, is the clear error of deaths.py (with the dead worker's exit and log)."""
         for again in (False, True):
             wheres = [a.where.remote(rank == 0) for rank, a in enumerate(self.actors)]
             try:
                 return self._wait(wheres, START_WAIT, "starting the ranks' Ray actors")
             except Exception as exc:
-                clear = not_registered(exc)  # Ray's bare words for a worker process that ended before it answered
-                if clear is None:
-                    raise
-                if again:
+                # a worker process that ended before it answered is started again, once (below); a second such
+                # death, or any other death of an actor, is said with the dead worker's exit and log
+                if again or not never_answered(exc):
+                    clear = died_at_start(exc)
+                    if clear is None:
+                        raise
                     raise clear from exc
                 for rank in self._died_before_answering(wheres):
                     self.events.put(p.RankOutput(self.job, rank, f"air_magic: {RESTARTED}\n"))
@@ -202,13 +204,13 @@ class Starting:
         raise AssertionError("unreachable")
 
     def _died_before_answering(self, wheres: list[Any]) -> list[int]:
-        """The ranks whose `where` ended in a death of the kind `not_registered` reads (their actors are dead)."""
+        """The ranks whose `where` ended in a death of the kind `never_answered` reads (their actors are dead)."""
         dead = []
         for rank, ref in enumerate(wheres):
             try:
                 self.ray.get(ref, timeout=0)
             except Exception as exc:  # noqa: BLE001 - every death is read; an unfinished answer raises GetTimeoutError
-                if not_registered(exc) is not None:
+                if never_answered(exc):
                     dead.append(rank)
         return dead
 
