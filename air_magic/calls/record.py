@@ -166,10 +166,21 @@ class CallRecord:
                 "returncodes": [r.returncode for r in result.ranks] if result is not None else [],
                 "states": [r.state.value for r in result.ranks] if result is not None else [],
                 "error": None if error is None else f"{type(error).__name__}: {error}",
+                "profiles": _profiles(self.path),
                 **more,
             },
         )
         release_owner(self.path)
+
+
+def _profiles(path: Path) -> list[dict[str, Any]]:
+    """What every profile of the call found (`profile=N`'s, then each `handle.profile()`'s or Profile click's), as
+    the profiling left it in the run directory."""
+    found = []
+    for summary in RunDir(path).profile_summaries():
+        with contextlib.suppress(OSError, ValueError):
+            found.append(json.loads(summary.read_text()))
+    return found
 
 
 class LiveRecord(Listener):

@@ -118,6 +118,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         "mlflow_url": lasting_link(record),
         "mlflow": {"run_id": record.get("run_id"), "tracking_uri": record.get("tracking_uri")},
         "alerts": files.read_alerts(),
+        "profiles": record.get("profiles") or [],
         "workload": info,
         "ranks": ranks_of(path, record),
         **run_fields(path, record),
@@ -136,6 +137,8 @@ def cmd_get(args: argparse.Namespace) -> int:
     print(get_line(record))
     for alert in data["alerts"]:
         print(f"ALERT {alert['kind']} (attempt {alert['attempt']}, node {alert['node']}): {alert['line']}")
+    for profile in data["profiles"]:
+        print(f"profile: {profile['summary']}; merged trace: {profile['trace']}")
     label = "node" if info.get("kind") == "command" else "rank"
     for rank in data["ranks"]:
         unit = files.unit_of(rank["rank"])

@@ -9,11 +9,12 @@ it (they come after this listener). No IPython, ipywidgets or MLflow here.
 
 from __future__ import annotations
 
+import json
 import warnings
 
 from .. import envvars
 from ..job import JobResult, JobSpec
-from ..launch.files.rundir import RunDir
+from ..launch.files.rundir import RunDir, write_private
 from ..listeners import Listener
 from . import analysis, merge
 from .profile import Profile
@@ -30,7 +31,7 @@ def build(run_dir: RunDir, world_size: int, number: int = 0) -> Profile | None:
     slowest, lag = analysis.slowest(rows)
     sizes = {t.path.name: t.path.stat().st_size for t in traces}
     sizes["merged"] = merge.write(traces, run_dir.merged(number))
-    return Profile(
+    profile = Profile(
         ranks=rows,
         slowest=slowest,
         trace=run_dir.merged(number),
@@ -43,6 +44,8 @@ def build(run_dir: RunDir, world_size: int, number: int = 0) -> Profile | None:
         missing=missing,
         sizes=sizes,
     )
+    write_private(run_dir.profile_summary(number), json.dumps(profile.record(number)).encode(), exclusive=False)
+    return profile
 
 
 class Profiler(Listener):

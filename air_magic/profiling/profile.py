@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 #: The columns of `Profile.ranks`, in the order the table shows them (seconds per step, `rank` aside).
 COLUMNS = ("step", "compute", "collective", "input", "idle")
@@ -106,6 +107,24 @@ class Profile:
 
     def __str__(self) -> str:
         return self.table()
+
+    def record(self, number: int = 0) -> dict[str, Any]:
+        """What the call's record (call.json) and `air-magic get` keep of it: plain JSON, paths as strings."""
+        return {
+            "number": number,
+            "summary": self.summary(),
+            "steps": self.steps,
+            "first_step": self.first_step,
+            "ranks": self.ranks,
+            "slowest": list(self.slowest) if self.slowest is not None else None,
+            "lag": self.lag,
+            "skew": None if self.skew is None else self.skew.text(),
+            "top_ops": {str(r): [[op.name, op.calls, op.seconds] for op in ops] for r, ops in self.top_ops.items()},
+            "missing": {str(r): why for r, why in self.missing.items()},
+            "trace": None if self.trace is None else str(self.trace),
+            "traces": [str(p) for p in self.traces],
+            "sizes": self.sizes,
+        }
 
 
 def _size(size: int | None) -> str:

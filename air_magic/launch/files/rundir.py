@@ -207,6 +207,17 @@ class RunDir:
         """Which steps the rank profiled, on which thread and host (profile_windows.py); `number` as `trace`'s."""
         return self.path / (f"rank-{rank}.profile.json" if not number else f"rank-{rank}.profile-{number}.json")
 
+    def profile_summary(self, number: int = 0) -> Path:
+        """What the profile `number` (as `trace`'s) found, as JSON (profiling/listener.py writes it, `Profile.record`);
+        the call's record lists every one the call has (calls/record.py)."""
+        return self.path / ("profile.summary.json" if not number else f"profile-{number}.summary.json")
+
+    def profile_summaries(self) -> list[Path]:
+        """Every profile summary of the call, `profile=N`'s first, then `handle.profile()`'s in their order."""
+        numbered = sorted(self.path.glob("profile-*.summary.json"), key=lambda p: int(p.name.split(".")[0][8:]))
+        first = self.profile_summary()
+        return ([first] if first.exists() else []) + numbered
+
     def merged(self, number: int = 0) -> Path:
         """Every rank's trace in one file, a process per rank, clocks aligned (profiling/merge.py)."""
         return self.path / ("profile.trace.json" if not number else f"profile-{number}.trace.json")
