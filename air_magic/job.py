@@ -73,12 +73,13 @@ class CallStatus:
 
 @dataclass(frozen=True)
 class Alert:
-    """What the watch of a call saw (docs/watching.md): a straggling rank, or a hung one."""
+    """What the watch of a call saw (docs/watching.md): a straggling rank, a hung one, or a fatal line of a rank's
+    output (out of memory, NCCL, CUDA, Xid, segfault, ...: watching/fatal_lines.py)."""
 
-    #: "straggler" or "hang".
+    #: "straggler", "hang", or a fatal line's kind: "oom", "nccl", "cuda", "xid", "segfault", "killed", "store", ...
     kind: str
     rank: int
-    #: A straggler's: "input" or "compute"; a hang's: "no progress".
+    #: A straggler's: "input" or "compute"; a hang's: "no progress"; a fatal line's: "output".
     cause: str
     #: The line the call's output and panel show.
     message: str

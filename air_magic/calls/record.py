@@ -17,6 +17,7 @@ the machine, a rebuilt handle) and its control file together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -167,6 +168,7 @@ class CallRecord:
                 "states": [r.state.value for r in result.ranks] if result is not None else [],
                 "error": None if error is None else f"{type(error).__name__}: {error}",
                 "profiles": _profiles(self.path),
+                "alerts": [dataclasses.asdict(a) for a in result.alerts] if result is not None else [],
                 **more,
             },
         )

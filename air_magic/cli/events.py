@@ -2,7 +2,7 @@
 `logs --follow -o json`.
 
 `follow_json(path, out)` writes `SUBMITTED` (when asked), a `STATUS` line at each change of state, a `LOG` line
-per line of each node's log (an `ALERT` line first when it matches a fatal pattern, cli/alerts.py), and at the
+per line of each node's log (an `ALERT` line first when it matches a fatal pattern, watching/fatal_lines.py), and at the
 end the envelope of the run's final state. `log_events(node, text)` gives the events of a finished log. Not
 for: the text a person reads (cli/watch.py).
 """
@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
-from .alerts import kind_of
+from ..watching.fatal_lines import kind_of
 from .files import WorkloadDir
 from .output import envelope, event, run_fields, state
 from .watch import LOOK, Lines

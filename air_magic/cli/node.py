@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..envvars import INTERNAL_RUN_DIR
-from .alerts import kind_of
+from ..watching.fatal_lines import kind_of
 from .files import WorkloadDir
 
 #: Seconds between SIGTERM and SIGKILL when an attempt's time is up.

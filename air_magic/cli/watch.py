@@ -1,5 +1,5 @@
 """Following a call from a terminal: every rank's lines as they come, prefixed by rank (by node, for a command
-workload, whose command runs once per node), an `ALERT` line after a fatal one (cli/alerts.py), and a status
+workload, whose command runs once per node), an `ALERT` line after a fatal one (watching/fatal_lines.py), and a status
 line with the runtime's state (cli/output.py).
 
 `follow(path)` reads the ranks' logs in the run directory from their first byte (display/follow.py's
@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
-from .alerts import kind_of
+from ..watching.fatal_lines import kind_of
 from .files import WorkloadDir
 from .mlflow_ui import follow_link
 from .output import state

@@ -357,7 +357,7 @@ class Panel(Listener):
             self.alerts_view.value = watch_alerts_html(alerts)
             self.alerts_view.layout.display = None
             for alert in alerts:
-                word = "hung" if alert.kind == "hang" else f"straggler ({alert.cause})"
+                word = {"hang": "hung", "straggler": f"straggler ({alert.cause})"}.get(alert.kind, alert.kind)
                 self.ranks.badge(alert.rank, word, self.at_prompt)
         self.ranks.show_steps(self.ctx.step_times)
 

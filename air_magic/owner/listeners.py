@@ -15,6 +15,7 @@ from ..profiling.listener import Profiler
 from ..profiling.memory import MemoryReport
 from ..resources import ResourceSampler
 from ..tracking.listener import MlflowTracker, make_tracker
+from ..watching.fatal_lines import FatalLines
 from ..watching.listener import Watcher
 
 
@@ -35,6 +36,7 @@ def default_listeners(spec: JobSpec) -> list[Listener]:
         watcher = Watcher(spec)
         listeners.insert(1, watcher)  # before tracking and the display, which show what it found
         watcher.sinks += sampler.sinks  # the MLflow run's, as the sampler's
+    listeners.insert(1, FatalLines())  # before tracking and the display, which show its alerts
     if spec.profile:
         listeners.insert(1, Profiler(spec))  # before tracking and the display, which show what it found
     if spec.uses_gpu:

@@ -333,6 +333,8 @@ class MlflowTracker(Listener):
             profile = result.profile  # profile=N: each rank's trace and the merged one
             for trace in [] if profile is None else [*profile.traces, *([profile.trace] if profile.trace else [])]:
                 self.client.log_artifact(run_id, str(trace), artifact_path="profile")
+            for i, alert in enumerate(result.alerts[:20]):  # what the watch saw: stragglers, hangs, fatal lines
+                self.client.set_tag(run_id, f"air_magic.call_alert_{i}", f"{alert.kind}: {alert.message}"[:5000])
             for rank in result.ranks:  # GPU ranks: the peak torch counted, the snapshot an out-of-memory error left
                 if rank.gpu_peak_allocated is not None:
                     name = f"memory/rank_{rank.rank}/peak_allocated_gib"

@@ -1,7 +1,9 @@
-"""Watching a call: the step times each rank keeps, stragglers and hangs named while the call runs.
+"""Watching a call: the step times each rank keeps, stragglers and hangs named while the call runs, fatal lines.
 
 detector.py  the rules (plain logic, no process or clock of its own)
 listener.py  the runner listener that reads the ranks' files and raises the alerts
+fatal_lines.py  the runtime's fatal output lines (out of memory, NCCL, CUDA, Xid, ...): a listener that raises an
+             alert for each rank's first line of a kind, and the patterns the command line uses too
 
 The rank's side is launch/rank/steps.py, the file between them launch/files/step_times.py; the rules and what
 each alert looks like are in docs/watching.md.

@@ -8,13 +8,14 @@ import os
 
 import pytest
 
-from air_magic.cli import alerts, dependencies, secrets
+from air_magic.cli import dependencies, secrets
 from air_magic.cli.files import WorkloadDir
 from air_magic.cli.node import node_env
 from air_magic.cli.output import state
 from air_magic.cli.schema import JobFileError
 from air_magic.cli.snapshot import Snapshot, root_path
 from air_magic.envvars import SECRETS_FILE
+from air_magic.watching import fatal_lines as alerts
 
 
 def _tree(root):
