@@ -40,6 +40,18 @@ os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")
 # The head checks each node every second instead of every 3 s: a removed node is known dead after about 5 s
 # instead of 15 s (the node-loss tests wait for that). A live node under load still has 5 checks of 10 s each.
 os.environ.setdefault("RAY_health_check_period_ms", "1000")
+# An idle cluster of three nodes took about 0.6 of a core here (18 CPU-seconds in 30 s, measured with psutil): each
+# node's dashboard and runtime-env agents poll (their reports every 5 s, the event directory every 2 s, metrics every
+# 5 s) and the workers Ray keeps idle after the warm-up tasks poll too. The suite runs two such clusters beside
+# the other tests on two cores. With these, the same idle cluster took about 0.26 of a core: the agents look less
+# often, and a worker left idle ends after a second (the next task or actor starts one; the tests measure no speed).
+for _name, _value in {
+    "RAY_num_workers_soft_limit": "0",
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
+    "SCAN_EVENT_DIR_INTERVAL_SECONDS": "60",
+    "METRICS_RECORD_INTERVAL_S": "60",
+}.items():
+    os.environ.setdefault(_name, _value)
 
 #: CPUs of each worker node.
 NODE_CPUS = 2
@@ -48,15 +60,15 @@ WORKER_NODES = 2
 
 
 #: The modules that use the cluster, by group: a group's modules run one after another in one pytest process.
-RAY_GROUPS = {
+RAY_GROUPS = {  # about even by tests/module_costs.json: 765 s and 764 s
     "test_ray.py": "ray-a",
     "test_ray_holds.py": "ray-a",
-    "test_cli_ray.py": "ray-a",
+    "test_ray_deaths.py": "ray-a",
     "test_cli_ray_command.py": "ray-a",
     "test_code_travels.py": "ray-b",
     "test_ray_sessions.py": "ray-b",
     "test_restarts.py": "ray-b",
-    "test_ray_deaths.py": "ray-b",
+    "test_cli_ray.py": "ray-b",
 }
 
 #: The cluster of this pytest process while its Ray modules run.
