@@ -34,6 +34,8 @@ WATCH_DDP = "AIR_MAGIC_WATCH_DDP"
 SECRET_PREFIX = "AIR_MAGIC_SECRET_"
 #: The 0600 YAML file of secrets `{scope: {key: value}}` (default ~/.config/air_magic/secrets.yaml).
 SECRETS_FILE = "AIR_MAGIC_SECRETS_FILE"
+#: For a command run's ranks (cli/command_rank.py): `0` turns the rank hook off, `debug` has it say why it failed.
+RANK_HOOK = "AIR_MAGIC_RANK_HOOK"
 
 USER_FACING = (
     RUNS_DIR,
@@ -47,6 +49,7 @@ USER_FACING = (
     WATCH_DDP,
     SECRET_PREFIX,
     SECRETS_FILE,
+    RANK_HOOK,
 )
 
 # -- set by air_magic for its own processes (internal: not for users, may change) -----------------------------
@@ -80,6 +83,13 @@ PROFILE = "AIR_MAGIC_INTERNAL_PROFILE"
 #: (launch/rank/memory.py).
 MEMORY_HISTORY = "AIR_MAGIC_INTERNAL_MEMORY_HISTORY"
 
+#: In a command run's script: the attempt's directory of this node's rank files (cli/command_rank.py); a Python
+#: process under it with RANK and LOCAL_RANK set becomes a rank of the run.
+RANK_DIR = "AIR_MAGIC_INTERNAL_RANK_DIR"
+#: In a command run's rank and what it starts: the rank's pid, so that its children (DataLoader workers, a
+#: subprocess) are not ranks of their own.
+RANK_HOOKED = "AIR_MAGIC_INTERNAL_RANK_HOOKED"
+
 INTERNAL = (
     INTERNAL_RUN_DIR,
     JOB,
@@ -93,4 +103,6 @@ INTERNAL = (
     WATCH,
     PROFILE,
     MEMORY_HISTORY,
+    RANK_DIR,
+    RANK_HOOKED,
 )

@@ -1,7 +1,7 @@
 """The files a workload run keeps in its run directory, named once: what `run` writes before the call starts
 (the file as run, `command.sh`, `hyperparameters.yaml`, the code snapshot, `workload.json`) and what each node
-writes per attempt (its log, how it ended, its alerts). Not for: the call's own files (launch/files/rundir.py,
-calls/record.py).
+writes per attempt (its log, how it ended, its alerts, the directory of its command's ranks' files). Not for: the
+call's own files (launch/files/rundir.py, calls/record.py), the ranks' files themselves (cli/command_rank.py).
 """
 
 from __future__ import annotations
@@ -51,6 +51,25 @@ class WorkloadDir:
 
     def node_log(self, attempt: int, node: int) -> Path:
         return self.attempt(attempt) / f"node_{node}.log"
+
+    def rank_dir(self, attempt: int, node: int) -> Path:
+        """The files of the ranks that node `node`'s command started in attempt `attempt` (cli/command_rank.py)."""
+        return self.attempt(attempt) / f"node_{node}"
+
+    def rank_dirs(self, attempt: int) -> list[Path]:
+        """Every node's directory of rank files of attempt `attempt` kept here."""
+        return sorted(self.attempt(attempt).glob("node_*/"))
+
+    def command_ranks(self, attempt: int) -> dict[int, Path]:
+        """The ranks the command's launcher started in attempt `attempt`, kept here: global RANK -> its node's
+        directory of rank files."""
+        found = {}
+        for directory in self.rank_dirs(attempt):
+            for log in directory.glob("rank_*.log"):
+                number = log.name.removeprefix("rank_").removesuffix(".log")
+                if number.isdigit():
+                    found[int(number)] = directory
+        return dict(sorted(found.items()))
 
     def node_end(self, attempt: int, node: int) -> Path:
         return self.attempt(attempt) / f"node_{node}.json"

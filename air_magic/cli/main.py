@@ -2,7 +2,8 @@
 
 `run -f job.yaml` takes the runtime's workload file (cli/jobfile.py) and starts it as a detached call
 (cli/submit.py); `list`, `get` and `logs` read every call of this user on the machine (cli/show.py), `cancel`,
-`stop` and `attach` control and follow them (cli/control.py), and `ui` serves the MLflow UI of a local store
+`stop` and `attach` control and follow them (cli/control.py), `stacks` asks a command run's ranks where they are
+(cli/rank_stacks.py), and `ui` serves the MLflow UI of a local store
 (cli/mlflow_ui.py). `-o json` (or `--json`), anywhere on the line, prints the runtime's JSON envelope; the
 docs' forms `get run ID` and `list runs [--active]` are the same commands. Exit codes: 0 a run that ended
 SUCCESS (or a command that did what it was asked), 1 any other end, 2 a bad command line, workload file or
@@ -55,6 +56,7 @@ def normalize(argv: list[str]) -> tuple[list[str], bool]:
 
 def parser() -> argparse.ArgumentParser:
     from .control import cmd_attach, cmd_cancel, cmd_stop
+    from .rank_stacks import cmd_stacks
     from .show import cmd_get, cmd_list, cmd_logs
     from .submit import cmd_run
 
@@ -105,10 +107,19 @@ def parser() -> argparse.ArgumentParser:
     logs = add("logs", "What a node of a run wrote (node 0 of the latest attempt unless told).")
     logs.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")
     logs.add_argument("--node", type=int, default=None, metavar="N", help="Node N (command runs; default 0).")
-    logs.add_argument("--rank", type=int, default=None, metavar="R", help="Rank R only (function runs).")
+    logs.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="Rank R's own log: a function run's rank, or the rank of RANK R that the command's torchrun (or "
+        "accelerate launch) started; with --node N, a check that it ran there.",
+    )
     logs.add_argument("--retry", type=int, default=-1, metavar="A", help="Attempt A (from 0; -1 the latest).")
     logs.add_argument("--lines", type=int, default=None, metavar="N", help="The last N lines only.")
-    logs.add_argument("--minutes", type=int, default=None, metavar="M", help=argparse.SUPPRESS)
+    logs.add_argument(
+        "--minutes", type=int, default=None, metavar="M", help="The lines written in the last M minutes only."
+    )
     logs.add_argument("--follow", action="store_true", help="Follow until the run ends; exit 0 on SUCCESS, else 1.")
     logs.add_argument("--download-to", default=None, metavar="DIR", help="Write DIR/logs/node_<n>.log.")
     logs.set_defaults(func=cmd_logs)
@@ -120,6 +131,17 @@ def parser() -> argparse.ArgumentParser:
     stop = add("stop", "Ask a run's ranks to stop after their current step (air_magic.should_stop()).")
     stop.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")
     stop.set_defaults(func=cmd_stop)
+    stacks = add(
+        "stacks",
+        "Print where each rank of a running command run is: every thread's Python stack.",
+        "The ranks are those the command's torchrun (or accelerate launch) started in the latest attempt.",
+    )
+    stacks.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")
+    stacks.add_argument("--rank", type=int, default=None, metavar="R", help="Rank R only.")
+    stacks.add_argument(
+        "--wait", type=float, default=5.0, metavar="S", help="Wait up to S seconds for the dumps (default 5)."
+    )
+    stacks.set_defaults(func=cmd_stacks)
     attach = add("attach", "Follow a run's output live from its first line; exit 0 on SUCCESS, else 1.")
     attach.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")
     attach.set_defaults(func=cmd_attach)

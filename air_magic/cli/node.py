@@ -10,7 +10,9 @@ per attempt); the node's other ranks end at once (the call keeps the node's unit
 nodes (a Ray cluster, where each rank has a directory of its own) the files travel in the call, and node 0 tells the
 others the command's MASTER_PORT through a store at the call's own address. Each attempt has `timeout_minutes`: past
 it the script's processes are stopped and the attempt ends TIMEDOUT. An attempt after the first gets an MLflow run
-of its own in the same experiment. Not for: deciding retries (the runner's max_restarts) or reading the logs.
+of its own in the same experiment. The rank hook (cli/command_rank.py), first on the script's PYTHONPATH, makes the
+Python processes that its launcher starts (RANK and LOCAL_RANK set) ranks of the run, with their files in the
+attempt's `node_<n>/`. Not for: deciding retries (the runner's max_restarts) or reading the logs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import envvars
 from ..envvars import INTERNAL_RUN_DIR
 from ..watching.fatal_lines import kind_of
+from .command_rank import TimeIndex
 from .files import WorkloadDir
 
 #: Seconds between SIGTERM and SIGKILL when an attempt's time is up.
@@ -64,8 +68,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def node_env(base: dict[str, str], node: dict[str, Any], files: WorkloadDir, cwd: Path) -> dict[str, str]:
-    """The command's environment: `base` without the rank's variables, plus the runtime's and the file's."""
+#: The rank hook's directory (only a sitecustomize.py): first on the command's PYTHONPATH (cli/command_rank.py).
+RANK_HOOK_DIR = Path(__file__).resolve().parent / "rank_hook"
+
+
+def node_env(
+    base: dict[str, str], node: dict[str, Any], files: WorkloadDir, cwd: Path, rank_dir: Path | None = None
+) -> dict[str, str]:
+    """The command's environment: `base` without the rank's variables, plus the runtime's and the file's; with
+    `rank_dir`, the rank hook first on PYTHONPATH, so the ranks its launcher starts keep their files there."""
     env = {k: v for k, v in base.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env.update(
         {
@@ -85,6 +96,9 @@ def node_env(base: dict[str, str], node: dict[str, Any], files: WorkloadDir, cwd
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(node.get("env_variables") or {})
     env.update(node.get("secrets") or {})
+    if rank_dir is not None and env.get(envvars.RANK_HOOK) != "0":
+        env[envvars.RANK_DIR] = str(rank_dir)
+        env["PYTHONPATH"] = os.pathsep.join([str(RANK_HOOK_DIR), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -177,11 +191,12 @@ def run_node(node: dict[str, Any]) -> int:
         "master_port": port,
     }
     cwd = files.code_source / node["code_source"] if node.get("code_source") else run_dir
-    env = node_env(dict(os.environ), node, files, cwd)
+    rank_dir = files.rank_dir(attempt, node["node_rank"])
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    env = node_env(dict(os.environ), node, files, cwd, rank_dir)
     mlflow_run = _attempt_run(env, node["run_name"], attempt)
     if mlflow_run is not None:
         env["MLFLOW_RUN_ID"] = mlflow_run[1]
-    files.attempt(attempt).mkdir(parents=True, exist_ok=True)
     log_path = files.node_log(attempt, node["node_rank"])
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -201,12 +216,14 @@ def run_node(node: dict[str, Any]) -> int:
 
     def copy() -> None:
         with open(log_path, "ab") as log, open(files.alerts, "ab") as alerts:
+            index = TimeIndex(log_path, log.tell())  # when each line came, for `logs --minutes`
             for raw in iter(stream.readline, b""):
                 if out is not None:
                     out.write(raw)
                 else:
                     sys.stdout.write(raw.decode(errors="replace"))
                 sys.stdout.flush()
+                index.note(len(raw))
                 log.write(raw)
                 log.flush()
                 line = raw.decode(errors="replace").rstrip("\n")
@@ -216,6 +233,7 @@ def run_node(node: dict[str, Any]) -> int:
                     raised.append(alert)
                     alerts.write((json.dumps({**alert, "time": time.time()}) + "\n").encode())
                     alerts.flush()
+        index.close()
 
     reader = threading.Thread(target=copy, name="air_magic-node-log", daemon=True)
     reader.start()

@@ -4,8 +4,10 @@ runtime's JSON.
 `list [--limit N] [--all-status] [--filter k=v]` lists active runs (every run with `--all-status`), newest
 first; filter keys `experiment` (a glob), `accelerator_type` (a substring), `num_accelerators`, `status` and
 `user`. `get ID` says a run's state, attempt, MLflow run, alerts and each rank's value or error. `logs ID
-[--node N] [--rank R] [--retry A] [--lines N] [--follow] [--download-to DIR]` prints one node's log of one
-attempt (the latest by default). Not for: controlling runs (cli/control.py).
+[--node N] [--rank R] [--retry A] [--lines N] [--minutes M] [--follow] [--download-to DIR]` prints one node's log
+of one attempt (the latest by default), or with `--rank R` the log of the rank whose RANK is R (a function run's
+rank, or one that the command's launcher started: cli/command_rank.py); `--minutes` reads the log's time index.
+Not for: controlling runs (cli/control.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import getpass
+import json
 import shutil
 import sys
 import time
@@ -21,10 +24,11 @@ from typing import Any
 
 from ..calls import record as call_record
 from ..launch.files.rundir import RunDir
+from .command_rank import lines_since, rank_file
 from .control import follow_any
 from .events import log_events
 from .files import WorkloadDir
-from .output import ACTIVE, envelope, exit_code, iso, run_fields, state
+from .output import ACTIVE, envelope, exit_code, iso, line, run_fields, state
 from .reading import UsageError, failures, find, ranks_of, when
 
 #: Keys of `list --filter`.
@@ -163,9 +167,46 @@ def _log_of(path: Path, info: dict[str, Any], unit: int, retry: int) -> Path:
     return RunDir(path).log(unit * files.per_node)
 
 
+def _rank_log(path: Path, rank: int, node: int | None, retry: int) -> Path:
+    """The log of rank `rank` (its global RANK) that the command's launcher started, of attempt `retry` (-1: the
+    latest); with `node`, the rank must have run there."""
+    files = WorkloadDir(path)
+    attempts = files.attempts()
+    if retry >= 0 and retry not in attempts:
+        raise UsageError(f"--retry {retry}: run {path.name} has attempts {attempts or [0]}")
+    attempt = retry if retry >= 0 else (attempts[-1] if attempts else 0)
+    ranks = files.command_ranks(attempt)
+    if not ranks:
+        raise UsageError(
+            f"run {path.name}'s command started no rank of its own in attempt {attempt} (no torchrun, "
+            "accelerate launch or python -m torch.distributed.run under it): its output is the node's log, --node N"
+        )
+    if rank not in ranks:
+        raise UsageError(f"--rank {rank}: attempt {attempt} of run {path.name} has ranks {list(ranks)}")
+    if node is not None and ranks[rank].name != f"node_{node}":
+        raise UsageError(f"--rank {rank} ran on {ranks[rank].name.replace('_', ' ')}, not node {node}")
+    return rank_file(ranks[rank], rank, "log")
+
+
+def _lines(log: Path, minutes: int | None, last: int | None) -> list[str]:
+    """The lines of `log` to show: those of the last `minutes` minutes (from its time index), the `last` ones."""
+    if minutes is None:
+        lines = log.read_text(errors="replace").splitlines()
+    else:
+        found = lines_since(log, time.time() - 60 * minutes)
+        if found is None:
+            raise UsageError(
+                "--minutes: this log keeps no times (a function run's rank, a node of another machine); use --lines N"
+            )
+        lines = found
+    if last is not None:
+        lines = lines[-last:] if last > 0 else []
+    return lines
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
-    if args.minutes is not None:
-        raise UsageError("--minutes is not supported here: a node's log keeps no time per line; use --lines N")
+    if args.minutes is not None and args.minutes <= 0:
+        raise UsageError(f"--minutes must be more than 0, got {args.minutes}")
     if args.lines is not None and args.lines < 0:
         raise UsageError(f"--lines must be 0 or more, got {args.lines}")
     path = find(args.id)
@@ -173,37 +214,40 @@ def cmd_logs(args: argparse.Namespace) -> int:
     info = WorkloadDir(path).read_info() or {}
     command = info.get("kind") == "command"
     world = int(info.get("num_nodes") or 1) if command else int(record.get("world_size", 1))
-    if args.rank is not None and command:
-        raise UsageError("--rank is for function runs; a command run's logs are per node: --node N")
     if args.node is not None and not command and args.node != 0:
         raise UsageError("--node is for command runs; a function run's logs are per rank: --rank R")
-    chosen = args.node if command else args.rank
-    units = [chosen] if chosen is not None else ([0] if command else list(range(world)))
-    if any(u < 0 or u >= world for u in units):
-        raise UsageError(f"run {path.name} has {'nodes' if command else 'ranks'} 0 to {world - 1}")
+    if command and args.rank is not None:
+        if args.node is not None and not 0 <= args.node < world:
+            raise UsageError(f"run {path.name} has nodes 0 to {world - 1}")
+        logs = {args.rank: _rank_log(path, args.rank, args.node, args.retry)}
+        label = "rank"
+    else:
+        chosen = args.node if command else args.rank
+        units = [chosen] if chosen is not None else ([0] if command else list(range(world)))
+        if any(u < 0 or u >= world for u in units):
+            raise UsageError(f"run {path.name} has {'nodes' if command else 'ranks'} 0 to {world - 1}")
+        if args.download_to and chosen is None:
+            units = list(range(world))
+        logs = {u: _log_of(path, info, u, args.retry) for u in units}
+        label = "node" if command else "rank"
     if args.download_to:
         target = Path(args.download_to).expanduser() / "logs"
         target.mkdir(parents=True, exist_ok=True)
-        every = units if chosen is not None else list(range(world))
-        names = [f"{'node' if command else 'rank'}_{u}.log" for u in every]
-        files = [
-            str(shutil.copy(_log_of(path, info, u, args.retry), target / n)) for u, n in zip(every, names, strict=True)
-        ]
+        files = [str(shutil.copy(log, target / f"{label}_{u}.log")) for u, log in logs.items()]
         print(envelope({"run_id": path.name, "files": files})) if args.json else print("\n".join(files))
         return 0
     if args.follow:
         return follow_any(path, args.json)
-    for unit in units:
-        lines = _log_of(path, info, unit, args.retry).read_text(errors="replace").splitlines()
-        if args.lines is not None:
-            lines = lines[-args.lines :] if args.lines > 0 else []
+    for unit, log in logs.items():
+        lines = _lines(log, args.minutes, args.lines)
         if args.json:
-            for item in log_events(unit, "\n".join(lines)):
-                print(item)
-        elif len(units) > 1:
-            sys.stdout.write("".join(f"[rank {unit}] {line}\n" for line in lines))
+            node = int(log.parent.name.removeprefix("node_")) if command and label == "rank" else unit
+            for item in log_events(node, "\n".join(lines)):
+                print(line(json.loads(item) | {"rank": unit}) if command and label == "rank" else item)
+        elif len(logs) > 1:
+            sys.stdout.write("".join(f"[rank {unit}] {text}\n" for text in lines))
         else:
-            sys.stdout.write("".join(f"{line}\n" for line in lines))
+            sys.stdout.write("".join(f"{text}\n" for text in lines))
         if not lines:
             print(f"No logs available for run {path.name}. Run is {state(path, record)}", file=sys.stderr)
     return 0

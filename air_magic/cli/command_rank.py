@@ -1,0 +1,245 @@
+"""A rank of a command run: what a Python process that the command's own launcher started (torchrun, `python -m
+torch.distributed.run`, `accelerate launch`) gets from air_magic, and the files it leaves.
+
+The command's script has the rank hook's directory (cli/rank_hook/, only a `sitecustomize.py`) first on its
+PYTHONPATH and `envvars.RANK_DIR`, the attempt's directory of the node's rank files (cli/node.py). Every Python
+process under it imports that `sitecustomize`; one with `RANK` and `LOCAL_RANK` set (a launcher's child; the
+launcher itself has no RANK) calls `hook()` here, which makes it a rank of the run:
+
+- its stdout and stderr are teed at the file-descriptor level (C-level output too) by a small forked process
+  into `rank_<R>.log`, and still reach the original descriptors (the node's log, `--watch`); the tee outlives the
+  rank, so a crash's or a `kill -9`'s last lines are kept; every second with output it notes (time, byte offset)
+  in `rank_<R>.log.times`, which `logs --minutes` reads (node.py keeps one for the node's log);
+- `STACKS_SIGNAL` makes it write every thread's Python stack into `rank_<R>.stacks` (faulthandler: it answers
+  while the rank blocks in C), which `air-magic stacks` asks for;
+- `rank_<R>.json` says its pid (and create time), rank, local rank, node and start, once the above is in place.
+
+Its children (DataLoader workers, a subprocess) inherit `envvars.RANK_HOOKED` and are not ranks of their own.
+The hook never breaks the process: any failure is silent (`AIR_MAGIC_RANK_HOOK=debug` says it on stderr).
+This module imports nothing heavy (no torch, no IPython, no MLflow, not the air_magic package): the hook loads it
+from its file, with envvars.py. Not for: reading the files back (cli/show.py, cli/stacks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: The signal a command run's rank answers with its threads' stacks: a real-time one, which user code leaves alone,
+#: and not launch/stacks.py's (the helper asks a rank's descendants that catch that one, into their stderr).
+STACKS_SIGNAL: int | None = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else None
+#: A log's time index gets a line (time, byte offset) at most this often, in seconds, while output comes.
+INDEX_EVERY = 1.0
+
+_kept: list[Any] = []  # the stacks file faulthandler writes to, kept open for the process's life
+
+
+def _envvars() -> ModuleType:
+    """air_magic/envvars.py: the package's when this module is imported as air_magic.cli.command_rank, else loaded
+    from its file (the hook), so that a rank does not import the package."""
+    if __package__:
+        from .. import envvars
+
+        return envvars
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_air_magic_envvars", Path(__file__).parent.parent / "envvars.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rank_file(directory: Path, rank: int, suffix: str) -> Path:
+    """A rank's file in its node's directory: `rank_<R>.<suffix>` (log, json, stacks)."""
+    return Path(directory) / f"rank_{rank}.{suffix}"
+
+
+def times_of(log: Path) -> Path:
+    """The time index of log `log`."""
+    return log.with_name(log.name + ".times")
+
+
+# -- when each byte of a log was written -------------------------------------------------
+class TimeIndex:
+    """Notes in a log's time index when its output came: `note(n)` before n bytes are appended."""
+
+    def __init__(self, log: Path, offset: int) -> None:
+        self.fd = os.open(times_of(log), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.offset = offset
+        self.last = -INDEX_EVERY
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def note(self, size: int) -> None:
+        now = time.time()
+        if now - self.last >= INDEX_EVERY:
+            self.last = now
+            try:
+                os.write(self.fd, f"{now:.3f} {self.offset}\n".encode())
+            except OSError:
+                pass
+        self.offset += size
+
+
+def lines_since(log: Path, cutoff: float) -> list[str] | None:
+    """The lines of `log` written at `cutoff` (a Unix time) or later, from its time index (each line whole); None if
+    it has no index."""
+    try:
+        entries = times_of(log).read_text().split("\n")
+        data = log.read_bytes()
+    except OSError:
+        return None
+    start = len(data)
+    for entry in entries:
+        at, _, offset = entry.partition(" ")
+        try:
+            if float(at) > cutoff - INDEX_EVERY:  # an entry's bytes came within INDEX_EVERY of its time
+                start = min(int(offset), len(data))
+                break
+        except ValueError:
+            continue
+    start = data.rfind(b"\n", 0, start) + 1 if start < len(data) else start
+    return data[start:].decode(errors="replace").splitlines()
+
+
+# -- the tee -------------------------------------------------------------------------------
+def _write_all(fd: int, data: bytes) -> bool:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+        return True
+    except OSError:
+        return False
+
+
+def _copy(sources: dict[int, int], log_fd: int, index: TimeIndex) -> None:
+    """Until every source ends: each source's output to its original descriptor and to the rank's log."""
+    import select
+
+    poller = select.poll()
+    for fd in sources:
+        poller.register(fd, select.POLLIN)
+    live = set(sources)
+    dead: set[int] = set()  # originals that can no longer be written (a reader gone)
+    while live:
+        for fd, _ in poller.poll():
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                poller.unregister(fd)
+                live.discard(fd)
+                continue
+            original = sources[fd]
+            if original not in dead and not _write_all(original, data):
+                dead.add(original)
+            index.note(len(data))
+            _write_all(log_fd, data)
+
+
+def _start_tee(log: Path) -> None:
+    """Fork the tee and make this process's fds 1 and 2 its pipes."""
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    index = TimeIndex(log, os.fstat(log_fd).st_size)
+    pipes = {original: os.pipe() for original in (1, 2)}
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    pid = os.fork()
+    if pid == 0:  # the tee: ends when every writer of its pipes (the rank, its children) is gone
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)  # the rank's last words come after a Ctrl-C or a SIGTERM
+            for _, write in pipes.values():
+                os.close(write)
+            _copy({read: original for original, (read, _) in pipes.items()}, log_fd, index)
+        finally:
+            os._exit(0)
+    os.close(log_fd)
+    os.close(index.fd)
+    for original, (read, write) in pipes.items():
+        os.close(read)
+        os.dup2(write, original)
+        os.close(write)
+
+
+# -- the hook ---------------------------------------------------------------------------------
+def _create_time() -> float | None:
+    """This process's create time as psutil says it (boot time + start ticks), without psutil; None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001, S110 - a closed stream at exit: nothing left to write
+            pass
+
+
+def _become_rank(directory: Path, rank: int, local_rank: int) -> None:
+    import atexit
+    import faulthandler
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _start_tee(rank_file(directory, rank, "log"))
+    atexit.register(_flush)
+    if STACKS_SIGNAL is not None:
+        fd = os.open(rank_file(directory, rank, "stacks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        stacks = os.fdopen(fd, "ab")
+        _kept.append(stacks)
+        faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
+    info = {
+        "pid": os.getpid(),
+        "create_time": _create_time(),
+        "rank": rank,
+        "local_rank": local_rank,
+        "node": int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0),
+        "world_size": int(os.environ.get("WORLD_SIZE") or 0),
+        "started": time.time(),
+        "argv": sys.argv[:8],
+        "stacks_signal": STACKS_SIGNAL,
+    }
+    path = rank_file(directory, rank, "json")
+    fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def hook() -> None:
+    """Called by the rank hook's sitecustomize in a process with RANK and LOCAL_RANK: make it a rank of the command
+    run whose rank directory the environment names, once (not its children); never raises."""
+    debug = False
+    try:
+        envvars = _envvars()
+        setting = os.environ.get(envvars.RANK_HOOK, "")
+        debug = setting == "debug"
+        directory = os.environ.get(envvars.RANK_DIR)
+        if not directory or setting == "0" or os.environ.get(envvars.RANK_HOOKED):
+            return
+        os.environ[envvars.RANK_HOOKED] = str(os.getpid())
+        _become_rank(Path(directory), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
+    except Exception:  # noqa: BLE001 - the user's process runs on without what the hook gives
+        if debug:
+            import traceback
+
+            print("air_magic rank hook failed:", file=sys.stderr)
+            traceback.print_exc()

@@ -1,0 +1,151 @@
+"""The ranks a command run's own torchrun starts are ranks of the run (the rank hook, cli/command_rank.py): each
+keeps its log (`logs --rank R`, C-level output too, `--minutes`), answers `air-magic stacks` with the stack of
+where it waits, and ends its `should_stop()` loop on `air-magic stop`; the user's own sitecustomize still runs.
+One torchrun run of 2 CPU ranks (gloo) serves every check; the hook's chaining is also checked in a bare process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+
+from air_magic import envvars
+from air_magic.cli.node import RANK_HOOK_DIR
+
+pytestmark = pytest.mark.slow
+
+TRAIN = """\
+import os, sys, time
+import torch.distributed as dist
+import air_magic
+import sitecustomize
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"only-rank-{rank}-says-this", flush=True)
+os.write(2, f"c-level-write-of-rank-{rank}\\n".encode())
+print(f"user-site-{rank}-{getattr(sitecustomize, 'USER_SITE', 'missing')}", flush=True)
+
+
+def waiting_in_the_loop():
+    while not air_magic.should_stop():
+        time.sleep(0.05)
+
+
+waiting_in_the_loop()
+print(f"rank {rank} stopped", flush=True)
+dist.destroy_process_group()
+"""
+
+USER_SITE = "USER_SITE = 'ran'\n"
+
+JOB = """\
+experiment_name: cli-ranks
+compute: {num_accelerators: 2, accelerator_type: CPU}
+code_source: {type: snapshot, snapshot: {root_path: code}}
+env_variables: {PYTHONPATH: USERSITE}
+max_retries: 0
+timeout_minutes: 5
+command: torchrun --nproc_per_node=2 $CODE_SOURCE_PATH/train.py
+"""
+
+CLI_FILES = {"code/train.py": TRAIN, "usersite/sitecustomize.py": USER_SITE}
+
+
+def _rank_log(cli, run_id: str, rank: int) -> Path:
+    return cli.root / "runs" / run_id / "attempts" / "attempt_0" / "node_0" / f"rank_{rank}.log"
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_a_torchrun_commands_ranks_have_their_logs_stacks_and_stop(cli):
+    (cli.root / "ranks.yaml").write_text(JOB.replace("USERSITE", str(cli.root / "usersite")))
+    done = cli("run", "-f", "ranks.yaml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_id = done.stdout.split("Submitted workload with Run ID: ", 1)[1].split()[0]
+    try:
+        for rank in (0, 1):
+            wait_until(
+                lambda rank=rank: f"user-site-{rank}-" in _text(_rank_log(cli, run_id, rank)),
+                120,
+                f"rank {rank}'s log",
+            )
+
+        one = cli("logs", run_id, "--rank", "1")
+        assert one.returncode == 0, one.stdout + one.stderr
+        assert "only-rank-1-says-this" in one.stdout and "c-level-write-of-rank-1" in one.stdout
+        assert "user-site-1-ran" in one.stdout  # the user's sitecustomize ran after the hook's
+        assert "only-rank-0" not in one.stdout
+        zero = cli("logs", run_id, "--rank", "0", "--node", "0", "--minutes", "10")
+        assert "only-rank-0-says-this" in zero.stdout and "rank-1" not in zero.stdout, zero.stdout + zero.stderr
+        node = cli("logs", run_id, "--minutes", "10")  # the node's log still has every rank's output
+        assert "only-rank-0-says-this" in node.stdout and "only-rank-1-says-this" in node.stdout
+        missing = cli("logs", run_id, "--rank", "7")
+        assert missing.returncode == 2 and "has ranks [0, 1]" in missing.stderr
+
+        stacks = cli("stacks", run_id)
+        assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+        dumps = stacks.stdout.split("== rank ")[1:]
+        assert [d.split()[0] for d in dumps] == ["0", "1"], stacks.stdout
+        assert all("waiting_in_the_loop" in d for d in dumps), stacks.stdout
+        as_json = json.loads(cli("stacks", run_id, "--rank", "1", "-o", "json").stdout)["data"]
+        assert [(r["rank"], r["state"]) for r in as_json["ranks"]] == [(1, "answered")]
+        assert "waiting_in_the_loop" in as_json["ranks"][0]["stacks"]
+        assert "waiting_in_the_loop" not in _text(_rank_log(cli, run_id, 1))  # the dumps stay out of the log
+
+        assert cli("stop", run_id).returncode == 0
+        ended = cli("get", run_id, "--watch", "-o", "json")
+        assert json.loads(ended.stdout.splitlines()[-1])["data"]["status"] == "SUCCESS", ended.stdout
+        assert "rank 1 stopped" in cli("logs", run_id, "--rank", "1").stdout
+    finally:
+        cli("cancel", run_id)
+
+
+def _python(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+
+
+def test_the_hook_chains_to_the_next_sitecustomize_and_imports_nothing_heavy(tmp_path):
+    """In a rank (RANK and LOCAL_RANK set) and outside one, the next sitecustomize on sys.path runs as
+    `sitecustomize`; the rank imports neither the air_magic package nor torch, IPython or MLflow, and its
+    children are not ranks of their own; a failing user sitecustomize is said as Python says it."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("CHAINED = True\n")
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", envvars.RANK_DIR, envvars.RANK_HOOKED)
+    }
+    base["PYTHONPATH"] = os.pathsep.join([str(RANK_HOOK_DIR), str(user)])
+    probe = (
+        "import json, subprocess, sys, sitecustomize; "
+        "print(json.dumps([getattr(sitecustomize, 'CHAINED', False), "
+        "[m for m in ('air_magic', 'torch', 'IPython', 'mlflow') if m in sys.modules]])); "
+        "subprocess.run([sys.executable, '-c', 'print(1)'], check=True)"
+    )
+    plain = _python(base, probe)
+    assert json.loads(plain.stdout.splitlines()[0]) == [True, []], plain.stderr
+    assert not (tmp_path / "node_0").exists()
+
+    rank_env = {**base, "RANK": "3", "LOCAL_RANK": "1", envvars.RANK_DIR: str(tmp_path / "node_0")}
+    rank = _python(rank_env, probe)
+    assert json.loads(rank.stdout.splitlines()[0]) == [True, []], rank.stderr
+    assert sorted(p.name for p in (tmp_path / "node_0").iterdir()) == [
+        "rank_3.json",
+        "rank_3.log",
+        "rank_3.log.times",
+        "rank_3.stacks",
+    ]
+    info = json.loads((tmp_path / "node_0" / "rank_3.json").read_text())
+    assert (info["rank"], info["local_rank"]) == (3, 1)
+    assert (tmp_path / "node_0" / "rank_3.log").read_text().endswith("[true, []]\n1\n")  # its child's line too
+
+    (user / "sitecustomize.py").write_text("raise ValueError('broken on purpose')\n")
+    broken = _python(rank_env, "print('runs on')")
+    assert broken.stdout == "runs on\n" and "ValueError: broken on purpose" in broken.stderr
