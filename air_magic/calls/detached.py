@@ -123,7 +123,7 @@ def main(
     run = RunDir(path)
     hand_off = pickle.loads(run.detached_call.read_bytes())
     submit = submit_as(hand_off["role"])
-    record = call_record.CallRecord(path)
+    record = call_record.CallRecord(path, hand_off["role"])
     record.begin(hand_off["spec"], call_record.WAITING, waiting_for="")  # its starter returns from here
     signal.signal(signal.SIGTERM, lambda *_: call_record.request_cancel(path))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

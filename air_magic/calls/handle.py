@@ -139,7 +139,7 @@ class DistributedCall:
         by the listener put last (the final line is written once the others are done)."""
         self._run_dir = self._run_dir or path
         if self.record is None:
-            self.record = CallRecord(self._run_dir)
+            self.record = CallRecord(self._run_dir, self.owner.role if self.owner is not None else "kernel")
         if self.recorded and self.listeners is not None and self.live is None:
             self.live = LiveRecord(self.record, self.listeners, {"number": self.number})
             self.listeners.append(self.live)

@@ -18,19 +18,12 @@ import contextlib
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..launch.files.rundir import runs_root
-
-#: What kind of process this is, as a waiting call names the holder: "kernel", "cli" or "detached".
-ROLE = {"name": "kernel"}
-
-
-def set_role(name: str) -> None:
-    """This process is a command-line run ("cli") or a detached call's owner ("detached"); default "kernel"."""
-    ROLE["name"] = name
 
 
 def lease_dir() -> Path:
@@ -62,10 +55,12 @@ class Lease:
 
 
 class Leases:
-    """The lock files of one directory."""
+    """The lock files of one directory, held by this process; `role()` says what kind of process it is, as a
+    waiting call names the holder: "kernel", "cli" or "detached" (its owner's role)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, role: Callable[[], str] = lambda: "kernel") -> None:
         self.directory = directory
+        self.role = role
 
     def _lock_path(self, kind: str, unit: str) -> Path:
         return self.directory / f"{kind.lower()}-{_safe(unit)}.lock"
@@ -87,7 +82,7 @@ class Leases:
     def _write_holder(self, kind: str, unit: str, label: str, yields: bool = False) -> None:
         """The holder file of `unit`: this process (pid, kind) and what holds the unit in it (a call, by its id, or
         a kept world and the call that made it); `yields`: idle hot ranks, which end when another process asks."""
-        info = {"pid": os.getpid(), "role": ROLE["name"], "label": label, "yields": yields}
+        info = {"pid": os.getpid(), "role": self.role(), "label": label, "yields": yields}
         holder = self._holder_path(kind, unit)
         with contextlib.suppress(OSError):
             tmp = holder.with_suffix(f".tmp{os.getpid()}")

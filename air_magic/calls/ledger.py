@@ -293,11 +293,12 @@ def cpu_slots() -> int:
     return value
 
 
-def machine_ledger() -> Ledger:
-    """A ledger of this node's GPUs and $AIR_MAGIC_CPU_SLOTS, its units leased machine-wide (the owner makes one)."""
+def machine_ledger(role: Callable[[], str] = lambda: "kernel") -> Ledger:
+    """A ledger of this node's GPUs and $AIR_MAGIC_CPU_SLOTS, its units leased machine-wide (the owner makes one;
+    `role()`: its kind of process, as the lease files name the holder)."""
     from .leases import lease_dir
 
-    return Ledger(_visible_gpus(), cpu_slots(), Leases(lease_dir()))
+    return Ledger(_visible_gpus(), cpu_slots(), Leases(lease_dir(), role))
 
 
 def kind_of(spec: JobSpec) -> str:

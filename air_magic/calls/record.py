@@ -33,7 +33,6 @@ from ..errors import AirMagicError
 from ..job import CallStatus, JobResult, JobSpec
 from ..launch.files.rundir import RunDir, runs_root, write_private
 from ..listeners import Listener, RunContext
-from .leases import ROLE
 
 #: The record's file name in the run directory.
 RECORD = "call.json"
@@ -63,34 +62,19 @@ def _save(path: Path, changes: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-#: Run directories whose calls this process owns -> the descriptor of their locked owner.lock.
-_owned: dict[str, int] = {}
-
-
-def hold_owner(path: Path) -> bool:
-    """This process owns the call of run directory `path`: lock its `owner.lock`, and keep it until
-    `release_owner` (holding it again is harmless). False if another process holds it."""
-    if str(path) in _owned:
-        return True
+def _lock_owner(path: Path) -> int | None:
+    """Lock the `owner.lock` of run directory `path` for this process: its descriptor, or None if another process
+    holds it (or it cannot be opened)."""
     try:
         fd = os.open(RunDir(path).owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        return False
-    _owned[str(path)] = fd
-    return True
-
-
-def release_owner(path: Path) -> None:
-    """The call of `path` ended here: its owner lock is let go."""
-    fd = _owned.pop(str(path), None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        return None
+    return fd
 
 
 def request_cancel(path: Path) -> bool:
@@ -111,14 +95,32 @@ class CallRecord:
     (waiting, or running), what it waits for, its MLflow run, and the final line; it holds the owner lock from the
     first line to the last. (A reader that finds the owner dead makes the record final instead: `load`.)"""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, role: str = "kernel") -> None:
         self.path = path
+        #: The kind of process that owns the call ("kernel", "cli" or "detached"), as the record names its owner.
+        self.role = role
         self.begun = False
         self.ended = False
+        #: The locked `owner.lock` while this process owns the call.
+        self._lock: int | None = None
+
+    def hold(self) -> bool:
+        """This process owns the call: its `owner.lock` is locked until `release` (holding it again is harmless).
+        False if another process holds it."""
+        if self._lock is None:
+            self._lock = _lock_owner(self.path)
+        return self._lock is not None
+
+    def release(self) -> None:
+        """The call ended here: its owner lock is let go."""
+        fd, self._lock = self._lock, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def begin(self, spec: JobSpec, status: str, **more: Any) -> None:
         """The live record of a call that waits or starts here, owned by this process."""
-        hold_owner(self.path)
+        self.hold()
         _save(
             self.path,
             {
@@ -131,7 +133,7 @@ class CallRecord:
                 "status": status,
                 "started": time.time(),
                 "ended": None,
-                "owner": {"pid": os.getpid(), "role": ROLE["name"], "host": socket.gethostname()},
+                "owner": {"pid": os.getpid(), "role": self.role, "host": socket.gethostname()},
                 **more,
             },
         )
@@ -144,7 +146,7 @@ class CallRecord:
     def running(self, spec: JobSpec, **more: Any) -> None:
         """The call started: running from now on (its first line, if it did not wait)."""
         if self.begun:
-            hold_owner(self.path)
+            self.hold()
             _save(self.path, {"status": RUNNING, "waiting_for": "", **more})
         else:
             self.begin(spec, RUNNING, **more)
@@ -172,7 +174,7 @@ class CallRecord:
                 **more,
             },
         )
-        release_owner(self.path)
+        self.release()
 
 
 def _profiles(path: Path) -> list[dict[str, Any]]:

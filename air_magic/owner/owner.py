@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..calls import attached, leases, runner
+from ..calls import attached, runner
 from ..calls import detached as detached_calls
 from ..calls import record as call_record
 from ..calls.handle import DistributedCall
@@ -52,7 +52,6 @@ class Owner:
     def __init__(self, role: str = "kernel", ledger: Ledger | None = None) -> None:
         #: What kind of process this is, as lease files and records name it: "kernel", "cli" or "detached".
         self.role = role
-        leases.set_role(role)
         call_record.on_orphaned(orphans.fail_run)  # a dead owner's MLflow run, ended by the first to find it
         self.table = CallTable()
         self.keeper = Keeper(on_end=self._world_ended)
@@ -68,7 +67,7 @@ class Owner:
         """This node's GPUs and CPU slots, leased machine-wide (made at first use)."""
         with self._ledger_lock:
             if self._ledger is None:
-                self._ledger = machine_ledger()
+                self._ledger = machine_ledger(lambda: self.role)
             return self._ledger
 
     def _world_ended(self, world: World) -> None:
@@ -241,5 +240,4 @@ def owner(role: str | None = None) -> Owner:
             _owner = Owner(role or "kernel")
         elif role is not None and role != _owner.role:
             _owner.role = role
-            leases.set_role(role)
         return _owner

@@ -22,17 +22,19 @@ def test_a_live_record_names_its_owner_and_a_cancel_is_a_private_file(tmp_path):
     leaves a 0600 file once."""
     run = tmp_path / "20260101-000000-train-abcdefgh"
     run.mkdir()
-    call_record.CallRecord(run).begin(_spec(), call_record.RUNNING)
+    writer = call_record.CallRecord(run, "cli")
+    writer.begin(_spec(), call_record.RUNNING)
     try:
         record = call_record.load(run)
         assert record is not None
         assert (record["status"], record["owner"]["pid"], record["id"]) == ("running", os.getpid(), run.name)
+        assert record["owner"]["role"] == "cli"
         assert call_record.request_cancel(run) and not call_record.request_cancel(run)
         assert call_record.cancel_requested(run)
         assert stat.S_IMODE((run / "cancel").stat().st_mode) == 0o600
         assert stat.S_IMODE((run / "call.json").stat().st_mode) == 0o600
     finally:
-        call_record.release_owner(run)
+        writer.release()
 
 
 def test_a_call_is_found_by_a_unique_start_of_its_id(tmp_path):

@@ -3,6 +3,8 @@ once given back."""
 
 from __future__ import annotations
 
+import os
+
 from air_magic.calls.leases import Leases
 from air_magic.calls.ledger import CPU, GPU, Ledger
 
@@ -32,3 +34,18 @@ def test_the_lock_files_are_private(tmp_path):
     Ledger([], cpu_slots=1, leases=Leases(tmp_path)).take("a", 1, CPU, "call a")
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert modes == {"cpu-0.lock": 0o600, "cpu-0.holder": 0o600}
+
+
+def test_the_holder_is_named_by_its_owners_role_as_it_is_now(tmp_path):
+    """The lease files name the holding process by its owner's role, read when a unit is taken: a process that became
+    a command-line run after its ledger was made is named "cli"."""
+    role = ["kernel"]
+    first = Ledger([], cpu_slots=2, leases=Leases(tmp_path, lambda: role[0]))
+    second = Ledger([], cpu_slots=2, leases=Leases(tmp_path))
+    first.take("a", 1, CPU, "call a")
+    role[0] = "cli"
+    first.take("b", 1, CPU, "call b")
+    assert sorted(second.elsewhere(CPU).values()) == [
+        f"call a (kernel pid {os.getpid()})",
+        f"call b (cli pid {os.getpid()})",
+    ]
