@@ -105,6 +105,23 @@ def hangs():
     time.sleep(600)
 
 
+def profiled_steps():
+    """8 steps of an all-reduce; rank 1 multiplies matrices 30 times a step, rank 0 once."""
+    import torch
+    import torch.distributed as dist
+
+    import air_magic
+
+    dist.init_process_group("gloo")
+    x, t = torch.randn(128, 128), torch.ones(1024)
+    for _ in range(8):
+        for _ in range(30 if dist.get_rank() == 1 else 1):
+            x @ x
+        dist.all_reduce(t)
+        air_magic.step()
+    return dist.get_rank()
+
+
 # -- tests ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_four_ranks_all_reduce_over_two_nodes(cluster):
@@ -128,6 +145,26 @@ def test_four_ranks_all_reduce_over_two_nodes(cluster):
         assert line in (result.run_dir / f"rank-{rank}.log").read_text()
         assert rec.states[rank][-1] == RankState.DONE
     assert list(result.run_dir.glob("*.reserved")) == [], "the room set aside for error records is given back"
+
+
+@pytest.mark.slow
+def test_a_profile_of_ranks_on_two_nodes_comes_back_whole(cluster):
+    """profile=3 over two nodes (with the watch, whose steps it counts): each rank's trace and window travel back from
+    its node with its result, and the Profile holds both ranks, rank 1 the slowest by its compute, with a merged trace of both."""
+    import json
+
+    from air_magic.profiling.listener import Profiler
+    from air_magic.watching.listener import Watcher
+
+    spec = distributed(1, accelerator_type="CPU", num_nodes=2, mlflow=False, profile=3)(profiled_steps)
+    job = spec.settings.spec(profiled_steps, (), {}, "profiled_steps")
+    result = owner().submit(job, listeners=[Watcher(job), Profiler(job), Recorder()]).raise_for_status()
+    profile = result.profile
+    assert profile is not None and [int(r["rank"]) for r in profile.ranks] == [0, 1], result.run_dir
+    assert profile.slowest == (1, "compute"), profile.table()
+    assert profile.traces == [result.run_dir / "rank-0.trace.json", result.run_dir / "rank-1.trace.json"]
+    merged = json.loads(profile.trace.read_bytes())["traceEvents"]  # type: ignore[union-attr]
+    assert {e["pid"] for e in merged if "ts" in e} >= {0, 1}
 
 
 @pytest.mark.slow

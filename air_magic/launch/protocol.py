@@ -352,6 +352,9 @@ class RankFiles:
     error_at: float | None = None
     #: A session's call that failed in user code: the rank stays usable (worker.session_kept).
     session_kept: bool = False
+    #: Other files the rank left in its scratch directory on its node, by name (RunDir.carried_back): its profile's
+    #: trace and window, its GPU memory report and out-of-memory snapshot.
+    left: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

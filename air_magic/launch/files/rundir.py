@@ -237,6 +237,11 @@ class RunDir:
         """The rank's CUDA memory snapshot, written when it ran out of memory (PyTorch's memory viewer reads it)."""
         return self.path / f"rank-{rank}.memory.pickle"
 
+    def carried_back(self, rank: int) -> list[Path]:
+        """The files of a rank on another machine that come back to the call's run directory when its call is over,
+        beside its result and error: what profile=N, the memory report and an out-of-memory snapshot left."""
+        return [self.trace(rank), self.profile_window(rank), self.memory(rank), self.memory_snapshot(rank)]
+
     def memory(self, rank: int) -> Path:
         """What the rank's CUDA allocator says at the call's end: peak allocated bytes (memory_report.py)."""
         return self.path / f"rank-{rank}.memory.json"

@@ -271,6 +271,7 @@ class RankActor:
             error_pickle=_read_all(rd.error_pickle(rank)),
             error_at=error_at,
             session_kept=self.kept,
+            left={p.name: data for p in rd.carried_back(rank) if (data := _read_all(p)) is not None},
         )
 
     def interrupt(self) -> bool:

@@ -65,6 +65,10 @@ class Received:
         ):
             if data is not None:
                 write_private(path, data, exclusive=False)
+        names = {p.name: p for p in rd.carried_back(rank)}
+        for name, data in files.left.items():
+            if name in names:  # only the files a rank may leave, by their own names
+                write_private(names[name], data, exclusive=False)
         return outcome(rd, rank, error_at=files.error_at)
 
 
