@@ -769,11 +769,59 @@ def sessions() -> list[str]:
     ]
 
 
+def profile_latency() -> list[str]:
+    names = matching("profile_latency*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        shape = d["shape"]
+        traces = [b for r in d["rounds"] for b in r["trace_bytes"].values()]
+        rows.append(
+            [
+                machine_of(d, name),
+                date_of(d),
+                load_of(d),
+                d["ranks"],
+                f"{shape['batch']} x {shape['seq']}",
+                s(statistics.median(r["step_s"] for r in d["rounds"])),
+                s(d["latency_median_s"]),
+                f"{max(traces) / 2**20:.1f} MiB",
+                f"{max(r['merged_bytes'] for r in d['rounds']) / 2**20:.1f} MiB",
+                f"`{name}`",
+            ]
+        )
+    return [
+        "## Profile latency",
+        "",
+        "`bench/profile_latency.py`: `profile=5` of a GPT-2-small-shaped decoder in DDP on every rank; from the end of",
+        "the last profiled step (the latest rank's) to `JobResult.profile` in the caller (the ranks' trace export, the",
+        "call's end, the analysis and the merged trace), median of the rounds.",
+        "",
+        *table(
+            [
+                "machine",
+                "date",
+                "load",
+                "ranks",
+                "tokens",
+                "step",
+                "latency",
+                "largest rank trace",
+                "merged trace",
+                "file",
+            ],
+            rows,
+        ),
+        *notes(names),
+    ]
+
+
 SECTIONS: list[Callable[[], list[str]]] = [
     launch,
     sessions,
     ddp_step,
     watch,
+    profile_latency,
     faults,
     panel,
     mlflow_launch,
