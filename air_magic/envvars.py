@@ -36,6 +36,9 @@ SECRET_PREFIX = "AIR_MAGIC_SECRET_"
 SECRETS_FILE = "AIR_MAGIC_SECRETS_FILE"
 #: For a command run's ranks (cli/command_rank.py): `0` turns the rank hook off, `debug` has it say why it failed.
 RANK_HOOK = "AIR_MAGIC_RANK_HOOK"
+#: `never`: `air-magic run` refuses a workload whose `environment.dependencies` are not installed, naming them, instead
+#: of installing them into a cached environment layered over yours (cli/layer.py); unset or `auto`: it installs.
+INSTALL = "AIR_MAGIC_INSTALL"
 
 USER_FACING = (
     RUNS_DIR,
@@ -50,6 +53,7 @@ USER_FACING = (
     SECRET_PREFIX,
     SECRETS_FILE,
     RANK_HOOK,
+    INSTALL,
 )
 
 # -- set by air_magic for its own processes (internal: not for users, may change) -----------------------------

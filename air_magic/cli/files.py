@@ -43,6 +43,11 @@ class WorkloadDir:
         return self.path / "workload.json"
 
     @property
+    def install_log(self) -> Path:
+        """pip's output of the cached environment the workload's missing dependencies went into (cli/layer.py)."""
+        return self.path / "install.log"
+
+    @property
     def alerts(self) -> Path:
         return self.path / "alerts.jsonl"
 

@@ -1,11 +1,13 @@
 """The workload file of `air-magic run -f job.yaml`, read as the runtime reads it, and the call it becomes.
 
 `load(path, overrides)` reads the YAML file, applies `--override KEY=VALUE` (each change said on stderr), checks
-every field (cli/schema.py), finds the code snapshot's root (cli/snapshot.py), the nodes (cli/topology.py) and the
-secrets (cli/secrets.py), and gives a `Job`. A `command` workload is a call of a rank per GPU (or CPU slot) of each
-node whose first rank on the node runs the command once (cli/node.py); `function: module:name` (air_magic's) is the
-function itself on every rank, as `@distributed` runs it. `Job.prepare(run_dir)` writes what the nodes read
-(cli/files.py) before the call starts. Not for: starting or following the call (cli/main.py, calls/detached.py).
+every field (cli/schema.py), finds the code snapshot's root (cli/snapshot.py), the nodes (cli/topology.py), the
+secrets (cli/secrets.py) and what the environment lacks of `environment.dependencies` (cli/dependencies.py: it is
+installed at `run` into a cached environment layered over yours, cli/layer.py), and gives a `Job`. A `command`
+workload is a call of a rank per GPU (or CPU slot) of each node whose first rank on the node runs the command once
+(cli/node.py); `function: module:name` (air_magic's) is the function itself on every rank, as `@distributed` runs
+it. `Job.prepare(run_dir)` writes what the nodes read (cli/files.py) before the call starts. Not for: starting or
+following the call (cli/main.py, calls/detached.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..errors import AirMagicError
 from ..job import JobSpec
 from . import dependencies, schema, snapshot, topology
 from .files import WorkloadDir
+from .layer import Layer
 from .schema import JobFileError
 from .yamlfile import apply_override, read
 
@@ -64,6 +67,7 @@ class Job:
     nodes: topology.Topology | None  # a command workload's; None for a function
     secrets: dict[str, str] = field(default_factory=dict)
     lacking: list[str] = field(default_factory=list)
+    layer: Layer | None = None  # where what it lacks is installed at `run`
     notices: list[str] = field(default_factory=list)
 
     @property
@@ -78,6 +82,10 @@ class Job:
     @property
     def idempotency_token(self) -> str | None:
         return self.data.get("idempotency_token")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes.nodes if self.nodes is not None else int((self.data["compute"] or {}).get("num_nodes", 1))
 
     @property
     def root(self) -> Path:
@@ -97,7 +105,16 @@ class Job:
             why = self.nodes.refusal(detect())
             if why:
                 return why
-        return dependencies.refusal(self.lacking) if self.lacking else None
+        return dependencies.refusal(self.lacking, self.num_nodes)
+
+    def install(self, say: Any) -> None:
+        """Refuse what this machine cannot run, then install what the environment lacks into the cached layer
+        (made once; `say` is told which), before anything starts; JobFileError if it cannot be installed."""
+        why = self.refusal()
+        if why:
+            raise JobFileError(why)
+        if self.layer is not None:
+            self.layer.ensure(say)
 
     def node(self) -> dict[str, Any]:
         """What each node's rank gets (cli/node.py's run_node)."""
@@ -108,7 +125,7 @@ class Job:
             shipped = {
                 "command": self.data["command"],
                 "hyperparameters": self._hyperparameters(),
-                "code_source": self._archive(),
+                "code_source": self.code.archive() if self.code is not None else None,
             }
         return {
             "files": shipped,
@@ -118,6 +135,7 @@ class Job:
             "env_variables": {k: _text(v) for k, v in (self.data.get("env_variables") or {}).items()},
             "secrets": self.secrets,
             "run_name": self.name,
+            "layer": None if self.layer is None else self.layer.env({}),
         }
 
     def target(self) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
@@ -163,7 +181,7 @@ class Job:
                 num_nodes=compute.get("num_nodes", 1),
                 timeout=minutes * 60 if minutes else None,
                 max_restarts=self.max_retries,
-                env={"CODE_SOURCE_PATH": str(self.root)},
+                env={"CODE_SOURCE_PATH": str(self.root), **(self.layer.env(dict(os.environ)) if self.layer else {})},
             )
             settings.resolve()
             return settings
@@ -175,6 +193,8 @@ class Job:
         if why:
             raise JobFileError(why)
         settings = self.settings()
+        if self.layer is not None:
+            self.layer.on_sys_path()  # the function is imported here, and the ranks get this sys.path
         target, args, kwargs = self.target()
         if settings.num_nodes > 1:
             join_ray(settings.num_nodes, *([self.nodes.one_node()] if self.nodes is not None else []))
@@ -187,6 +207,8 @@ class Job:
 
         files = WorkloadDir(run_dir)
         files.config.write_text(yaml.safe_dump(self.data, sort_keys=False))
+        if self.layer is not None and self.layer.log.exists():
+            files.install_log.write_bytes(self.layer.log.read_bytes())
         if self.nodes is None:
             files.write_info(self.info())
             return
@@ -201,34 +223,6 @@ class Job:
         import yaml
 
         return yaml.safe_dump(self.data["parameters"], sort_keys=False) if self.data.get("parameters") else None
-
-    def _archive(self) -> bytes | None:
-        """The code snapshot as a tar archive, taken now (for nodes that are other machines)."""
-        if self.code is None:
-            return None
-        import io
-        import tarfile
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="air_magic-snapshot-") as tmp:
-            taken = self.code.take(Path(tmp))
-            buffer = io.BytesIO()
-            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-                tar.add(taken, arcname=taken.name)
-        return buffer.getvalue()
-
-    def secret_sources(self) -> dict[str, str]:
-        """Each secret's reference and whether this machine has it (never its value)."""
-        from . import secrets
-
-        found = {}
-        for name, ref in (self.data.get("secrets") or {}).items():
-            try:
-                secrets.resolve({name: ref})
-                found[name] = f"{ref} (found)"
-            except JobFileError:
-                found[name] = f"{ref} (missing: set {secrets.env_name(ref)}, or add it to {secrets.store_path()})"
-        return found
 
     def info(self) -> dict[str, Any]:
         """What `get` and `list` show of the workload beside the call."""
@@ -262,13 +256,16 @@ class Job:
             variables += ["MLFLOW_TRACKING_URI"] + (["CODE_SOURCE_PATH"] if self.code is not None else [])
             variables += ["HYPERPARAMETERS_PATH"] if self.data.get("parameters") else []
             out["variables"] = variables + list(self.data.get("env_variables") or {})
-            out["secrets"] = self.secret_sources()
+            from . import secrets
+
+            out["secrets"] = secrets.sources(self.data.get("secrets") or {})
         else:
             out["function"] = self.data["function"]
             out["args"] = self.data.get("args") or []
             out["kwargs"] = self.data.get("kwargs") or {}
         out["code_source"] = self.code.describe() if self.code is not None else None
         out["would_install"] = self.lacking
+        out["install_into"] = self.layer.describe() if self.layer is not None else None
         out["max_retries"] = self.max_retries
         out["timeout_minutes"] = self.data.get("timeout_minutes")
         out["ignored_fields"] = self.notices
@@ -291,10 +288,11 @@ def load(path: str | os.PathLike[str], overrides: list[str] = (), say: Any = Non
     nodes = topology.of(data["compute"]) if data.get("command") is not None else None
     if code is not None:
         code.check()
-    lacking = dependencies.missing(
-        dependencies.entries_of((data.get("environment") or {}).get("dependencies"), base), base
-    )
+    wanted = dependencies.entries_of((data.get("environment") or {}).get("dependencies"), base)
     name = data.get("mlflow_run_name") or data.get("experiment_name")
     if not name:
         name = str(data.get("function", "")).partition(":")[2] or "job"
-    return Job(file, data, name, code, nodes, lacking=lacking, notices=schema.ignored(data))
+    job = Job(file, data, name, code, nodes, lacking=dependencies.missing(wanted, base), notices=schema.ignored(data))
+    if job.lacking and dependencies.refusal(job.lacking, job.num_nodes) is None:  # installed at `run`
+        job.layer = Layer.of(wanted, base, job.lacking)
+    return job

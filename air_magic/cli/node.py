@@ -75,8 +75,10 @@ RANK_HOOK_DIR = Path(__file__).resolve().parent / "rank_hook"
 def node_env(
     base: dict[str, str], node: dict[str, Any], files: WorkloadDir, cwd: Path, rank_dir: Path | None = None
 ) -> dict[str, str]:
-    """The command's environment: `base` without the rank's variables, plus the runtime's and the file's; with
-    `rank_dir`, the rank hook first on PYTHONPATH, so the ranks its launcher starts keep their files there."""
+    """The command's environment: `base` without the rank's variables, plus the runtime's and the file's; the
+    cached environment of the missing dependencies (cli/layer.py), if any, first on PATH (its `python`) and on
+    PYTHONPATH (for your environment's Pythons: torchrun's and its ranks'); with `rank_dir`, the rank hook first on
+    PYTHONPATH, so the ranks its launcher starts keep their files there."""
     env = {k: v for k, v in base.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env.update(
         {
@@ -96,6 +98,10 @@ def node_env(
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(node.get("env_variables") or {})
     env.update(node.get("secrets") or {})
+    layer = node.get("layer")
+    if layer:  # {"PATH": its bin, "PYTHONPATH": its site-packages}
+        for name in ("PATH", "PYTHONPATH"):
+            env[name] = os.pathsep.join([layer[name], *filter(None, [env.get(name)])])
     if rank_dir is not None and env.get(envvars.RANK_HOOK) != "0":
         env[envvars.RANK_DIR] = str(rank_dir)
         env["PYTHONPATH"] = os.pathsep.join([str(RANK_HOOK_DIR), *filter(None, [env.get("PYTHONPATH")])])

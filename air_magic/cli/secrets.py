@@ -71,3 +71,15 @@ def resolve(secrets: dict[str, str]) -> dict[str, str]:
     if missing:
         raise JobFileError(f"secrets not found on this machine: {'; '.join(missing)}")
     return values
+
+
+def sources(secrets: dict[str, str]) -> dict[str, str]:
+    """Each secret's reference and whether this machine has it (never its value)."""
+    found = {}
+    for name, ref in secrets.items():
+        try:
+            resolve({name: ref})
+            found[name] = f"{ref} (found)"
+        except JobFileError:
+            found[name] = f"{ref} (missing: set {env_name(ref)}, or add it to {store_path()})"
+    return found

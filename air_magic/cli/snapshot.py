@@ -127,6 +127,17 @@ class Snapshot:
                         f"code_source.snapshot.include_paths: {entry!r} does not exist at {sha[:12]}"
                     ) from None
 
+    def archive(self) -> bytes:
+        """The code as a gzipped tar archive, taken now (for nodes that are other machines)."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="air_magic-snapshot-") as tmp:
+            taken = self.take(Path(tmp))
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+                tar.add(taken, arcname=taken.name)
+        return buffer.getvalue()
+
     def take(self, dest: Path) -> Path:
         """Copy the code into `dest`/<root's name>; that directory."""
         self.check()

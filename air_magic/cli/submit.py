@@ -3,7 +3,9 @@ detached call (calls/detached.py) and print its id, or follow it (`--watch`).
 
 A repeat `run` with the same `idempotency_token` (or `--idempotency-key`) returns the existing run and starts
 nothing. Fields with no meaning on one machine are named in one notice line on stderr; each `--override` says
-what it changed. Not for: the file's fields (cli/jobfile.py) or following a run (cli/watch.py, cli/events.py).
+what it changed. What the environment lacks of the file's dependencies is installed first, into a cached
+environment (cli/layer.py), in one line. Not for: the file's fields (cli/jobfile.py) or following a run
+(cli/watch.py, cli/events.py).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"Submitted workload with Run ID: {found.name}")
         return _watch(found, args.json, submitted=False) if args.watch else 0
     job.resolve_secrets()
+    job.install(_say)  # what the environment lacks, into the cached environment, before anything starts
     spec = job.spec()
     if not args.json:
         print(f"Submitting experiment: {job.experiment_name or job.name}", flush=True)
