@@ -1,10 +1,8 @@
 """The run directory: where each call's record lives on this machine, and the privacy rules for it.
 
-This is the only module that builds paths inside the runs root. A call's
-directory (mode 0700) holds, per rank, its log (`rank-N.log`, the loss-free
-record of everything it wrote), its pickled result and its error record, plus
-the call's payload and job description. Files are created 0600 and never
-follow a name another user could have planted.
+This is the only module that builds paths inside the runs root. A call's directory (mode 0700) holds, per rank,
+its log (`rank-N.log`, the loss-free record of everything it wrote), its pickled result and its error record,
+plus the call's payload and job description. Files are 0600 and never follow a name another user could plant.
 
 A call that restarts (max_restarts) runs every attempt in the same directory:
 each log goes on after a marker line (`attempt_marker`), and what the earlier
@@ -199,8 +197,7 @@ class RunDir:
         return self.path / f"rank-{rank}.steps.json"
 
     def trace(self, rank: int, number: int = 0) -> Path:
-        """The rank's torch.profiler trace of its profiled steps (Chrome trace JSON; launch/rank/profiler.py): of
-        `profile=N` (number 0), or of the call's `number`th `handle.profile()`."""
+        """The rank's torch.profiler trace (Chrome JSON): of `profile=N` (0), or of the `number`th handle.profile()."""
         return self.path / (f"rank-{rank}.trace.json" if not number else f"rank-{rank}.trace-{number}.json")
 
     def profile_window(self, rank: int, number: int = 0) -> Path:
@@ -208,15 +205,13 @@ class RunDir:
         return self.path / (f"rank-{rank}.profile.json" if not number else f"rank-{rank}.profile-{number}.json")
 
     def profile_summary(self, number: int = 0) -> Path:
-        """What the profile `number` (as `trace`'s) found, as JSON (profiling/listener.py writes it, `Profile.record`);
-        the call's record lists every one the call has (calls/record.py)."""
+        """What profile `number` (as `trace`'s) found, as JSON (`Profile.record`), for the call's record."""
         return self.path / ("profile.summary.json" if not number else f"profile-{number}.summary.json")
 
     def profile_summaries(self) -> list[Path]:
         """Every profile summary of the call, `profile=N`'s first, then `handle.profile()`'s in their order."""
         numbered = sorted(self.path.glob("profile-*.summary.json"), key=lambda p: int(p.name.split(".")[0][8:]))
-        first = self.profile_summary()
-        return ([first] if first.exists() else []) + numbered
+        return [p for p in [self.profile_summary()] if p.exists()] + numbered
 
     def merged(self, number: int = 0) -> Path:
         """Every rank's trace in one file, a process per rank, clocks aligned (profiling/merge.py)."""
@@ -238,8 +233,7 @@ class RunDir:
         return self.path / f"rank-{rank}.memory.pickle"
 
     def carried_back(self, rank: int) -> list[Path]:
-        """The files of a rank on another machine that come back to the call's run directory when its call is over,
-        beside its result and error: what profile=N, the memory report and an out-of-memory snapshot left."""
+        """A remote rank's files that come back with its result: profile=N's, its memory report and OOM snapshot."""
         return [self.trace(rank), self.profile_window(rank), self.memory(rank), self.memory_snapshot(rank)]
 
     def memory(self, rank: int) -> Path:
