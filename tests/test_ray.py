@@ -150,7 +150,8 @@ def test_four_ranks_all_reduce_over_two_nodes(cluster):
 @pytest.mark.slow
 def test_a_profile_of_ranks_on_two_nodes_comes_back_whole(cluster):
     """profile=3 over two nodes (with the watch, whose steps it counts): each rank's trace and window travel back from
-    its node with its result, and the Profile holds both ranks, rank 1 the slowest by its compute, with a merged trace of both."""
+    its node with its result, and the Profile holds both ranks, rank 1 the slowest by its compute, with a merged
+    trace of both."""
     import json
 
     from air_magic.profiling.listener import Profiler
