@@ -153,13 +153,21 @@ def test_an_interrupt_with_restarts_left_ends_the_call_without_a_restart(restart
     assert left == [], [(p.pid, p.cmdline()) for p in left]
 
 
-def killed_once_hot():
+def killed_once_hot(started: str):
+    """Rank 1 kills itself in attempt 0 once rank 0 has said its pid (the file `started`), not before: rank 0's
+    first line is what the test reads."""
     import os
     import signal
+    import time
 
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     print(f"PID {os.getpid()} attempt {attempt}", flush=True)
+    if attempt == 0 and os.environ["RANK"] == "0":
+        open(started, "w").close()
     if attempt == 0 and os.environ["RANK"] == "1":
+        deadline = time.monotonic() + 120
+        while not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     import torch.distributed as dist
 
@@ -170,10 +178,10 @@ def killed_once_hot():
 
 
 @pytest.mark.usefixtures("here_runs")
-def test_hot_ranks_that_fail_end_and_the_restart_runs_in_fresh_ranks():
+def test_hot_ranks_that_fail_end_and_the_restart_runs_in_fresh_ranks(tmp_path):
     """keep_alive with a killed rank: the failed attempt's hot ranks are ended, the restart gets new processes."""
     try:
-        result = run_here(killed_once_hot, keep_alive=60, max_restarts=1)
+        result = run_here(killed_once_hot, str(tmp_path / "rank-0-started"), keep_alive=60, max_restarts=1)
         text = (result.run_dir / "rank-0.log").read_text()
         first = [int(pid) for pid in re.findall(r"PID (\d+) attempt 0", text)]
         assert result.attempts == 2 and len(first) == 1
