@@ -48,8 +48,19 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 KINDS = tuple(dict.fromkeys(kind for kind, _ in PATTERNS))
 
 
+#: A word every pattern needs (case aside): a line without any is ordinary, read with one search instead of all
+#: of PATTERNS (every output line of every rank is read, a flood's millions included).
+_HINT = re.compile(
+    r"memory|kill|signal|watchdog|nccl|async error|net_ib|cuda|segmentation|xid|store|torch\.distributed|composer"
+    r"|streaming|mlflow|command not found|script failed",
+    _I,
+)
+
+
 def kind_of(line: str) -> str | None:
     """The alert kind of `line`, or None."""
+    if not _HINT.search(line):
+        return None
     for kind, pattern in PATTERNS:
         if pattern.search(line):
             return kind
