@@ -58,6 +58,42 @@ for warm in (True, False):
 print(json.dumps(out))
 """
 
+_SLOW_PEER = """
+import json
+from air_magic import distributed
+
+def join(slow_rank):
+    import os, re, time
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+
+    class SlowAfterPublishing(dist.Store):
+        # the rendezvous store, but the slow rank stalls once it has published its own address, before it reads a
+        # peer's: its peers' connections to it are made while it has not yet made its own
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.stalled = inner, None
+        def get(self, key):
+            value = self.inner.get(key)
+            if rank == slow_rank and self.stalled is None and re.search(r"(^|/)[0-9]+$", key):
+                time.sleep(1.5)
+                self.stalled = time.time()
+            return value
+        def set(self, key, value): return self.inner.set(key, value)
+        def add(self, key, n): return self.inner.add(key, n)
+        def check(self, keys): return self.inner.check(keys)
+        def wait(self, keys, timeout=None): return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    inner = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store = SlowAfterPublishing(inner)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    return time.time(), store.stalled
+
+f = distributed(4, accelerator_type="CPU", mlflow=False)(join)
+calls = [f.distributed(3) for _ in range(3)]
+print(json.dumps([[returned - call[3][1] for returned, _ in call[:3]] for call in calls]))
+"""
+
 
 def _run(code: str, tmp_path: Path) -> object:
     root = Path(__file__).resolve().parents[1]
@@ -90,3 +126,13 @@ def test_a_stray_process_does_not_hold_the_results_but_is_gone_before_the_next_c
     for warm, seen in _run(_STRAY, tmp_path).items():
         assert seen["stray alive after the call"], (warm, seen)
         assert not seen["stray alive in the next call"], (warm, seen)
+
+
+@pytest.mark.slow
+def test_no_rank_leaves_init_process_group_before_every_peer_has_joined(tmp_path):
+    """`init_process_group()` returns on a rank only once every rank has made its connections, so a function that
+    returns right after it cannot end its process while a slower peer still connects to it (that peer then failed
+    with gloo's "Connection closed by peer"). Rank 3 stalls 1.5 s inside its init after publishing its address; in
+    each of 3 calls (gloo picks which side of each pair connects at random), ranks 0-2 return after it resumed."""
+    for call in _run(_SLOW_PEER, tmp_path):
+        assert all(after >= 0 for after in call), f"a rank left init before rank 3 had joined: {call}"

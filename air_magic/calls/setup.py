@@ -15,7 +15,7 @@ from .. import envvars
 from ..errors import ConfigurationError
 from ..job import JobSpec
 from ..launch import protocol as p
-from ..launch.env import cpu_launch_env
+from ..launch.env import cpu_launch_env, joined_init_env
 from ..launch.files import flight_recorder
 from ..launch.files.rundir import RunDir
 from ..launch.interface import Launcher
@@ -43,6 +43,7 @@ def job_request(
         # on the ranks' machine: only where the run directory is that machine's)
         env.update(flight_recorder.recorder_env(run_dir.path, env, pipes=spec.num_nodes == 1))
     env["PYTHONUNBUFFERED"] = "1"
+    joined_init_env(env)  # no rank ends while a peer still connects to it
     env[envvars.INTERNAL_RUN_DIR] = str(run_dir.path)
     if "debug" in launcher.supports:
         env[envvars.DEBUG_SERVED] = "1"

@@ -5,8 +5,9 @@ Every launcher (local, hot, Ray) builds a rank's environment with
 was started, and as `torchrun` would set them (Lightning reads
 TORCHELASTIC_RUN_ID to know it runs under torchrun). A CPU rank also gets
 `cpu_launch_env`: what `accelerate launch --cpu` gives its processes, so a
-plain `Accelerator()` joins the world instead of training alone. What else a
-launcher adds (its own bookkeeping variables) it adds itself.
+plain `Accelerator()` joins the world instead of training alone. Every rank
+gets `joined_init_env`. What else a launcher adds (its own bookkeeping
+variables) it adds itself.
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def cpu_launch_env(env: dict[str, str]) -> None:
     (set by the runner) already shares the cores between ranks.
     """
     env.setdefault("ACCELERATE_USE_CPU", "True")
+
+
+def joined_init_env(env: dict[str, str]) -> None:
+    """`init_process_group()` returns once every rank has joined the group, unless the user chose otherwise.
+
+    Without it (torch 2.x's default), a rank leaves `init_process_group()` as soon as its own connections are made:
+    a function or cell that returns right after it (`init_process_group("gloo")` then `get_rank()`) ends that rank's
+    process while a slower peer still connects its gloo pairs to it, and the peer fails with "Connection closed by
+    peer". torch's TORCH_DIST_INIT_BARRIER adds a barrier through the rendezvous store at the end of the call (two
+    store requests a rank), after which every peer's connections are made.
+    """
+    env.setdefault("TORCH_DIST_INIT_BARRIER", "1")
 
 
 def loopback_sockets(env: dict[str, str]) -> None:
