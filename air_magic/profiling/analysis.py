@@ -8,7 +8,9 @@ waits (`air_magic: input`) and blocking collectives (`air_magic: all_reduce
 - CPU ranks, from the steps' thread: `input` is the time in DataLoader waits;
   `collective` the time in blocking collectives, plus the time a gloo (or
   NCCL) operation ran on a thread of its own while the steps' thread ran no
-  operator (DDP's gradient all-reduce, waited for inside `backward()`);
+  operator but a `c10d::` one (DDP's gradient all-reduce, waited for inside
+  `backward()`; or in its own launch, `c10d::allreduce_`, when that returns
+  only once the reduction is done, as on a CPU with more threads than cores);
   `compute` the rest of the step; `idle` 0.
 - GPU ranks, from the GPU's kernels: `compute` the time some kernel other than
   NCCL's ran, `collective` the time NCCL kernels ran alone, `idle` the time no
@@ -48,6 +50,8 @@ INPUT_MARK = "air_magic: input"
 COLLECTIVE_MARK = "air_magic: "
 #: Operations of the communication libraries, run on threads of their own (CPU ranks).
 COMM_PREFIXES = ("gloo:", "nccl:")
+#: The operators that hand a collective to them, on the steps' thread: communication, not compute.
+C10D = "c10d::"
 KERNELS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -170,7 +174,9 @@ def breakdown(trace: RankTrace) -> dict[str, float]:
             if trace.on_main(e) and str(e.get("name", "")).startswith(COLLECTIVE_MARK) and e.get("name") != INPUT_MARK
         ]
         others = trace.spans(lambda e: not trace.on_main(e) and str(e.get("name", "")).startswith(COMM_PREFIXES))
-        busy = trace.spans(lambda e: trace.on_main(e) and e.get("cat") == "cpu_op")
+        ops = trace.spans(lambda e: trace.on_main(e) and e.get("cat") == "cpu_op")
+        launches = trace.spans(lambda e: trace.on_main(e) and str(e.get("name", "")).startswith(C10D))
+        busy = subtract(ops, launches)  # the operators that enclose a launch (autograd's) are not busy during it
         waits = subtract(clip(marks, window), inputs)
         exposed = subtract(subtract(clip(others, window), busy), inputs)
         collective = length(waits + exposed)
@@ -244,7 +250,7 @@ def skew(traces: list[RankTrace]) -> Skew | None:
     for trace in traces:
         seen: Counter[str] = Counter()
         window = (min(s for s, _ in trace.steps()), max(e for _, e in trace.steps()))
-        ops = [e for e in trace.events if str(e.get("name", "")).startswith("c10d::") and e.get("cat") == "cpu_op"]
+        ops = [e for e in trace.events if str(e.get("name", "")).startswith(C10D) and e.get("cat") == "cpu_op"]
         for e in sorted(ops, key=lambda e: e["at"]):
             if window[0] <= e["at"] <= window[1]:
                 arrivals[(e["name"], seen[e["name"]])][trace.rank] = e["at"] + trace.offset

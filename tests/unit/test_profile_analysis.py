@@ -118,6 +118,32 @@ def test_gpu_ranks_split_by_kernels(tmp_path: Path):
     )
 
 
+def test_a_cpu_ranks_wait_in_its_all_reduce_launch_is_collective_and_overlapped_compute_is_not(tmp_path: Path):
+    """A CPU trace of one 100 ms step: the steps' thread (7) computes for 20 ms while a gloo operation runs on thread 9
+    (overlapped: compute), then launches the bucket's all-reduce inside autograd's AccumulateGrad, and the launch
+    returns only once the reduction on thread 9 is done (a rank waiting for its peer, the launching thread not
+    scheduled meanwhile): the 69.7 ms of the reduction inside the launch are collective, not compute."""
+    run = RunDir(tmp_path)
+    main: list[tuple[str, str, float, float]] = [
+        ("user_annotation", "air_magic step 2", 0, 100_000),
+        ("cpu_op", "aten::mm", 0, 20_000),
+        ("cpu_op", "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 20_000, 90_000),
+        ("cpu_op", "c10d::allreduce_", 20_100, 89_900),
+    ]
+    events = [{"ph": "X", "cat": c, "name": n, "pid": 1, "tid": 7, "ts": s, "dur": e - s} for c, n, s, e in main]
+    events += [
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "pid": 1, "tid": 9, "ts": s, "dur": e - s}
+        for s, e in [(5_000, 15_000), (20_200, 90_000)]
+    ]
+    run.trace(0).write_text(json.dumps({"host_name": "a", "traceEvents": events}))
+    profile_windows.write(run.profile_window(0), profile_windows.Window(0, 1, 1, 2, 7, "a", trace=run.trace(0).name))
+    traces, _ = analysis.load(run, 1)
+    row = analysis.breakdown(traces[0])
+    assert row == pytest.approx(
+        {"rank": 0, "step": 0.1, "compute": 0.0303, "collective": 0.0697, "input": 0.0, "idle": 0.0}
+    )
+
+
 def test_ranks_on_other_hosts_are_aligned_on_their_collectives_ends(tmp_path: Path):
     """A rank on another host whose clock is 5 ms ahead is moved back by 5 ms: its blocking collective ends where
     the first rank's does."""
