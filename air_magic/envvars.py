@@ -26,8 +26,8 @@ CPU_SLOTS = "AIR_MAGIC_CPU_SLOTS"
 
 #: Seconds of no progress from which a watched call names a hung rank, at least (default 30; docs/watching.md).
 HANG_AFTER = "AIR_MAGIC_HANG_AFTER"
-#: `1`: the watch measures DDP's gradient all-reduce wait with a communication hook, so a compute straggler under
-#: DDP is named (docs/watching.md); off by default: a profile asked of such a call mid-run reads its wait as compute.
+#: `0`/false/no/off: the watch does not measure DDP's gradient all-reduce wait (launch/rank/ddp_wait.py; on by
+#: default), which then counts as compute: a compute straggler under DDP is not named (docs/watching.md).
 WATCH_DDP = "AIR_MAGIC_WATCH_DDP"
 
 #: A workload file's secret `scope/key`: this prefix, then SCOPE_KEY upper-cased, non-alphanumerics as `_`.

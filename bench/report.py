@@ -187,6 +187,16 @@ NOTES = {
         "results were back after 4.1-5.7 s), after creating its MLflow run (1.1-1.8 s: the notebook's own MLflow "
         "preparation still ran at the call in every probe)."
     ),
+    "ddp_wait-hook.json": (
+        "the design before this one, a communication hook that reduced each bucket as DDP does and timed it (it was "
+        "opt-in, `AIR_MAGIC_WATCH_DDP=1`), measured with this script's earlier version on the same machine the same "
+        "day: two models in each call, the hook on the one made first (not swapped; a later run that swapped them "
+        "every other round met a loaded machine and was dropped). With any hook DDP no longer folds the division by "
+        "the world size into its copy of the gradients into the buckets, so the hook divides them in one more pass "
+        "(about 3 % of the 128 MiB model's step here), and each bucket costs a Python call and a Python callback on "
+        "gloo's thread; the design now measured (`ddp_wait.json`: one model, measured and not by turns) registers no "
+        "hook."
+    ),
     "call_patterns-cpu-loaded.json": (
         "run while other jobs loaded the 2 cores (load 6-12): 5 s after loading, the notebook was still "
         "importing MLflow and creating the fresh store's tables (2.6-3.3 s of its CPU fell in the first call "
@@ -324,6 +334,61 @@ def watch() -> list[str]:
             ],
             rows,
         ),
+    ]
+
+
+def ddp_wait() -> list[str]:
+    names = matching("ddp_wait*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        for c in d["configs"]:
+            measured = statistics.median(r["measured_step_s"] for r in c["rounds"]) * 1000
+            plain = statistics.median(r["plain_step_s"] for r in c["rounds"]) * 1000
+            rows.append(
+                [
+                    machine_of(d, name),
+                    date_of(d),
+                    "–".join(f"{x:.1f}" for x in (min(d["load"]), max(d["load"]))) if d.get("load") else NOT_RECORDED,
+                    f"{d['ranks']} {'GPU' if d.get('gpu') else 'CPU'} ({d.get('backend', '?')})",
+                    d.get("design", NOT_RECORDED),
+                    f"{c['params_mib']:.0f} MiB, {c['bucket_mb']:g} MB buckets ({c['buckets']})",
+                    f"{measured:.2f} ms",
+                    f"{plain:.2f} ms",
+                    f"{c['ratio']:.3f}",
+                    ", ".join(f"{r['ratio']:.3f}" for r in c["rounds"]),
+                    f"{d['per_step_work']['added_us']:.0f} µs" if d.get("per_step_work") else "–",
+                    f"`{name}`",
+                ]
+            )
+    return [
+        "## Measuring DDP's all-reduce wait",
+        "",
+        "`bench/ddp_wait.py`: one DDP model in the ranks of a watched call, trained in blocks of steps with the",
+        "watch's measure of DDP's all-reduce wait (on by default) and without it (`AIR_MAGIC_WATCH_DDP=0`) by turns;",
+        "median step per round, and the median of the rounds' ratios (measured / plain; the rounds' own ratios beside",
+        "it). The measure's own work a step is timed in the bench's process without ranks: a small layer's forward",
+        "and backward with it and without. No GPU figure yet: the session that measured these had no GPU; on GPUs",
+        "(NCCL) the cost is to be measured (`python bench/ddp_wait.py` on a GPU node).",
+        "",
+        *table(
+            [
+                "machine",
+                "date",
+                "load",
+                "ranks",
+                "design",
+                "model (buckets a step)",
+                "measured step",
+                "plain step",
+                "ratio",
+                "rounds",
+                "own work a step",
+                "file",
+            ],
+            rows,
+        ),
+        *notes(names),
     ]
 
 
@@ -821,6 +886,7 @@ SECTIONS: list[Callable[[], list[str]]] = [
     sessions,
     ddp_step,
     watch,
+    ddp_wait,
     profile_latency,
     faults,
     panel,

@@ -2,19 +2,26 @@
 
 DDP reduces gradients in C++ inside `backward()`, so the watch's patches of torch.distributed's Python collectives
 (steps.py) never see it, and a rank that waits there for a slower peer looks as busy computing as the slow one.
-With `AIR_MAGIC_WATCH_DDP=1` in the calling process's environment (off by default: the profile analysis,
-profiling/, of a profile asked of the call mid-run reads the hook's wait as compute), at a DDP module's first
-training forward, unless the user's code registered a communication hook of its own, this module registers one
-(`ddp.register_comm_hook`) that does what DDP does by default (the bucket divided by the group's size, then
-all-reduced: the mean of the ranks' gradients) and notes, for each bucket, when this rank launched it and when the
-reduction completed. The wait of one backward is the time from its last bucket's launch (this rank's gradients are
-all ready) to the last completion: a rank whose peers are slower waits that long; the slowest rank hardly waits.
-`take()` hands the wait of the backwards since the last step boundary to the recorder, which counts it as the
-step's collective wait, so a rank slow in its own compute is the one whose compute is longer.
+DDP launches each bucket's all-reduce as soon as its gradients are ready, and at the end of the backward pass waits
+for them all (its reducer's final callback) before `backward()` returns. This module times that wait with two
+final callbacks of the autograd engine around DDP's: one queued when the backward pass reaches the DDP module's
+output (steps.py calls `watch` with the output of each DDP forward in training), so it runs first, once every
+gradient of the pass is computed (this rank's buckets are all launched); it queues the other, which runs after
+DDP's. The time between them is the step's wait: a rank whose peers are slower waits that long; the slowest rank
+hardly waits (the reduced gradients' copy back into `.grad`, the same on every rank, is in it too). `take()` hands
+the wait of the backwards since the last step boundary to the recorder, which counts it as the step's collective
+wait, so a rank slow in its own compute is the one whose compute is longer.
 
-What it cannot see: a communication hook the user registered (then nothing is measured: DDP allows one hook),
-FSDP (its collectives run in C++ too; its wait counts as compute), and on NCCL only the wait as the completion
-callback sees it. This module imports torch only from a rank's DDP forward, where torch is loaded.
+Nothing of DDP's changes: no communication hook is registered (a hook of the user's is theirs, and its futures'
+wait is measured the same way), its reduction stays its own (C++, the division by the world size fused into the
+gradients' copy), and the cost is a look at the forward's output and three Python calls per backward, not per
+bucket (bench/ddp_wait.py). `AIR_MAGIC_WATCH_DDP=0` in the calling process's environment turns it off.
+
+What it cannot see: FSDP (its collectives run in C++ too; its wait counts as compute), DDP whose output holds no
+tensor the backward pass goes through (a container it cannot open), DDP under compiled autograd (it reduces in
+Python, with no final wait), and on GPUs (NCCL) the wait on the GPU: DDP's final wait there only orders the GPU's
+streams, so the CPU measures little; the GPU's wait shows where the rank's code waits for the GPU. This module
+imports torch only from a rank's DDP forward, where torch is loaded.
 """
 
 from __future__ import annotations
@@ -24,73 +31,91 @@ import threading
 import time
 from typing import Any
 
-from ...envvars import PROFILE, WATCH_DDP
+from ...envvars import WATCH_DDP
 
 _clock = time.perf_counter
 _lock = threading.Lock()
-#: (launched, completed) times of the buckets reduced since the last `take`.
-_launched: list[float] = []
-_completed: list[float] = []
+#: The all-reduce wait, in seconds, of the backwards since the last `take`.
+_waited = 0.0
+#: A DDP forward in training ran and its backward has not reached the DDP output yet.
+_armed = False
+#: When the backward's gradients were all computed (the first final callback ran).
+_computed_at = 0.0
+#: Graph nodes a DDP output's tensors are looked for in, at most (a large dict of outputs is not walked whole).
+NODES = 8
 
 
-def watch(ddp: Any) -> None:
-    """Measure `ddp`'s all-reduce wait from now on, unless it has a communication hook (its user's), is watched
-    already, or the call is profiled (torch.profiler's trace then shows DDP's own all-reduce, profiling/)."""
-    if getattr(ddp, "_air_magic_waits", False) or getattr(ddp, "_air_magic_user_hook", False):
+def enabled() -> bool:
+    """Whether the calling process's environment leaves the measure on (`AIR_MAGIC_WATCH_DDP`, default on)."""
+    return os.environ.get(WATCH_DDP, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def watch(ddp: Any, output: Any) -> None:
+    """The output of a forward of `ddp` in training: the backward pass that goes through it measures DDP's wait
+    (not under compiled autograd, where DDP reduces in Python, with no final wait of its reducer)."""
+    global _armed
+    if getattr(ddp, "_use_python_reducer", False) or not enabled():
         return
-    if os.environ.get(PROFILE) or os.environ.get(WATCH_DDP, "").strip().lower() not in ("1", "true", "yes", "on"):
-        return
-    ddp._air_magic_waits = True
+    nodes = _grad_fns(output)
+    if nodes:
+        _armed = True
+        for node in nodes:
+            register = getattr(node, "register_prehook", None)  # torch 2.0 on
+            if register is not None:
+                register(_reached)
+
+
+def _grad_fns(output: Any) -> list[Any]:
+    """The distinct graph nodes of the tensors in `output` (a tensor, or lists, tuples and dicts of them)."""
+    import torch
+
+    found: dict[int, Any] = {}
+    todo = [output]
+    while todo and len(found) < NODES:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                found.setdefault(id(item.grad_fn), item.grad_fn)
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item[:NODES])
+        elif isinstance(item, dict):
+            todo.extend(list(item.values())[:NODES])
+    return list(found.values())
+
+
+def _reached(grad_outputs: Any) -> None:
+    """The backward pass reached the DDP output: queue the first final callback (before DDP's own, which DDP queues
+    once its last bucket is ready)."""
+    global _armed
+    if _armed:
+        _armed = False
+        _queue(_computed)
+
+
+def _computed() -> None:
+    global _computed_at
+    _computed_at = _clock()
+    _queue(_reduced)  # runs after DDP's final callback, queued meanwhile
+
+
+def _reduced() -> None:
+    global _waited
+    with _lock:
+        _waited += max(0.0, _clock() - _computed_at)
+
+
+def _queue(callback: Any) -> None:
+    from torch.autograd import Variable
+
     try:
-        ddp.register_comm_hook(getattr(ddp, "process_group", None), _timed_allreduce)
-    except RuntimeError:  # a hook registered by other means (a builtin one): DDP keeps it, nothing is measured
+        Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # not inside a backward pass after all: nothing is measured
         pass
-
-
-def user_hook(register: Any) -> Any:
-    """`DistributedDataParallel.register_comm_hook` (or the builtin one), noting that the user chose a hook."""
-
-    def registered(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args and args[-1] is not _timed_allreduce:
-            self._air_magic_user_hook = True
-        return register(self, *args, **kwargs)
-
-    return registered
-
-
-def _timed_allreduce(process_group: Any, bucket: Any) -> Any:
-    """DDP's default reduction of one bucket (the mean over the group: divided by its size, then summed), with the
-    times of its launch and completion noted. The all-reduce is torch's own, not the watch's patched one: it is
-    not a collective of the user's code (the DDP forward counts as it, steps.py)."""
-    import torch.distributed as dist
-
-    group: Any = process_group if process_group is not None else dist.group.WORLD
-    gradients = bucket.buffer()
-    gradients.div_(group.size())
-    all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
-    launched = _clock()
-    work = all_reduce(gradients, group=group, async_op=True)
-
-    def completed(done: Any) -> Any:
-        with _lock:
-            _launched.append(launched)
-            _completed.append(_clock())
-        return done.value()[0]
-
-    return work.get_future().then(completed)
-
-
-# DDP checks a hook's annotations against torch's own types (a bucket must be `dist.GradBucket`); this module
-# imports no torch at import time, so the hook carries none.
-_timed_allreduce.__annotations__ = {}
 
 
 def take() -> float:
     """The all-reduce wait, in seconds, of the backwards since the last call (0 when there were none)."""
+    global _waited
     with _lock:
-        if not _launched:
-            return 0.0
-        wait = max(0.0, max(_completed) - max(_launched))
-        _launched.clear()
-        _completed.clear()
+        wait, _waited = _waited, 0.0
     return wait

@@ -10,7 +10,7 @@ DataLoaders only count input time). Patches made once per process, idle (one glo
   `send`/`recv`): their time is the step's collective wait, and while one runs the rank is "in all_reduce #12
   since t". A collective called inside another (the object collectives call the tensor ones) counts once;
 - DDP's forward, counted as the collective it leads to (a rank that never reaches its forward is behind); DDP's
-  gradient all-reduce runs in C++ inside `backward()`, and its wait is measured by ddp_wait.py's hook.
+  gradient all-reduce runs in C++ inside `backward()`, and its wait is measured by ddp_wait.py.
 
 Not seen: a call with `async_op=True` returns at once and its `wait()` counts as compute; on NCCL a collective
 returns when it is queued on the GPU, so the GPU's wait shows later, where the code waits for the GPU. The rank
@@ -240,8 +240,6 @@ def _patch() -> None:
         pass
     else:
         DDP.forward = _counted_forward(DDP.forward)  # type: ignore[method-assign]
-        DDP.register_comm_hook = ddp_wait.user_hook(DDP.register_comm_hook)  # type: ignore[method-assign]
-        DDP._register_builtin_comm_hook = ddp_wait.user_hook(DDP._register_builtin_comm_hook)  # type: ignore[method-assign]
     c10d = dist.distributed_c10d
     for name in COLLECTIVES:
         fn = getattr(c10d, name, None)
@@ -292,19 +290,22 @@ DDP_ALL_REDUCE = "DDP's gradient all-reduce"
 
 
 def _counted_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Count each DDP forward as the collective its backward() will wait in (DDP's all-reduce, in C++)."""
+    """Count each DDP forward as the collective its backward() will wait in (DDP's all-reduce, in C++), whose wait
+    ddp_wait.py measures from the forward's output."""
 
     @functools.wraps(forward)
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         recorder = _recorder
-        if recorder is not None and self.training and getattr(self, "require_backward_grad_sync", True):
-            ddp_wait.watch(self)
-            now = _clock()
-            recorder.calls += 1
-            recorder.after = (DDP_ALL_REDUCE, recorder.calls, now)
-            recorder.progress = now
-            recorder.changes += 1
-        return forward(self, *args, **kwargs)
+        if recorder is None or not self.training or not getattr(self, "require_backward_grad_sync", True):
+            return forward(self, *args, **kwargs)
+        now = _clock()
+        recorder.calls += 1
+        recorder.after = (DDP_ALL_REDUCE, recorder.calls, now)
+        recorder.progress = now
+        recorder.changes += 1
+        output = forward(self, *args, **kwargs)
+        ddp_wait.watch(self, output)
+        return output
 
     return counted
 
