@@ -82,7 +82,8 @@ def join(slow_rank):
         def set(self, key, value): return self.inner.set(key, value)
         def add(self, key, n): return self.inner.add(key, n)
         def check(self, keys): return self.inner.check(keys)
-        def wait(self, keys, timeout=None): return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+        def wait(self, keys, timeout=None):
+            return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
 
     inner = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     store = SlowAfterPublishing(inner)
