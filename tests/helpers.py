@@ -83,6 +83,9 @@ class CellResult(ErrorOutput):
         return self
 
 
+#: Megabytes one rank prints in the panel's flood tests (test_panel.py, test_browser.py): the tail shown stays bounded
+#: whatever the size; that a 200 MB flood's every byte reaches the log and the listeners is test_faults_output.py's.
+FLOOD_MB = 50
 #: Extra environment for a kernel that must see the node's real GPUs (the suite itself runs the CPU path).
 REAL_NODE = {"AIR_MAGIC_FORCE_CPU": ""}
 

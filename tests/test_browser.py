@@ -9,7 +9,7 @@ import uuid
 
 import psutil
 from browser import BROWSER_MARKS, Notebook, browser_page
-from helpers import ROOT, execute_headless
+from helpers import FLOOD_MB, ROOT, execute_headless
 from kernel_watch import KernelWatch
 from lab import write_notebook
 
@@ -35,12 +35,12 @@ def forever():
         time.sleep(0.2)
 forever.distributed()""",
     "print('next cell ran', 6 * 7)",
-    """@distributed(num_accelerators=2, accelerator_type="CPU")
+    f"""@distributed(num_accelerators=2, accelerator_type="CPU")
 def flood():
     import os, sys
     if os.environ["RANK"] == "0":
-        block = "".join(f"line {i:07d} " + "x" * 86 + "\\n" for i in range(10_000))  # 1 MB
-        for _ in range(200):
+        block = "".join(f"line {{i:07d}} " + "x" * 86 + "\\n" for i in range(10_000))  # 1 MB
+        for _ in range({FLOOD_MB}):
             sys.stdout.write(block)
     print("flood over on rank", os.environ["RANK"])
 flood.distributed()""",
@@ -136,8 +136,9 @@ def test_the_panel_and_a_real_cancel_click_in_jupyterlab(notebooks):
         nb.screenshot("panel-next-cell.png")
 
 
-def test_a_200_mb_flood_leaves_the_page_responsive_and_shows_a_bounded_tail(notebooks):
-    """While a rank prints 200 MB the page keeps answering, and the record ends with a note of the lines left out."""
+def test_a_flood_leaves_the_page_responsive_and_shows_a_bounded_tail(notebooks):
+    """While a rank prints FLOOD_MB megabytes the page keeps answering, and the record ends with a note of the lines
+    left out."""
     with browser_page() as page:
         nb = Notebook(page, notebooks, "panel.ipynb")
         nb.run(0)

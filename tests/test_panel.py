@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers import CellResult, execute_headless, process_env
+from helpers import FLOOD_MB, CellResult, execute_headless, process_env
 from widget_state import WidgetMirror, click, run_cell
 
 #: Real kernels and processes: seconds each.
@@ -283,18 +283,19 @@ forever.distributed()
     assert run_cell(lab_kernel, "21 * 2", WidgetMirror()).check().result == "42"
 
 
-def test_a_200_mb_flood_keeps_a_bounded_tail_and_the_full_log_on_disk(lab_kernel):
-    """A rank printing 200 MB reaches the browser as small bounded updates that say how many lines were left out."""
+def test_a_flood_keeps_a_bounded_tail_and_the_full_log_on_disk(lab_kernel):
+    """A rank printing FLOOD_MB megabytes reaches the browser as small bounded updates (a tenth of the flood at most)
+    that say how many lines were left out; the log on disk has it all."""
     mirror = WidgetMirror()
     out = run_cell(
         lab_kernel,
-        """
+        f"""
 @distributed(num_accelerators=2, accelerator_type="CPU")
 def flood():
     import os, sys
     if os.environ["RANK"] == "0":
-        block = "".join(f"line {i:07d} " + "x" * 86 + "\\n" for i in range(10_000))  # 1 MB
-        for _ in range(200):
+        block = "".join(f"line {{i:07d}} " + "x" * 86 + "\\n" for i in range(10_000))  # 1 MB
+        for _ in range({FLOOD_MB}):
             sys.stdout.write(block)
         print("flood done")
     else:
@@ -312,11 +313,11 @@ run_dir = flood.distributed()[0]
     assert "earlier line(s) not shown" in flood_tab and "rank-0.log" in flood_tab
     shown = int(flood_tab.split("…")[1].split("earlier")[0].replace(",", ""))
     kept = flood_tab.count("\nline ") + flood_tab.count(">line ")
-    assert shown + kept + 1 == 2_000_001  # every line is either shown or counted
+    assert shown + kept + 1 == FLOOD_MB * 10_000 + 1  # every line is either shown or counted
     assert len(flood_tab) < 64 * 1024
-    assert mirror.update_bytes < 20 * 1024 * 1024, "the browser got a bounded stream, not the flood"
+    assert mirror.update_bytes < FLOOD_MB * 1_000_000 / 10, "the browser got a bounded stream, not the flood"
     run_dir = run_cell(lab_kernel, "run_dir", WidgetMirror()).check().result.strip("'")
-    assert os.path.getsize(Path(run_dir) / "rank-0.log") >= 200_000_000
+    assert os.path.getsize(Path(run_dir) / "rank-0.log") >= FLOOD_MB * 1_000_000
     assert "[rank 0]" not in out.stdout
 
 
