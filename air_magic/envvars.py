@@ -34,7 +34,8 @@ WATCH_DDP = "AIR_MAGIC_WATCH_DDP"
 SECRET_PREFIX = "AIR_MAGIC_SECRET_"
 #: The 0600 YAML file of secrets `{scope: {key: value}}` (default ~/.config/air_magic/secrets.yaml).
 SECRETS_FILE = "AIR_MAGIC_SECRETS_FILE"
-#: For a command run's ranks (cli/command_rank.py): `0` turns the rank hook off, `debug` has it say why it failed.
+#: For a command run's ranks (cli/command_rank.py): `0` turns the rank hook off, `no-watch` keeps it but records no
+#: steps for the watch (cli/command_watch.py), `debug` has it say why it failed.
 RANK_HOOK = "AIR_MAGIC_RANK_HOOK"
 #: `never`: `air-magic run` refuses a workload whose `environment.dependencies` are not installed, naming them, instead
 #: of installing them into a cached environment layered over yours (cli/layer.py); unset or `auto`: it installs.

@@ -1,7 +1,8 @@
 """The ranks a command run's own torchrun starts are ranks of the run (the rank hook, cli/command_rank.py): each
 keeps its log (`logs --rank R`, C-level output too, `--minutes`), answers `air-magic stacks` with the stack of
-where it waits, and ends its `should_stop()` loop on `air-magic stop`; the user's own sitecustomize still runs.
-One torchrun run of 2 CPU ranks (gloo) serves every check; the hook's chaining is also checked in a bare process."""
+where it waits, and ends its `should_stop()` loop on `air-magic stop`; the user's own sitecustomize still runs; the
+node's watch names a straggling and a hung rank (cli/command_watch.py). A torchrun run of 2 CPU ranks (gloo) serves
+the first checks, another the watch's; the hook's chaining is also checked in a bare process."""
 
 from __future__ import annotations
 
@@ -54,7 +55,44 @@ timeout_minutes: 5
 command: torchrun --nproc_per_node=2 $CODE_SOURCE_PATH/train.py
 """
 
-CLI_FILES = {"code/train.py": TRAIN, "usersite/sitecustomize.py": USER_SITE}
+#: Rank 1 computes 0.15 s longer than rank 0 in each of 40 steps, then stays away from the next all-reduce for 12 s.
+WATCHED = """\
+import time
+import torch
+import torch.distributed as dist
+import air_magic
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(40):
+    if rank == 1:
+        time.sleep(0.15)
+    dist.all_reduce(torch.ones(1))
+    air_magic.step()
+
+
+def away_from_the_all_reduce():
+    time.sleep(12)
+
+
+if rank == 1:
+    away_from_the_all_reduce()
+dist.all_reduce(torch.ones(1))
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+"""
+
+WATCH_JOB = """\
+experiment_name: cli-watch
+compute: {num_accelerators: 2, accelerator_type: CPU}
+code_source: {type: snapshot, snapshot: {root_path: code}}
+env_variables: {AIR_MAGIC_HANG_AFTER: "3"}
+max_retries: 0
+timeout_minutes: 5
+command: torchrun --nproc_per_node=2 $CODE_SOURCE_PATH/watched.py
+"""
+
+CLI_FILES = {"code/train.py": TRAIN, "code/watched.py": WATCHED, "usersite/sitecustomize.py": USER_SITE}
 
 
 def _rank_log(cli, run_id: str, rank: int) -> Path:
@@ -108,6 +146,50 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_and_stop(cli):
         cli("cancel", run_id)
 
 
+def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_record_and_in_mlflow(cli):
+    """Rank 1 is named a straggler by its compute, then hung (AIR_MAGIC_HANG_AFTER=3 from env_variables) while rank 0
+    waits in the all-reduce it has not reached: both while the run goes on, in `get`'s alerts, as ALERT lines of the
+    node's log in `logs -o json`, and as tags of the attempt's MLflow run; the hung rank's stacks show where it is."""
+    (cli.root / "watch.yaml").write_text(WATCH_JOB)
+    done = cli("run", "-f", "watch.yaml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_id = done.stdout.split("Submitted workload with Run ID: ", 1)[1].split()[0]
+    try:
+
+        def alerts() -> list[dict]:
+            return json.loads(cli("get", run_id, "--json").stdout)["data"]["alerts"]
+
+        wait_until(lambda: any(a["kind"] == "hang" for a in alerts()), 180, "a hang alert while the run goes on")
+        assert json.loads(cli("get", run_id, "--json").stdout)["data"]["status"] == "RUNNING"  # named live
+        ended = cli("get", run_id, "--watch", "-o", "json")
+        assert json.loads(ended.stdout.splitlines()[-1])["data"]["status"] == "SUCCESS", ended.stdout
+    finally:
+        cli("cancel", run_id)
+    got = json.loads(cli("get", run_id, "--json").stdout)["data"]
+    kinds = {(a["kind"], a["rank"]): a["line"] for a in got["alerts"]}
+    assert set(kinds) == {("straggler", 1), ("hang", 1)}, got["alerts"]
+    assert "rank 1 is a straggler" in kinds["straggler", 1] and "its compute" in kinds["straggler", 1]
+    assert "rank 1 hangs" in kinds["hang", 1] and "rank 0 waits in all_reduce" in kinds["hang", 1]
+    stacks = cli.root / "runs" / run_id / "attempts" / "attempt_0" / "node_0" / "rank_1.stacks"
+    assert str(stacks) in kinds["hang", 1] and "away_from_the_all_reduce" in _text(stacks)
+    events = [json.loads(line) for line in cli("logs", run_id, "-o", "json").stdout.splitlines()]
+    alerted = [(e["kind"], e["line"]) for e in events if e.get("type") == "ALERT"]
+    assert alerted == [("straggler", kinds["straggler", 1]), ("hang", kinds["hang", 1])], alerted
+    tags = _mlflow_tags(cli, got["mlflow_run_id"])
+    assert sorted(v.split(":")[0] for k, v in tags.items() if k.startswith("air_magic.alert_")) == [
+        "hang on node 0",
+        "straggler on node 0",
+    ], tags
+
+
+def _mlflow_tags(cli, run_id: str) -> dict[str, str]:
+    check = "import json, mlflow, sys; print(json.dumps(mlflow.get_run(sys.argv[1]).data.tags))"
+    done = subprocess.run(
+        [sys.executable, "-c", check, run_id], cwd=cli.root, env=cli.env, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout)
+
+
 def _python(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
 
@@ -149,3 +231,20 @@ def test_the_hook_chains_to_the_next_sitecustomize_and_imports_nothing_heavy(tmp
     (user / "sitecustomize.py").write_text("raise ValueError('broken on purpose')\n")
     broken = _python(rank_env, "print('runs on')")
     assert broken.stdout == "runs on\n" and "ValueError: broken on purpose" in broken.stderr
+
+
+def test_a_rank_records_its_steps_only_once_its_code_has_imported_torch(tmp_path):
+    """The hook starts the step recorder when the rank's code imports torch, not sooner: a thread count the code sets
+    before that import still holds, and the steps file is there after it."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", envvars.RANK_HOOKED)}
+    env = {**base, "PYTHONPATH": str(RANK_HOOK_DIR), "RANK": "0", "LOCAL_RANK": "0", envvars.RANK_DIR: str(tmp_path)}
+    probe = (
+        "import json, os, sys; before = [m for m in ('air_magic', 'torch') if m in sys.modules]; "
+        "os.environ['OMP_NUM_THREADS'] = '1'; import torch; "
+        "print(json.dumps([before, torch.get_num_threads(), 'air_magic.launch.rank.steps' in sys.modules]))"
+    )
+    done = _python(env, probe)
+    assert json.loads(done.stdout.splitlines()[0]) == [[], 1, True], done.stdout + done.stderr
+    assert (tmp_path / "rank_0.steps.json").exists()
+    off = _python({**env, envvars.RANK_HOOK: "no-watch", envvars.RANK_DIR: str(tmp_path / "off")}, probe)
+    assert json.loads(off.stdout.splitlines()[0]) == [[], 1, False], off.stdout + off.stderr

@@ -12,12 +12,15 @@ launcher itself has no RANK) calls `hook()` here, which makes it a rank of the r
   in `rank_<R>.log.times`, which `logs --minutes` reads (node.py keeps one for the node's log);
 - `STACKS_SIGNAL` makes it write every thread's Python stack into `rank_<R>.stacks` (faulthandler: it answers
   while the rank blocks in C), which `air-magic stacks` asks for;
-- `rank_<R>.json` says its pid (and create time), rank, local rank, node and start, once the above is in place.
+- `rank_<R>.json` says its pid (and create time), rank, local rank, node and start, once the above is in place;
+- once the rank's own code has imported torch (never sooner: variables it sets first, such as OMP_NUM_THREADS, keep
+  their effect), it records its steps into `rank_<R>.steps.json` as a function's rank does (launch/rank/steps.py,
+  which imports the air_magic package then): the node's watch reads them (cli/command_watch.py).
 
 Its children (DataLoader workers, a subprocess) inherit `envvars.RANK_HOOKED` and are not ranks of their own.
 The hook never breaks the process: any failure is silent (`AIR_MAGIC_RANK_HOOK=debug` says it on stderr).
-This module imports nothing heavy (no torch, no IPython, no MLflow, not the air_magic package): the hook loads it
-from its file, with envvars.py. Not for: reading the files back (cli/show.py, cli/stacks.py).
+This module imports nothing heavy (no torch, no IPython, no MLflow, not the air_magic package until torch is in):
+the hook loads it from its file, with envvars.py. Not for: reading the files back (cli/show.py, cli/stacks.py).
 """
 
 from __future__ import annotations
@@ -172,6 +175,51 @@ def _start_tee(log: Path) -> None:
         os.close(write)
 
 
+# -- the steps, once torch is in ----------------------------------------------------------------
+class _AfterImport:
+    """A `sys.meta_path` finder that calls `then()` once module `name`'s body has run, the first time it is
+    imported, and otherwise changes nothing of that import."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the finders after this one
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module, then = loader.exec_module, self.then
+
+        def exec_then(module: ModuleType) -> None:
+            exec_module(module)
+            try:
+                then()
+            except Exception:  # noqa: BLE001, S110 - the rank runs on unwatched
+                pass
+
+        loader.exec_module = exec_then
+        return spec
+
+
+def _record_steps(directory: Path, rank: int) -> None:
+    """Record this rank's steps for the node's watch, from when its code has imported torch."""
+
+    def start() -> None:
+        from air_magic.launch.rank import steps
+
+        steps.start(rank_file(directory, rank, "steps.json"), rank)
+
+    if "torch" in sys.modules:
+        start()
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch", start))
+
+
 # -- the hook ---------------------------------------------------------------------------------
 def _create_time() -> float | None:
     """This process's create time as psutil says it (boot time + start ticks), without psutil; None off Linux."""
@@ -222,6 +270,8 @@ def _become_rank(directory: Path, rank: int, local_rank: int) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(info, f)
     os.replace(path.with_suffix(".tmp"), path)
+    if os.environ.get(_envvars().RANK_HOOK) != "no-watch":
+        _record_steps(directory, rank)
 
 
 def hook() -> None:

@@ -2,9 +2,9 @@
 `logs --follow -o json`.
 
 `follow_json(path, out)` writes `SUBMITTED` (when asked), a `STATUS` line at each change of state, a `LOG` line
-per line of each node's log (an `ALERT` line first when it matches a fatal pattern, watching/fatal_lines.py), and at the
-end the envelope of the run's final state. `log_events(node, text)` gives the events of a finished log. Not
-for: the text a person reads (cli/watch.py).
+per line of each node's log (an `ALERT` line first when it matches a fatal pattern, watching/fatal_lines.py, or is
+the watch's, cli/command_watch.py), and at the end the envelope of the run's final state. `log_events(node, text)`
+gives the events of a finished log. Not for: the text a person reads (cli/watch.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
-from ..watching.fatal_lines import kind_of
+from .command_watch import alert_kind
 from .files import WorkloadDir
 from .output import envelope, event, run_fields, state
 from .watch import LOOK, Lines
@@ -25,7 +25,7 @@ from .watch import LOOK, Lines
 def log_events(node: int, text: str) -> Iterator[str]:
     """The ALERT and LOG lines of `text`, one node's log."""
     for line in text.splitlines():
-        kind = kind_of(line)
+        kind = alert_kind(line)
         if kind is not None:
             yield event("ALERT", node=node, kind=kind, line=line)
         yield event("LOG", node=node, line=line)

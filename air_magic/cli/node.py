@@ -31,7 +31,9 @@ from typing import Any
 from .. import envvars
 from ..envvars import INTERNAL_RUN_DIR
 from ..watching.fatal_lines import kind_of
+from ..watching.listener import hang_after
 from .command_rank import TimeIndex
+from .command_watch import TAGGED, CommandWatch, NodeAlerts
 from .files import WorkloadDir
 
 #: Seconds between SIGTERM and SIGKILL when an attempt's time is up.
@@ -136,7 +138,7 @@ def _tag_alerts(env: dict[str, str], raised: list[dict[str, Any]]) -> None:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient()
-        for i, alert in enumerate(raised[:20]):
+        for i, alert in enumerate(raised[:TAGGED]):
             text = f"{alert['kind']} on node {alert['node']}: {alert['line']}"[:5000]
             client.set_tag(env["MLFLOW_RUN_ID"], f"air_magic.alert_{i}", text)
     except Exception as exc:  # noqa: BLE001 - the alerts stay in the run directory; MLflow is a copy
@@ -204,6 +206,7 @@ def run_node(node: dict[str, Any]) -> int:
     if mlflow_run is not None:
         env["MLFLOW_RUN_ID"] = mlflow_run[1]
     log_path = files.node_log(attempt, node["node_rank"])
+    hang = hang_after(env)  # a bad AIR_MAGIC_HANG_AFTER in env_variables is said before anything starts
     started = time.monotonic()
     proc = subprocess.Popen(
         ["bash", str(files.command)],
@@ -218,29 +221,31 @@ def run_node(node: dict[str, Any]) -> int:
     stream = proc.stdout
 
     out = getattr(sys.stdout, "buffer", None)
-    raised: list[dict[str, Any]] = []
+    alerts = NodeAlerts(files.alerts, attempt, node["node_rank"])
+    written = threading.Lock()  # the command's lines and the watch's, each whole
+
+    def write(raw: bytes) -> None:
+        with written:
+            if out is not None:
+                out.write(raw)
+            else:
+                sys.stdout.write(raw.decode(errors="replace"))
+            sys.stdout.flush()
+            index.note(len(raw))
+            log.write(raw)
+            log.flush()
 
     def copy() -> None:
-        with open(log_path, "ab") as log, open(files.alerts, "ab") as alerts:
-            index = TimeIndex(log_path, log.tell())  # when each line came, for `logs --minutes`
-            for raw in iter(stream.readline, b""):
-                if out is not None:
-                    out.write(raw)
-                else:
-                    sys.stdout.write(raw.decode(errors="replace"))
-                sys.stdout.flush()
-                index.note(len(raw))
-                log.write(raw)
-                log.flush()
-                line = raw.decode(errors="replace").rstrip("\n")
-                kind = kind_of(line)
-                if kind is not None:
-                    alert = {"attempt": attempt, "node": node["node_rank"], "kind": kind, "line": line}
-                    raised.append(alert)
-                    alerts.write((json.dumps({**alert, "time": time.time()}) + "\n").encode())
-                    alerts.flush()
-        index.close()
+        for raw in iter(stream.readline, b""):
+            write(raw)
+            line = raw.decode(errors="replace").rstrip("\n")
+            kind = kind_of(line)
+            if kind is not None:
+                alerts.add(kind, line)
 
+    log = open(log_path, "ab")  # noqa: SIM115 - closed when the command has ended
+    index = TimeIndex(log_path, log.tell())  # when each line came, for `logs --minutes`
+    watch = CommandWatch(rank_dir, alerts, lambda line: write((line + "\n").encode()), hang).start()
     reader = threading.Thread(target=copy, name="air_magic-node-log", daemon=True)
     reader.start()
     limit = node.get("timeout_minutes")
@@ -256,6 +261,11 @@ def run_node(node: dict[str, Any]) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
     reader.join(5.0)
+    watch.stop()
+    if not reader.is_alive():  # else a process the script left holds its output: the reader keeps copying
+        log.close()
+        index.close()
+    alerts.close()
     del store  # node 0's store of the port lives as long as its command
     seconds = time.monotonic() - started
     end = {"exit_code": code, "timed_out": timed_out, "seconds": round(seconds, 3)}
@@ -266,8 +276,8 @@ def run_node(node: dict[str, Any]) -> int:
             mlflow_run[0].set_terminated(mlflow_run[1], status)
         except Exception:  # noqa: BLE001, S110 - the run's end is best effort; the attempt's outcome stands
             pass
-    if raised:
-        _tag_alerts(env, raised)
+    if alerts.raised:
+        _tag_alerts(env, alerts.raised)
     files.node_end(attempt, node["node_rank"]).write_text(json.dumps(end))
 
     def say(text: str) -> None:  # in the rank's log and the attempt's, as the launch script's own lines

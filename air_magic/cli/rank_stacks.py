@@ -20,25 +20,13 @@ from typing import Any
 
 from ..calls import record as call_record
 from .command_rank import STACKS_SIGNAL, rank_file
+from .command_watch import alive
 from .files import WorkloadDir
 from .output import envelope, state
 from .reading import UsageError, find
 
 #: A rank's dump is complete when its stacks file has not grown for this long, in seconds.
 SETTLED = 0.2
-
-
-def _alive(info: dict[str, Any]) -> bool:
-    """The rank's process still runs: its pid is the same process (create time) and not a zombie."""
-    import psutil
-
-    try:
-        proc = psutil.Process(int(info["pid"]))
-        if info.get("create_time") is not None and abs(proc.create_time() - float(info["create_time"])) > 1.0:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
 
 
 def _catches(pid: int) -> bool:
@@ -70,7 +58,7 @@ def _ask(ranks: list[dict[str, Any]], wait: float) -> None:
     deadline = time.monotonic() + wait
     try:
         for rank in ranks:
-            if not rank.get("pid") or not _alive(rank):
+            if not rank.get("pid") or not alive(rank):
                 rank["state"] = "ended"
                 continue
             if not _catches(int(rank["pid"])):

@@ -1,6 +1,6 @@
 """Following a call from a terminal: every rank's lines as they come, prefixed by rank (by node, for a command
-workload, whose command runs once per node), an `ALERT` line after a fatal one (watching/fatal_lines.py), and a status
-line with the runtime's state (cli/output.py).
+workload, whose command runs once per node), an `ALERT` line after a fatal one or the watch's (cli/command_watch.py),
+and a status line with the runtime's state (cli/output.py).
 
 `follow(path)` reads the ranks' logs in the run directory from their first byte (display/follow.py's
 `LogReader`, as a notebook's panel drawn again does) and the call's live record (calls/record.py) until the
@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
-from ..watching.fatal_lines import kind_of
+from .command_watch import alert_kind
 from .files import WorkloadDir
 from .mlflow_ui import follow_link
 from .output import state
@@ -85,7 +85,7 @@ def follow(
         if unit is None:  # a rank that only holds its node's units: the node's lines are its first rank's
             return
         emit(f"[{label} {unit}] {text}")
-        kind = kind_of(text)
+        kind = alert_kind(text)
         if kind is not None:
             emit(f"air-magic: ALERT {kind} on {label} {unit}: {text.strip()}")
 

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .. import envvars
 from ..errors import ConfigurationError
@@ -50,9 +50,10 @@ STACKS_WAIT = 5.0
 Sink = Callable[[dict[str, float], int], None]
 
 
-def hang_after() -> float:
-    """The hang rule's least time, in seconds: $AIR_MAGIC_HANG_AFTER, else 30."""
-    text = os.environ.get(envvars.HANG_AFTER, "").strip()
+def hang_after(env: Mapping[str, str] | None = None) -> float:
+    """The hang rule's least time, in seconds: AIR_MAGIC_HANG_AFTER of `env` (this process's environment if None),
+    else 30."""
+    text = (os.environ if env is None else env).get(envvars.HANG_AFTER, "").strip()
     if not text:
         return HANG_AFTER
     try:

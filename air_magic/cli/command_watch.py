@@ -1,0 +1,159 @@
+"""The watch of a command run's ranks, on each node: stragglers and hangs named from the ranks' step files.
+
+A rank that the command's own launcher started (cli/command_rank.py) records its steps once it has imported torch,
+as a function's rank does (launch/rank/steps.py: DataLoader batches or `air_magic.step()`, time in collectives), into
+`rank_<R>.steps.json` in its node's directory. The node's first rank (cli/node.py) reads those files every second
+while the command runs and judges them with the watch's own rules (watching/detector.py, docs/watching.md). What it
+names is an alert of the attempt, as a fatal line is (`NodeAlerts`): a line in the node's log (`air-magic: watch:
+<kind>: <message>`, which `--watch` and `-o json` turn into ALERT lines: `alert_kind`), a line of `alerts.jsonl`
+(`get`) and, at the attempt's end, a tag of its MLflow run. A hung rank is asked for its stacks (into its
+`rank_<R>.stacks`, what `air-magic stacks` prints). Each node judges its own ranks. Not for: the ranks' side, or a
+function run's watch (watching/listener.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..launch.files import step_times
+from ..watching.detector import HANG_AFTER, Detector
+from ..watching.fatal_lines import kind_of
+from .command_rank import STACKS_SIGNAL
+
+#: How a watch alert starts in the node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
+WATCH_PREFIX = "air-magic: watch: "
+#: Seconds between two readings of the ranks' files.
+PERIOD = 1.0
+#: Alerts of one attempt that become tags of its MLflow run, at most.
+TAGGED = 20
+
+
+def alert_kind(line: str) -> str | None:
+    """The alert a line of a node's log raises: a watch alert's kind (straggler, hang), a fatal line's, or None."""
+    if line.startswith(WATCH_PREFIX):
+        kind, sep, _ = line[len(WATCH_PREFIX) :].partition(": ")
+        if sep and kind.isidentifier():
+            return kind
+    return kind_of(line)
+
+
+def alive(info: dict[str, Any]) -> bool:
+    """The rank's process still runs: its pid is the same process (create time) and not a zombie."""
+    import psutil
+
+    try:
+        proc = psutil.Process(int(info["pid"]))
+        if info.get("create_time") is not None and abs(proc.create_time() - float(info["create_time"])) > 1.0:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+class NodeAlerts:
+    """The alerts of one node's attempt: each a line of `alerts.jsonl`, kept for the MLflow run's tags (`raised`)."""
+
+    def __init__(self, path: Path, attempt: int, node: int) -> None:
+        self.path, self.attempt, self.node = path, attempt, node
+        self.raised: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._file: BinaryIO | None = None
+
+    def add(self, kind: str, line: str, rank: int | None = None) -> None:
+        alert: dict[str, Any] = {"attempt": self.attempt, "node": self.node, "kind": kind, "line": line}
+        if rank is not None:
+            alert["rank"] = rank
+        with self._lock:
+            self.raised.append(alert)
+            if self._file is None:
+                self._file = open(self.path, "ab")  # noqa: SIM115 - kept open for the attempt; close() ends it
+            self._file.write((json.dumps({**alert, "time": time.time()}) + "\n").encode())
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class CommandWatch:
+    """Every `period` seconds while the command runs: read the node's ranks' step files, name what is new, and say
+    it (`say`: a line into the node's log) and record it (`alerts`). `stop()` ends it."""
+
+    def __init__(
+        self,
+        rank_dir: Path,
+        alerts: NodeAlerts,
+        say: Callable[[str], None],
+        hang_after: float = HANG_AFTER,
+        period: float = PERIOD,
+    ) -> None:
+        self.rank_dir, self.alerts, self.say, self.period = rank_dir, alerts, say, period
+        self.detector = Detector(0, hang_after)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="air_magic-command-watch", daemon=True)
+
+    def start(self) -> CommandWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.look()
+            except Exception:  # noqa: BLE001, S112 - a file read half-way now is read whole a second later
+                continue
+
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        """The ranks this node's launcher started, by global rank: what each `rank_<R>.json` says."""
+        found = {}
+        for path in self.rank_dir.glob("rank_*.json"):
+            if not path.name[len("rank_") : -len(".json")].isdigit():
+                continue  # rank_<R>.steps.json
+            try:
+                info = json.loads(path.read_text())
+                found[int(info["rank"])] = info
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return found
+
+    def look(self) -> list[str]:
+        """Read each rank's step file once, judge, and say what is new; the lines said."""
+        now, wall = time.monotonic(), time.time()
+        ranks = self.ranks()
+        for rank in ranks:
+            state = step_times.read(self.rank_dir / f"rank_{rank}.steps.json")
+            if state is not None:
+                self.detector.update(rank, state, now)
+        running = {rank for rank, info in ranks.items() if alive(info)}
+        said = []
+        for alert in self.detector.check(now, wall, running):
+            message = alert.message
+            if alert.kind == "hang":
+                message += self._ask_stacks(ranks[alert.rank])
+            line = f"{WATCH_PREFIX}{alert.kind}: {message}"
+            self.alerts.add(alert.kind, line, alert.rank)
+            self.say(line)
+            said.append(line)
+        return said
+
+    def _ask_stacks(self, info: dict[str, Any]) -> str:
+        """Ask a hung rank for its threads' stacks; how to read them."""
+        if STACKS_SIGNAL is None or info.get("stacks_signal") != STACKS_SIGNAL:
+            return ""
+        try:
+            os.kill(int(info["pid"]), STACKS_SIGNAL)
+        except (OSError, KeyError, TypeError, ValueError):
+            return ""
+        return f"; its threads' stacks are in {self.rank_dir / ('rank_' + str(info['rank']) + '.stacks')}"
