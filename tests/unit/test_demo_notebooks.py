@@ -26,3 +26,17 @@ def test_every_demo_picks_its_backend_in_one_visible_line_and_says_so():
         code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
         assert code.count(line) == 1, f"{path.name}: the backend line should appear exactly once"
         assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), f"{path.name} has outputs"
+
+
+def test_every_demo_notebook_is_valid_for_nbformat_with_an_id_on_each_cell():
+    """nbformat warns about (and will refuse) a cell without an id; every demo is stored clean, without outputs."""
+    import nbformat
+
+    for path in sorted(DEMOS.glob("**/*.ipynb")):
+        if "executed" in path.parts:
+            continue
+        raw = json.loads(path.read_text())
+        missing = [i for i, cell in enumerate(raw["cells"]) if "id" not in cell]
+        assert not missing, f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"
+        nbformat.validate(nbformat.reads(path.read_text(), as_version=4))
+        assert all(not cell.get("outputs") for cell in raw["cells"]), f"{path.name} is stored with outputs"
