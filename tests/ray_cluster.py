@@ -246,7 +246,9 @@ def _free_port() -> int:
 
 
 def _node_args() -> dict:
-    return {"node_ip_address": "127.0.0.1"}
+    """Every node on loopback, without a log monitor: it streams workers' output to drivers, and every driver of the
+    suite joins with log_to_driver=False (a rank's output reaches the notebook through its own log)."""
+    return {"node_ip_address": "127.0.0.1", "include_log_monitor": False}
 
 
 def node_of(cluster, node_id: str):

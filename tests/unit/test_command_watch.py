@@ -1,0 +1,54 @@
+"""The node's watch of a command run's ranks (cli/command_watch.py) on hand-made rank files: which files are ranks,
+what it says and records, and the lines that `--watch` and `-o json` take for alerts."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from air_magic.cli.command_watch import WATCH_PREFIX, CommandWatch, NodeAlerts, alert_kind
+from air_magic.launch.files import step_times
+from air_magic.launch.files.step_times import Collective, RankSteps, Step
+
+
+def _rank(directory: Path, rank: int, compute: float, collective: float) -> None:
+    now = time.time()
+    info = {"pid": os.getpid(), "create_time": None, "rank": rank, "local_rank": rank, "node": 0, "stacks_signal": 0}
+    (directory / f"rank_{rank}.json").write_text(json.dumps(info))
+    steps = tuple(Step(i, compute + collective, 0.0, collective) for i in range(30))
+    state = RankSteps(rank, os.getpid(), now, 30, now, 30, recent=steps, collective=Collective("all_reduce", 31, now))
+    step_times.write(directory / f"rank_{rank}.steps.json", state)
+
+
+def test_a_rank_slower_in_its_compute_is_said_once_as_a_line_and_an_alert_with_its_rank(tmp_path):
+    """Rank 1 computes 0.2 s a step and rank 0 waits for it: one straggler alert, said and recorded with rank 1; a
+    second look says nothing new; the steps files are not taken for ranks' info files."""
+    for rank, (compute, collective) in {0: (0.01, 0.2), 1: (0.2, 0.01)}.items():
+        _rank(tmp_path, rank, compute, collective)
+    said: list[str] = []
+    alerts = NodeAlerts(tmp_path / "alerts.jsonl", attempt=0, node=0)
+    watch = CommandWatch(tmp_path, alerts, said.append)
+    assert sorted(watch.ranks()) == [0, 1] and all("local_rank" in info for info in watch.ranks().values())
+    assert watch.look() == said and len(said) == 1
+    assert said[0].startswith(f"{WATCH_PREFIX}straggler: rank 1 is a straggler") and "its compute" in said[0]
+    assert watch.look() == []
+    alerts.close()
+    (recorded,) = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert {k: recorded[k] for k in ("attempt", "node", "kind", "rank", "line")} == {
+        "attempt": 0,
+        "node": 0,
+        "kind": "straggler",
+        "rank": 1,
+        "line": said[0],
+    }
+    assert alerts.raised == [{k: recorded[k] for k in ("attempt", "node", "kind", "line", "rank")}]
+
+
+def test_the_watchs_lines_and_the_fatal_ones_are_alerts_and_nothing_else_is():
+    assert alert_kind(f"{WATCH_PREFIX}hang: rank 1 hangs: no progress for 31 s") == "hang"
+    assert alert_kind(f"{WATCH_PREFIX}straggler: rank 0 is a straggler: 0.2 s") == "straggler"
+    assert alert_kind("Segmentation fault (core dumped)") == "segfault"
+    assert alert_kind("rank 1 hangs around the garden") is None
+    assert alert_kind(f"{WATCH_PREFIX}no kind here") is None
