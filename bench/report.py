@@ -92,6 +92,21 @@ def table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 
 #: What a result file cannot say about itself, shown under the tables that use it.
 NOTES = {
+    "sessions-cpu-one-door-before.json": (
+        "the code before one owner object with one door (58c659c), run between `sessions-cpu-one-door-after.json` "
+        "and `sessions-cpu-one-door-after-again.json` (the code with it, 9124f39) on a quiet 2-core machine in one "
+        "session (load under 4), 1 rank, 3 repeats, no torch.compile: median call warm 3.31 s / 3.62 s after against "
+        "3.34 s before, hot 1.75 s / 1.72 s against 1.73 s, session 1.62 s / 1.74 s against 1.73 s; first calls "
+        "4.92 s / 4.63 s against 4.61 s (warm). No slowdown beyond the spread of the two after-runs."
+    ),
+    "call_patterns-cpu-one-door-before.json": (
+        "the same before (58c659c) between `call_patterns-cpu-one-door-after.json` and "
+        "`call_patterns-cpu-one-door-after-again.json` (9124f39), 2 CPU ranks, quiet machine: Run All's first call "
+        "4.74 s / 4.63 s after against 4.21 s before (0.48 / 0.53 of its torchrun yardstick, against 0.49); after a "
+        "pause 0.42 s / 0.39 s against 0.44 s; a sweep's calls 2-5 that log 0.21 s / 0.19 s against 0.26 s; hot "
+        "calls 2-5 that log 0.069 s / 0.082 s against 0.083 s. Run All's first call is 0.4-0.5 s later in both "
+        "after-runs, the yardstick's ratio unchanged; the rest no slower."
+    ),
     "launch-cpu-one-door-before.json": (
         "the code before one owner object with one door (58c659c), run between `launch-cpu-one-door-after.json` and "
         "`launch-cpu-one-door-after-again.json` (the code with it) on the 2-core machine in one session, 3 repeats "
