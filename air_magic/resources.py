@@ -27,8 +27,8 @@ never blocks the call: it runs on its own thread and
 
 Imports neither ipywidgets nor mlflow: the display and the tracking read it.
 
-Over 300 lines because sampling CPU, memory and GPU use of a process tree, and the GPU's own readings, is one
-concern with many small parts.
+Over 300 lines because sampling CPU, memory and GPU use of the ranks, and the GPU's own readings, is one concern with
+many small parts (a process tree's figures: launch/tree_usage.py).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import psutil
 from .job import JobResult, JobSpec
 from .launch.files.rank_files import read_usage
 from .launch.files.rundir import RunDir
+from .launch.tree_usage import TreeUsage
 from .listeners import Listener, RunContext
 
 #: Seconds between two samples.
@@ -242,7 +243,7 @@ class ResourceSampler(Listener):
         self._lock = threading.Lock()
         self._latest: dict[int, Usage] = {}
         self._peaks: dict[int, Peak] = {}
-        self._procs: dict[int, psutil.Process] = {}
+        self._trees = TreeUsage()  # each rank's process and its children (launch/tree_usage.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx: RunContext | None = None
@@ -310,17 +311,10 @@ class ResourceSampler(Listener):
                 if found is not None:
                     now[rank] = Usage(*found)
                 continue
-            tree = self._tree(pid)
-            if tree is None:
+            found = self._trees.sample(pid)
+            if found is None:
                 continue  # the rank has exited
-            cpu, memory = 0.0, 0
-            for proc in tree:
-                try:
-                    with proc.oneshot():
-                        cpu += proc.cpu_percent(interval=None)
-                        memory += proc.memory_info().rss
-                except psutil.Error:
-                    continue
+            cpu, memory = found
             gpu = self._gpus.get(rank)
             read = None
             if gpu is not None and self._nvml is not None and self._nvml.ok:
@@ -343,36 +337,6 @@ class ResourceSampler(Listener):
             self.count += 1
         if now:  # merged: a rank that exited before the next hand-over still has its last figures sent
             self._pending.update(metrics(now))
-
-    def _tree(self, pid: int) -> list[psutil.Process] | None:
-        """The rank's process and its descendants (kept between samples: cpu_percent measures since the last call)."""
-        root = self._process(pid)
-        if root is None:
-            return None
-        try:
-            children = root.children(recursive=True)
-        except psutil.Error:
-            return None
-        tree = [root]
-        for child in children:
-            known = self._process(child.pid)
-            if known is not None:
-                tree.append(known)
-        return tree
-
-    def _process(self, pid: int) -> psutil.Process | None:
-        proc = self._procs.get(pid)
-        try:
-            if proc is None or not proc.is_running():
-                proc = psutil.Process(pid)
-                proc.cpu_percent(interval=None)  # the first reading only starts the measurement
-                self._procs[pid] = proc
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-        except psutil.Error:
-            self._procs.pop(pid, None)
-            return None
-        return proc
 
     def _send(self, values: dict[str, float]) -> None:
         if not values or self._ctx is None or self.sink_error is not None:

@@ -149,7 +149,8 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_and_stop(cli):
 def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_record_and_in_mlflow(cli):
     """Rank 1 is named a straggler by its compute, then hung (AIR_MAGIC_HANG_AFTER=3 from env_variables) while rank 0
     waits in the all-reduce it has not reached: both while the run goes on, in `get`'s alerts, as ALERT lines of the
-    node's log in `logs -o json`, and as tags of the attempt's MLflow run; the hung rank's stacks show where it is."""
+    node's log in `logs -o json`, and as tags of the attempt's MLflow run; the hung rank's stacks show where it is;
+    `get` has each rank's node, pid and peak memory."""
     (cli.root / "watch.yaml").write_text(WATCH_JOB)
     done = cli("run", "-f", "watch.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -175,6 +176,10 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     events = [json.loads(line) for line in cli("logs", run_id, "-o", "json").stdout.splitlines()]
     alerted = [(e["kind"], e["line"]) for e in events if e.get("type") == "ALERT"]
     assert alerted == [("straggler", kinds["straggler", 1]), ("hang", kinds["hang", 1])], alerted
+    used = {r["rank"]: r for r in got["command_ranks"]}
+    assert sorted(used) == [0, 1] and not any(r["running"] for r in used.values()), got["command_ranks"]
+    assert all(r["node"] == 0 and r["peak_memory"] > 50 * 2**20 for r in used.values()), got["command_ranks"]  # torch
+    assert "rank 1 (node 0, pid" in cli("get", run_id).stdout
     tags = _mlflow_tags(cli, got["mlflow_run_id"])
     assert sorted(v.split(":")[0] for k, v in tags.items() if k.startswith("air_magic.alert_")) == [
         "hang on node 0",

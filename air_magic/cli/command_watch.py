@@ -7,8 +7,9 @@ while the command runs and judges them with the watch's own rules (watching/dete
 names is an alert of the attempt, as a fatal line is (`NodeAlerts`): a line in the node's log (`air-magic: watch:
 <kind>: <message>`, which `--watch` and `-o json` turn into ALERT lines: `alert_kind`), a line of `alerts.jsonl`
 (`get`) and, at the attempt's end, a tag of its MLflow run. A hung rank is asked for its stacks (into its
-`rank_<R>.stacks`, what `air-magic stacks` prints). Each node judges its own ranks. Not for: the ranks' side, or a
-function run's watch (watching/listener.py).
+`rank_<R>.stacks`, what `air-magic stacks` prints). Each node judges its own ranks. Each look also samples what each
+live rank uses (its process and its children: CPU %, resident memory, and the peak) into `rank_<R>.usage.json`,
+which `get` shows (`command_ranks`). Not for: the ranks' side, or a function run's watch (watching/listener.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..launch.files import step_times
+from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
 from ..watching.fatal_lines import kind_of
 from .command_rank import STACKS_SIGNAL
@@ -97,6 +99,8 @@ class CommandWatch:
     ) -> None:
         self.rank_dir, self.alerts, self.say, self.period = rank_dir, alerts, say, period
         self.detector = Detector(0, hang_after)
+        self.trees = TreeUsage()
+        self.peaks: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="air_magic-command-watch", daemon=True)
 
@@ -137,6 +141,10 @@ class CommandWatch:
             if state is not None:
                 self.detector.update(rank, state, now)
         running = {rank for rank, info in ranks.items() if alive(info)}
+        for rank in running:
+            found = self.trees.sample(int(ranks[rank]["pid"]))
+            if found is not None:
+                self._note_usage(rank, *found)
         said = []
         for alert in self.detector.check(now, wall, running):
             message = alert.message
@@ -148,6 +156,14 @@ class CommandWatch:
             said.append(line)
         return said
 
+    def _note_usage(self, rank: int, cpu: float, memory: int) -> None:
+        self.peaks[rank] = max(self.peaks.get(rank, 0), memory)
+        usage = {"cpu_percent": round(cpu, 1), "memory": memory, "peak_memory": self.peaks[rank], "time": time.time()}
+        path = self.rank_dir / f"rank_{rank}.usage.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(usage))
+        os.replace(tmp, path)
+
     def _ask_stacks(self, info: dict[str, Any]) -> str:
         """Ask a hung rank for its threads' stacks; how to read them."""
         if STACKS_SIGNAL is None or info.get("stacks_signal") != STACKS_SIGNAL:
@@ -157,3 +173,28 @@ class CommandWatch:
         except (OSError, KeyError, TypeError, ValueError):
             return ""
         return f"; its threads' stacks are in {self.rank_dir / ('rank_' + str(info['rank']) + '.stacks')}"
+
+
+def command_ranks(directories: dict[int, Path]) -> list[dict[str, Any]]:
+    """What `get` says of each rank a command's launcher started (`WorkloadDir.command_ranks`): its node, pid, whether
+    it still runs, and what it used when last sampled (`cpu_percent`, `memory`) and at most (`peak_memory`)."""
+    found = []
+    for rank, directory in sorted(directories.items()):
+        try:
+            info = json.loads((directory / f"rank_{rank}.json").read_text())
+        except (OSError, ValueError):
+            info = {}
+        try:
+            usage = json.loads((directory / f"rank_{rank}.usage.json").read_text())
+        except (OSError, ValueError):
+            usage = {}
+        found.append(
+            {
+                "rank": rank,
+                "node": info.get("node"),
+                "pid": info.get("pid"),
+                "running": bool(info) and alive(info),
+                **{key: usage.get(key) for key in ("cpu_percent", "memory", "peak_memory")},
+            }
+        )
+    return found

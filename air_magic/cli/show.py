@@ -24,7 +24,9 @@ from typing import Any
 
 from ..calls import record as call_record
 from ..launch.files.rundir import RunDir
+from ..resources import size_text
 from .command_rank import lines_since, rank_file
+from .command_watch import command_ranks
 from .control import follow_any
 from .events import log_events
 from .files import WorkloadDir
@@ -125,6 +127,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         "profiles": record.get("profiles") or [],
         "workload": info,
         "ranks": ranks_of(path, record),
+        "command_ranks": command_ranks(files.command_ranks(attempts[-1])) if attempts else [],
         **run_fields(path, record),
     }
     if args.json:
@@ -149,6 +152,13 @@ def cmd_get(args: argparse.Namespace) -> int:
         what = rank.get("value") or rank.get("error") or rank.get("value_error") or ""
         if unit is not None:
             print(f"{label} {unit}: {rank['state']} {what}".rstrip())
+    for rank in data["command_ranks"]:
+        used = (
+            "" if rank["memory"] is None else f": CPU {rank['cpu_percent']:.0f}% · memory {size_text(rank['memory'])}"
+        )
+        peak = "" if rank["peak_memory"] is None else f" · peak memory {size_text(rank['peak_memory'])}"
+        now = "running" if rank["running"] else "ended"
+        print(f"rank {rank['rank']} (node {rank['node']}, pid {rank['pid']}, {now}){used}{peak}")
     if record.get("status") == call_record.FAILED:
         print("\n".join(["error:", *(f"  {line}" for line in failures(path, record))]))
     return code

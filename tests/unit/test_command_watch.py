@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from air_magic.cli.command_watch import WATCH_PREFIX, CommandWatch, NodeAlerts, alert_kind
+from air_magic.cli.command_watch import WATCH_PREFIX, CommandWatch, NodeAlerts, alert_kind, command_ranks
 from air_magic.launch.files import step_times
 from air_magic.launch.files.step_times import Collective, RankSteps, Step
 
@@ -44,6 +44,10 @@ def test_a_rank_slower_in_its_compute_is_said_once_as_a_line_and_an_alert_with_i
         "line": said[0],
     }
     assert alerts.raised == [{k: recorded[k] for k in ("attempt", "node", "kind", "line", "rank")}]
+    used = command_ranks({0: tmp_path, 1: tmp_path})  # both "ranks" are this process: alive, sampled
+    pid = os.getpid()
+    assert [(r["rank"], r["node"], r["pid"], r["running"]) for r in used] == [(0, 0, pid, True), (1, 0, pid, True)]
+    assert all(r["peak_memory"] >= r["memory"] > 0 for r in used), used
 
 
 def test_the_watchs_lines_and_the_fatal_ones_are_alerts_and_nothing_else_is():

@@ -84,8 +84,10 @@ class RankActor:
         self.serving = False
         self.calls_in: queue.Queue[Path] = queue.Queue()
         self.next_call: Path | None = None
+        from air_magic.launch.tree_usage import TreeUsage
+
         #: This process and its children as last sampled (cpu_percent measures from one reading to the next).
-        self.procs: dict[int, Any] = {}
+        self.trees = TreeUsage()
         self.sampled = 0.0
         self.steps_seen = 0  # the modification time of the step-times file last sent
         self.preloading = threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True)
@@ -236,24 +238,10 @@ class RankActor:
 
     def usage(self) -> tuple[float, int] | None:
         """CPU % and resident bytes of this rank (its process and every child), at most once a second."""
-        import psutil
-
         if time.monotonic() - self.sampled < _SAMPLE_EVERY:
             return None
         self.sampled = time.monotonic()
-        me = psutil.Process()
-        cpu, memory, procs = 0.0, 0, {}
-        for proc in [me, *me.children(recursive=True)]:
-            known = self.procs.get(proc.pid, proc)
-            try:
-                with known.oneshot():
-                    cpu += known.cpu_percent(interval=None)  # 0 at a process's first reading
-                    memory += known.memory_info().rss
-                procs[proc.pid] = known
-            except psutil.Error:
-                continue
-        self.procs = procs
-        return cpu, memory
+        return self.trees.sample(os.getpid())
 
     def outcome(self) -> RankFiles:
         """The exit code and the bytes of the result or error files the rank left."""
