@@ -26,7 +26,7 @@ from ..launch.files import step_times
 from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
 from ..watching.fatal_lines import kind_of
-from .command_rank import STACKS_SIGNAL
+from .command_rank import STACKS_SIGNAL, rank_file
 
 #: How a watch alert starts in the node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
 WATCH_PREFIX = "air-magic: watch: "
@@ -137,7 +137,7 @@ class CommandWatch:
         now, wall = time.monotonic(), time.time()
         ranks = self.ranks()
         for rank in ranks:
-            state = step_times.read(self.rank_dir / f"rank_{rank}.steps.json")
+            state = step_times.read(rank_file(self.rank_dir, rank, "steps.json"))
             if state is not None:
                 self.detector.update(rank, state, now)
         running = {rank for rank, info in ranks.items() if alive(info)}
@@ -159,7 +159,7 @@ class CommandWatch:
     def _note_usage(self, rank: int, cpu: float, memory: int) -> None:
         self.peaks[rank] = max(self.peaks.get(rank, 0), memory)
         usage = {"cpu_percent": round(cpu, 1), "memory": memory, "peak_memory": self.peaks[rank], "time": time.time()}
-        path = self.rank_dir / f"rank_{rank}.usage.json"
+        path = rank_file(self.rank_dir, rank, "usage.json")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(usage))
         os.replace(tmp, path)
@@ -172,7 +172,7 @@ class CommandWatch:
             os.kill(int(info["pid"]), STACKS_SIGNAL)
         except (OSError, KeyError, TypeError, ValueError):
             return ""
-        return f"; its threads' stacks are in {self.rank_dir / ('rank_' + str(info['rank']) + '.stacks')}"
+        return f"; its threads' stacks are in {rank_file(self.rank_dir, int(info['rank']), 'stacks')}"
 
 
 def command_ranks(directories: dict[int, Path]) -> list[dict[str, Any]]:
@@ -181,11 +181,11 @@ def command_ranks(directories: dict[int, Path]) -> list[dict[str, Any]]:
     found = []
     for rank, directory in sorted(directories.items()):
         try:
-            info = json.loads((directory / f"rank_{rank}.json").read_text())
+            info = json.loads(rank_file(directory, rank, "json").read_text())
         except (OSError, ValueError):
             info = {}
         try:
-            usage = json.loads((directory / f"rank_{rank}.usage.json").read_text())
+            usage = json.loads(rank_file(directory, rank, "usage.json").read_text())
         except (OSError, ValueError):
             usage = {}
         found.append(
