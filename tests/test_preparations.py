@@ -17,13 +17,22 @@ pytestmark = [pytest.mark.usefixtures("here_runs"), pytest.mark.slow]
 #: notebook's own modules do), and a call that names the package anywhere has its preparation finished first.
 PACKAGE = "slow" + "prep"
 #: A module of PACKAGE: its import takes 0.3 s and notes "<pid> m<i>" in `marks` beside the package; the last one
-#: also waits while a file `hold` is there (120 s at most), so that a test can keep the preparation going.
+#: also goes on while a file `hold` is there (120 s at most), so that a test can keep the preparation going. It
+#: imports a new small module every 0.05 s meanwhile: each import is a moment at which the preparation can give way
+#: to a call (it gives way between modules, never inside one), so a call that comes while it is held finds it
+#: able to, however late the call comes.
 MODULE = """
-import os, pathlib, time
+import importlib, os, pathlib, time
 here = pathlib.Path(__file__).parent.parent
 time.sleep(0.3)
 deadline = time.monotonic() + 120
+turn = 0
 while {i} == 9 and (here / "hold").exists() and time.monotonic() < deadline:
+    name = f"tick_{{os.getpid()}}_{{turn}}"
+    (pathlib.Path(__file__).parent / f"{{name}}.py").write_text("")
+    importlib.invalidate_caches()
+    exec(f"import {{__package__}}.{{name}}")  # an import statement: a function's import never gives way
+    turn += 1
     time.sleep(0.05)
 with open(here / "marks", "a") as f:
     f.write(f"{{os.getpid()}} m{i}\\n")
@@ -75,7 +84,9 @@ def slow_preparation(tmp_path, monkeypatch):
 
 def test_a_call_whose_ranks_do_not_need_a_preparation_never_waits_for_it(slow_preparation):
     """Calls that do not name what the helper is preparing come back while it is still at it, back to back (the
-    preparation is held until they are back: a call that waited for it would wait until m9's 120 s ran out)."""
+    preparation is held until they are back: a call that waited for it would wait until m9's 120 s ran out). Held,
+    it still reaches a module boundary every 0.05 s: the first call came after it had entered m9 on a busy machine,
+    when m9 only slept, and waited those 120 s."""
     launcher, marks = slow_preparation
     hold = marks.parent / "hold"
     hold.touch()
