@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 
 from .job import JobResult, JobSpec
+from .launch import nvml
 from .launch.files.rank_files import read_usage
 from .launch.files.rundir import RunDir
 from .launch.tree_usage import TreeUsage
@@ -172,25 +173,6 @@ def rank_gpus(spec: JobSpec, visible: str | None) -> dict[int, str]:
 
 
 # -- sampling -----------------------------------------------------------------------
-_nvml_lock = threading.Lock()
-_nvml_state: list[Any] = []  # [pynvml] once NVML is up in this process, [None] once it could not be
-
-
-def _nvml_session() -> Any:
-    """pynvml with NVML initialized, once per process (a call never pays for its start or shutdown), or None."""
-    with _nvml_lock:
-        if not _nvml_state:
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-            except Exception:  # noqa: BLE001 - not installed, no driver: CPU and memory only
-                _nvml_state.append(None)
-            else:
-                _nvml_state.append(pynvml)
-        return _nvml_state[0]
-
-
 class _Nvml:
     """NVML handles of the GPUs the ranks use; absent (`ok` False) without nvidia-ml-py or a driver."""
 
@@ -199,7 +181,7 @@ class _Nvml:
         self.ok = False
         if not gpus:
             return
-        pynvml = _nvml_session()
+        pynvml = nvml.session()
         if pynvml is None:
             return
         self.nvml = pynvml

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, on a node with NVIDIA GPUs and no network:
 # installs the wheels carried in .whl/ (see docs/contributing.md), then runs the GPU tests and the benchmarks.
-#   bash bench/gpu_run.sh OUTDIR [tests|suite|mlflow|patterns|ray-gpu|phases|scaling|bench|watch|demos]...   (suite: MODULES=..., SUITE_TIMEOUT=...)
+#   bash bench/gpu_run.sh OUTDIR [tests|suite|mlflow|patterns|ray-gpu|phases|scaling|bench|watch|memory|demos]...   (suite: MODULES=..., SUITE_TIMEOUT=...)
 set -u
 out=${1:?output directory}; shift
 # Wheels come in .whl/ and, where one transfer cannot hold them all, in more folders .whl*/ over several
@@ -68,6 +68,10 @@ for what in "$@"; do
         [ "$r" = "$n" ] && break
       done 2>&1 | tee "$out/bench.log" ;;
     watch) timeout 240 python3 bench/watch.py --ranks "$n" --steps 200 --rounds 3 --out "$out/watch-gpu.json" 2>&1 | tail -3 | tee "$out/watch.log" ;;
+    memory)  # the allocation history's cost on a DDP step, then profile=5's latency on GPT-2 small
+      { timeout 280 python3 bench/memory_history.py --out "$out/memory_history.json"
+        timeout 280 python3 bench/profile_latency.py --ranks "$n" --out "$out/profile_latency.json"; } 2>&1 \
+        | grep -v 'WARN' | tail -60 | tee "$out/memory.log" ;;
     demos) timeout 500 python3 bench/gpu_demos.py ${DEMOS:-} 2>&1 | tee "$out/demos.log" ;;
   esac
 done

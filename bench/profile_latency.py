@@ -26,9 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpt2 import GPT2, decoder, train_step
+
 from air_magic import distributed
 
-GPT2 = {"layers": 12, "d_model": 768, "heads": 12, "vocab": 50257}
 #: `air_magic.step()` calls: step k lies between the k-th and the (k+1)-th (from 0), step 0 is left out, the window
 #: warms up on step 1 and counts steps 2 to 6, which the eighth call closes.
 STEPS, PROFILED = 8, 5
@@ -46,27 +47,14 @@ def train(shape: dict, seq: int, batch: int) -> list[float]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if gpu else "gloo")
     device = "cuda" if gpu else "cpu"
-    torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(
-        shape["d_model"], shape["heads"], 4 * shape["d_model"], dropout=0.0, batch_first=True, norm_first=True
-    )
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(shape["vocab"], shape["d_model"]),
-        torch.nn.TransformerEncoder(layer, shape["layers"]),
-        torch.nn.Linear(shape["d_model"], shape["vocab"], bias=False),
-    ).to(device)
+    model = decoder(shape, device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
     g = torch.Generator().manual_seed(int(os.environ["RANK"]))
     ended = []
     for _ in range(STEPS):
         tokens = torch.randint(0, shape["vocab"], (batch, seq + 1), generator=g).to(device)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
-            logits = ddp(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_step(ddp, opt, tokens, device, autocast=gpu)
         if gpu:
             torch.cuda.synchronize()
         air_magic.step()

@@ -8,7 +8,8 @@ names is an alert of the attempt, as a fatal line is (`NodeAlerts`): a line in t
 <kind>: <message>`, which `--watch` and `-o json` turn into ALERT lines: `alert_kind`), a line of `alerts.jsonl`
 (`get`) and, at the attempt's end, a tag of its MLflow run. A hung rank is asked for its stacks (into its
 `rank_<R>.stacks`, what `air-magic stacks` prints). Each node judges its own ranks. Each look also samples what each
-live rank uses (its process and its children: CPU %, resident memory, and the peak) into `rank_<R>.usage.json`,
+live rank uses (its process and its children: CPU %, resident memory, the peak, and the memory they hold on each GPU,
+from NVML's list of processes: launch/nvml.py) into `rank_<R>.usage.json`,
 which `get` shows (`command_ranks`). Not for: the ranks' side, or a function run's watch (watching/listener.py).
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..launch import nvml
 from ..launch.files import step_times
 from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
@@ -144,7 +146,7 @@ class CommandWatch:
         for rank in running:
             found = self.trees.sample(int(ranks[rank]["pid"]))
             if found is not None:
-                self._note_usage(rank, *found)
+                self._note_usage(rank, *found, nvml.gpu_memory_of(self.trees.last_tree))
         said = []
         for alert in self.detector.check(now, wall, running):
             message = alert.message
@@ -156,9 +158,15 @@ class CommandWatch:
             said.append(line)
         return said
 
-    def _note_usage(self, rank: int, cpu: float, memory: int) -> None:
+    def _note_usage(self, rank: int, cpu: float, memory: int, gpus: dict[int, int]) -> None:
         self.peaks[rank] = max(self.peaks.get(rank, 0), memory)
-        usage = {"cpu_percent": round(cpu, 1), "memory": memory, "peak_memory": self.peaks[rank], "time": time.time()}
+        usage = {
+            "cpu_percent": round(cpu, 1),
+            "memory": memory,
+            "peak_memory": self.peaks[rank],
+            "gpus": {str(index): held for index, held in sorted(gpus.items())},
+            "time": time.time(),
+        }
         path = rank_file(self.rank_dir, rank, "usage.json")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(usage))
@@ -177,7 +185,8 @@ class CommandWatch:
 
 def command_ranks(directories: dict[int, Path]) -> list[dict[str, Any]]:
     """What `get` says of each rank a command's launcher started (`WorkloadDir.command_ranks`): its node, pid, whether
-    it still runs, and what it used when last sampled (`cpu_percent`, `memory`) and at most (`peak_memory`)."""
+    it still runs, and what it used when last sampled (`cpu_percent`, `memory`, and `gpus`: the GPU memory its processes
+    held, by GPU index) and at most (`peak_memory`)."""
     found = []
     for rank, directory in sorted(directories.items()):
         try:
@@ -195,6 +204,7 @@ def command_ranks(directories: dict[int, Path]) -> list[dict[str, Any]]:
                 "pid": info.get("pid"),
                 "running": bool(info) and alive(info),
                 **{key: usage.get(key) for key in ("cpu_percent", "memory", "peak_memory")},
+                "gpus": usage.get("gpus") or {},
             }
         )
     return found

@@ -157,6 +157,7 @@ def cmd_get(args: argparse.Namespace) -> int:
             "" if rank["memory"] is None else f": CPU {rank['cpu_percent']:.0f}% · memory {size_text(rank['memory'])}"
         )
         peak = "" if rank["peak_memory"] is None else f" · peak memory {size_text(rank['peak_memory'])}"
+        peak += "".join(f" · GPU {index} {size_text(held)}" for index, held in rank.get("gpus", {}).items())
         now = "running" if rank["running"] else "ended"
         print(f"rank {rank['rank']} (node {rank['node']}, pid {rank['pid']}, {now}){used}{peak}")
     if record.get("status") == call_record.FAILED:

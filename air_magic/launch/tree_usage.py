@@ -16,6 +16,8 @@ class TreeUsage:
 
     def __init__(self) -> None:
         self._procs: dict[int, psutil.Process] = {}
+        #: The pids of the tree that the last `sample` read (its root first).
+        self.last_tree: list[int] = []
 
     def sample(self, pid: int) -> tuple[float, int] | None:
         root = self._process(pid)
@@ -26,9 +28,11 @@ class TreeUsage:
         except psutil.Error:
             return None
         cpu, memory = 0.0, 0
+        self.last_tree = []
         for proc in [root, *(self._process(child.pid) for child in children)]:
             if proc is None:
                 continue
+            self.last_tree.append(proc.pid)
             try:
                 with proc.oneshot():
                     cpu += proc.cpu_percent(interval=None)

@@ -56,3 +56,41 @@ def test_the_watchs_lines_and_the_fatal_ones_are_alerts_and_nothing_else_is():
     assert alert_kind("Segmentation fault (core dumped)") == "segfault"
     assert alert_kind("rank 1 hangs around the garden") is None
     assert alert_kind(f"{WATCH_PREFIX}no kind here") is None
+
+
+class _ProcessesNvml:
+    """Stands in for nvidia-ml-py: two GPUs; GPU 1 lists this process (3 GiB) and another one, GPU 0 only others."""
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
+        entry = type("Process", (), {})
+        mine = entry()
+        mine.pid, mine.usedGpuMemory = os.getpid(), 3 << 30
+        other = entry()
+        other.pid, other.usedGpuMemory = 1, 7 << 30
+        return [mine, other] if handle == 1 else [other]
+
+
+def test_the_gpu_a_rank_holds_memory_on_is_in_its_usage_and_in_get(tmp_path, monkeypatch):
+    """A command's rank picks its GPU itself: the watch finds it in NVML's list of processes (this process on GPU 1,
+    3 GiB; other processes and GPU 0 left out) and writes it to the usage file that `get` reads."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pynvml", _ProcessesNvml())
+    monkeypatch.setattr("air_magic.launch.nvml._state", [])
+    _rank(tmp_path, 0, 0.01, 0.01)
+    watch = CommandWatch(tmp_path, NodeAlerts(tmp_path / "alerts.jsonl", attempt=0, node=0), lambda line: None)
+    watch.look()
+    (used,) = command_ranks({0: tmp_path})
+    assert used["gpus"] == {"1": 3 << 30}, used

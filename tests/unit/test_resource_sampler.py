@@ -157,7 +157,7 @@ def test_each_rank_reads_its_own_gpu_through_nvml(tmp_path: Path, monkeypatch):
     UUID's device; their memory, utilization and peaks reach the sample, the metrics and the record's words."""
     nvml = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    monkeypatch.setattr("air_magic.resources._nvml_state", [])  # this process's NVML session, not started yet
+    monkeypatch.setattr("air_magic.launch.nvml._state", [])  # this process's NVML session, not started yet
     ctx = RunContext(spec(2, "GPU_2xH100", CUDA_VISIBLE_DEVICES="0,GPU-one"), tmp_path, [])
     ctx.pids.update({0: os.getpid(), 1: os.getpid()})
     sampler = ResourceSampler(period=0.05)
