@@ -896,6 +896,40 @@ def profile_latency() -> list[str]:
     ]
 
 
+def memory_history() -> list[str]:
+    names = matching("memory_history*.json")
+    rows = []
+    for name in names:
+        d = load(name)
+        shape = d["shape"]
+        off, on = (statistics.median(d["step_ms"][mode]) for mode in ("off", "on"))
+        rows.append(
+            [
+                machine_of(d, name),
+                date_of(d),
+                load_of(d),
+                d["ranks"],
+                f"{shape['batch']} x {shape['seq']}",
+                ", ".join(f"{v:.1f}" for v in d["step_ms"]["off"]),
+                ", ".join(f"{v:.1f}" for v in d["step_ms"]["on"]),
+                f"{d['ratio_on_to_off']:.3f}",
+                f"`{name}`",
+            ]
+        )
+    return [
+        "## Memory history",
+        "",
+        "`bench/memory_history.py`: the same DDP training of a GPT-2-small-shaped decoder with `memory_history` off and",
+        "on, alternately, in one run; each round's median step (ms, the slowest rank's) and the ratio of the medians.",
+        "air_magic keeps the history off by default unless it costs 1 % or less.",
+        "",
+        *table(
+            ["machine", "date", "load", "ranks", "tokens", "step off (ms)", "step on (ms)", "on / off", "file"], rows
+        ),
+        *notes(names),
+    ]
+
+
 SECTIONS: list[Callable[[], list[str]]] = [
     launch,
     sessions,
@@ -903,6 +937,7 @@ SECTIONS: list[Callable[[], list[str]]] = [
     watch,
     ddp_wait,
     profile_latency,
+    memory_history,
     faults,
     panel,
     mlflow_launch,

@@ -222,13 +222,14 @@ def demo_dir(tmp_path: Path) -> Path:
 def cli(tmp_path_factory, request):
     """`air-magic ARGS` as a user runs it, in a private directory (its own runs root and MLflow store) holding the
     module's `CLI_FILES` ({path: text}): `cli(...)` waits and returns the CompletedProcess, `cli.start(...)` returns
-    the running Popen (output in its stdout); `cli.root` and `cli.env` are the directory and environment."""
+    the running Popen (output in its stdout); `cli.root` and `cli.env` are the directory and environment. A module's
+    `KERNEL_ENV` is added to that environment, as to its kernels' (GPU tests pass helpers.REAL_NODE)."""
     root = tmp_path_factory.mktemp("cli")
     (root / "runs").mkdir()
     for name, text in getattr(request.module, "CLI_FILES", {}).items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    env = process_env(kernel_env(root))
+    env = process_env(kernel_env(root, **getattr(request.module, "KERNEL_ENV", {})))
 
     def start(*args: str) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "air_magic.cli", *args]

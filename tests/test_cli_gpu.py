@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from helpers import gpu_count
+from helpers import REAL_NODE, gpu_count
 
 pytestmark = [
     pytest.mark.slow,
@@ -19,6 +19,8 @@ pytestmark = [
     pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
 ]
 
+#: The command line of this module sees the node's GPUs (the rest of the suite runs the CPU path).
+KERNEL_ENV = REAL_NODE
 WORKLOADS = Path(__file__).parent / "workloads"
 
 TRAIN = """\
