@@ -1,4 +1,4 @@
-"""A GPT-2-small-shaped decoder (torch only, no download) and a seeded batch of tokens, for the benchmarks that
+"""A GPT-2-small-shaped decoder (torch only, no download) and one training step of it, for the benchmarks that
 train one: bench/profile_latency.py and bench/memory_history.py. (No command line: other scripts use it.)"""
 
 from __future__ import annotations

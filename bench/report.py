@@ -902,7 +902,6 @@ def memory_history() -> list[str]:
     for name in names:
         d = load(name)
         shape = d["shape"]
-        off, on = (statistics.median(d["step_ms"][mode]) for mode in ("off", "on"))
         rows.append(
             [
                 machine_of(d, name),
@@ -919,8 +918,9 @@ def memory_history() -> list[str]:
     return [
         "## Memory history",
         "",
-        "`bench/memory_history.py`: the same DDP training of a GPT-2-small-shaped decoder with `memory_history` off and",
-        "on, alternately, in one run; each round's median step (ms, the slowest rank's) and the ratio of the medians.",
+        "`bench/memory_history.py`: the same DDP training of a GPT-2-small-shaped decoder with `memory_history` off",
+        "and on, alternately, in one run; each round's median step (ms, the slowest rank's) and the ratio of the",
+        "medians.",
         "air_magic keeps the history off by default unless it costs 1 % or less.",
         "",
         *table(
