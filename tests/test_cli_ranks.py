@@ -150,7 +150,8 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     """Rank 1 is named a straggler by its compute, then hung (AIR_MAGIC_HANG_AFTER=3 from env_variables) while rank 0
     waits in the all-reduce it has not reached: both while the run goes on, in `get`'s alerts, as ALERT lines of the
     node's log in `logs -o json`, and as tags of the attempt's MLflow run; the hung rank's stacks show where it is;
-    `get` has each rank's node, pid and peak memory."""
+    `get` has each rank's node, pid and peak memory; the run's metrics have each rank's step times (rank 1's compute
+    the longer) and memory, named as a function run's."""
     (cli.root / "watch.yaml").write_text(WATCH_JOB)
     done = cli("run", "-f", "watch.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -180,19 +181,24 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     assert sorted(used) == [0, 1] and not any(r["running"] for r in used.values()), got["command_ranks"]
     assert all(r["node"] == 0 and r["peak_memory"] > 50 * 2**20 for r in used.values()), got["command_ranks"]  # torch
     assert "rank 1 (node 0, pid" in cli("get", run_id).stdout
-    tags = _mlflow_tags(cli, got["mlflow_run_id"])
+    tags, metrics = _mlflow_run(cli, got["mlflow_run_id"])
     assert sorted(v.split(":")[0] for k, v in tags.items() if k.startswith("air_magic.alert_")) == [
         "hang on node 0",
         "straggler on node 0",
     ], tags
+    assert metrics["watch/rank_1/compute"] > metrics["watch/rank_0/compute"] + 0.1, metrics  # it slept 0.15 s a step
+    assert metrics["watch/rank_0/collective_wait"] > 0.1 and metrics["watch/rank_1/straggler_lag"] > 0, metrics
+    assert all(metrics[f"system/rank_{r}/memory_mib"] > 50 for r in (0, 1)), metrics
 
 
-def _mlflow_tags(cli, run_id: str) -> dict[str, str]:
-    check = "import json, mlflow, sys; print(json.dumps(mlflow.get_run(sys.argv[1]).data.tags))"
+def _mlflow_run(cli, run_id: str) -> tuple[dict[str, str], dict[str, float]]:
+    """The MLflow run's tags and its metrics' last values."""
+    check = "import json, mlflow, sys; d = mlflow.get_run(sys.argv[1]).data; print(json.dumps([d.tags, d.metrics]))"
     done = subprocess.run(
         [sys.executable, "-c", check, run_id], cwd=cli.root, env=cli.env, capture_output=True, text=True, check=True
     )
-    return json.loads(done.stdout)
+    tags, metrics = json.loads(done.stdout)
+    return tags, metrics
 
 
 def _python(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,5 @@
 """The panel's Profile button in a real browser: JupyterLab in headless Chromium, a real click while a DDP call runs,
-the table under the header, then Stop and the record that keeps it."""
+the table in the panel's Profile tab, then Stop and the record that keeps it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ train.distributed()""",
 
 def test_a_profile_click_shows_every_ranks_table_and_the_record_keeps_it(lab):
     """A real click on Profile while the call runs shows the table (rank 1 the slowest, by its compute, and last at
-    the collectives of the same steps) under the header; after Stop, the record holds it."""
+    the collectives of the same steps) in the Profile tab, after the ranks' tabs and in front; after Stop, the
+    record holds it."""
     write_notebook(lab.root / "profile.ipynb", CELLS)
     with browser_page() as page:
         nb = Notebook(page, lab, "profile.ipynb")
@@ -64,6 +65,10 @@ def test_a_profile_click_shows_every_ranks_table_and_the_record_keeps_it(lab):
             assert time.monotonic() < deadline, "the profile never showed"
             time.sleep(0.2)
         shown = view.inner_text()
+        titles = cell.locator(".air-magic-panel .lm-TabBar-tab").all_inner_texts()
+        assert titles[-1].strip() == "Profile" and len(titles) == 3, titles
+        selected = cell.locator(".air-magic-panel .lm-TabBar-tab.lm-mod-current").inner_text()
+        assert selected.strip() == "Profile", selected
         assert "slowest: rank 1 (compute" in shown and "rank 1 arrives last" in shown, shown  # the same steps
         page.wait_for_timeout(300)
         # docs/profiling.png is refreshed only when asked, so a test run leaves the checkout as it was

@@ -10,7 +10,10 @@ names is an alert of the attempt, as a fatal line is (`NodeAlerts`): a line in t
 `rank_<R>.stacks`, what `air-magic stacks` prints). Each node judges its own ranks. Each look also samples what each
 live rank uses (its process and its children: CPU %, resident memory, the peak, and the memory they hold on each GPU,
 from NVML's list of processes: launch/nvml.py) into `rank_<R>.usage.json`,
-which `get` shows (`command_ranks`). Not for: the ranks' side, or a function run's watch (watching/listener.py).
+which `get` shows (`command_ranks`). Every `LOG_EVERY` seconds, and once at the end, what it read goes to `sink` as
+MLflow metrics, named as a function run's: `watch/rank_N/input_wait`, `compute`, `collective_wait`,
+`straggler_lag` and `system/rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the
+attempt's run). Not for: the ranks' side, or a function run's watch (watching/listener.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from ..launch.files import step_times
 from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
 from ..watching.fatal_lines import kind_of
+from ..watching.listener import LOG_EVERY
+from ..watching.listener import metrics as step_metrics
 from .command_rank import STACKS_SIGNAL, rank_file
 
 #: How a watch alert starts in the node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
@@ -98,8 +103,14 @@ class CommandWatch:
         say: Callable[[str], None],
         hang_after: float = HANG_AFTER,
         period: float = PERIOD,
+        sink: Callable[[dict[str, float], int], None] | None = None,
+        log_every: float = LOG_EVERY,
     ) -> None:
         self.rank_dir, self.alerts, self.say, self.period = rank_dir, alerts, say, period
+        self.sink, self.log_every = sink, log_every
+        self.started = self.last_sent = time.monotonic()
+        self.used: dict[int, dict[str, Any]] = {}  # each rank's newest usage
+        self.sink_error: str | None = None
         self.detector = Detector(0, hang_after)
         self.trees = TreeUsage()
         self.peaks: dict[int, int] = {}
@@ -111,8 +122,33 @@ class CommandWatch:
         return self
 
     def stop(self) -> None:
+        """End the watch; what it read last goes to the sink once more."""
         self._stop.set()
-        self._thread.join(5.0)
+        if self._thread.ident is not None:
+            self._thread.join(5.0)
+        self.send()
+
+    def send(self) -> None:
+        """Hand the ranks' recent step times and usage to the sink, as MLflow metrics (a failing sink is said once
+        in the node's log, and not called again)."""
+        self.last_sent = time.monotonic()
+        if self.sink is None or self.sink_error is not None:
+            return
+        lags = {rank: lag.seconds for rank, lag in self.detector.lags.items()}
+        values = step_metrics(self.detector.summary(), lags)
+        for rank, used in sorted(self.used.items()):
+            key = f"system/rank_{rank}/"
+            values[key + "cpu_percent"] = used["cpu_percent"]
+            values[key + "memory_mib"] = round(used["memory"] / 2**20, 1)
+            if used["gpus"]:
+                values[key + "gpu_memory_mib"] = round(sum(used["gpus"].values()) / 2**20, 1)
+        if not values:
+            return
+        try:
+            self.sink(values, int(self.last_sent - self.started))
+        except Exception as exc:  # noqa: BLE001 - the watch goes on without its metrics
+            self.sink_error = f"{type(exc).__name__}: {exc}"
+            self.say(f"air-magic: the watch's metrics are not logged to MLflow: {self.sink_error}")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
@@ -156,6 +192,8 @@ class CommandWatch:
             self.alerts.add(alert.kind, line, alert.rank)
             self.say(line)
             said.append(line)
+        if time.monotonic() - self.last_sent >= self.log_every:
+            self.send()
         return said
 
     def _note_usage(self, rank: int, cpu: float, memory: int, gpus: dict[int, int]) -> None:
@@ -167,6 +205,7 @@ class CommandWatch:
             "gpus": {str(index): held for index, held in sorted(gpus.items())},
             "time": time.time(),
         }
+        self.used[rank] = usage
         path = rank_file(self.rank_dir, rank, "usage.json")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(usage))

@@ -130,6 +130,25 @@ def _attempt_run(env: dict[str, str], name: str, attempt: int) -> Any:
         return None
 
 
+def _metrics_sink(env: dict[str, str]) -> Any:
+    """What logs the watch's metrics of this node's ranks to the attempt's MLflow run; None without a run."""
+    if not env.get("MLFLOW_RUN_ID"):
+        return None
+    run_id = env["MLFLOW_RUN_ID"]
+    client: list[Any] = []
+
+    def log(values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        if not client:
+            client.append(MlflowClient(env.get("MLFLOW_TRACKING_URI")))
+        now = int(time.time() * 1000)
+        client[0].log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()], synchronous=True)
+
+    return log
+
+
 def _tag_alerts(env: dict[str, str], raised: list[dict[str, Any]]) -> None:
     """The attempt's alerts as tags of its MLflow run (`air_magic.alert_<i>`: kind, node and line), best effort."""
     if not env.get("MLFLOW_RUN_ID"):
@@ -245,7 +264,11 @@ def run_node(node: dict[str, Any]) -> int:
 
     log = open(log_path, "ab")  # noqa: SIM115 - closed when the command has ended
     index = TimeIndex(log_path, log.tell())  # when each line came, for `logs --minutes`
-    watch = CommandWatch(rank_dir, alerts, lambda line: write((line + "\n").encode()), hang).start()
+
+    def watch_line(line: str) -> None:
+        write((line + "\n").encode())
+
+    watch = CommandWatch(rank_dir, alerts, watch_line, hang, sink=_metrics_sink(env)).start()
     reader = threading.Thread(target=copy, name="air_magic-node-log", daemon=True)
     reader.start()
     limit = node.get("timeout_minutes")

@@ -67,7 +67,7 @@ class Header:
         self.profile = button(
             "Profile",
             "tachometer",
-            "Profile the next 5 steps of every rank with torch.profiler: the table and the merged trace show below",
+            "Profile the next 5 steps of every rank with torch.profiler: the table and the merged trace show in a tab",
             "air-magic-profile-button",
             profile_now or (lambda: None),
         )

@@ -1,5 +1,6 @@
-"""The panel's tab per rank: its title (state, quiet, at a breakpoint, the watch's badge), the usage line and the
-step-times line at its top, and the tail of its output, refreshed at most every REFRESH seconds.
+"""The panel's tab per rank (and, once a profile was asked for, a Profile tab after them): its title (state, quiet,
+at a breakpoint, the watch's badge), the usage line and the step-times line at its top, and the tail of its output,
+refreshed at most every REFRESH seconds.
 
 Part of the panel (widgets.py), which holds one `RankTabs` and calls it from the runner's thread only. It keeps each
 rank's output in a bounded tail (display/tail.py) and takes the stacks the ranks print out of it (launch/stacks.py).
@@ -78,6 +79,14 @@ class RankTabs:
     @property
     def widgets(self) -> list[w.Widget]:
         return [self.tabs, *self.pages, *self.usages, *self.step_lines, *self.logs]
+
+    def show_profile(self, view: w.Widget) -> None:
+        """The Profile tab, after the ranks' tabs: added with `view` (the profile's table) the first time, and
+        selected each time a new profile is shown, so the click's answer is in front."""
+        if view not in self.tabs.children:
+            self.tabs.children = (*self.tabs.children, view)
+            self.tabs.set_title(len(self.tabs.children) - 1, "Profile")
+        self.tabs.selected_index = self.tabs.children.index(view)
 
     def feed(self, rank: int, text: str, final: bool = False) -> None:
         """A rank's output: stacks in it are taken out (`dumps`), the rest goes to its tail."""

@@ -16,6 +16,8 @@ The header's buttons (Stacks, Stop, Cancel) come from one factory (header.py).
 The Stop click, the same way, only leaves the call's Stop flag (stopping.py),
 which the ranks' `should_stop()` reads: the call goes on to the end of its step.
 The Stacks click, the same way, only asks the runner for every rank's stacks.
+The Profile click profiles the next steps of every rank (display/profile.py); the table shows in a Profile tab
+after the ranks' tabs.
 Those arrive in the ranks' output (launch/stacks.py): each rank's tab shows one
 line in their place, and the stacks view under the header shows them, innermost
 frame last. A running rank that has printed nothing for QUIET seconds is marked
@@ -178,10 +180,10 @@ class Panel(Listener):
             self.stacks_view.layout.display = None
         if self.ctx.stop_requested and not self.stop_button.disabled:
             self._show_stopping()
-        profiled = self.profiling.take()  # the Profile button's view (display/profile.py)
+        profiled = self.profiling.take()  # the Profile button's view (display/profile.py), in its own tab
         if profiled is not None:
             self.profile_view.value = profiled
-            self.profile_view.layout.display = None
+            self.ranks.show_profile(self.profile_view)
         self.profile_button.disabled = self.profiling.busy
         if self.metrics is not None and now - self.last_charts >= CHARTS:
             self.last_charts = now
@@ -274,11 +276,11 @@ class Panel(Listener):
         self.status, self.link, self.controls, self.cancel_hint = made.status, made.link, made.controls, made.hint
         self.stacks_button, self.stop_button, self.cancel_button = made.stacks, made.stop, made.cancel
         self.profile_button, self.profiling, self.ended = made.profile, PanelProfiling(), False
-        self.profile_view = w.HTML(layout=w.Layout(display="none", width="100%"))
+        self.profile_view = w.HTML(layout=w.Layout(width="100%"))  # the Profile tab's page, once there is one
         self.profile_view.add_class("air-magic-profile")
         header = made.box
         self.charts = w.HTML(layout=w.Layout(display="none", width="100%"))
-        self.box = w.VBox([header, self.alerts_view, self.charts, self.profile_view, self.stacks_view, self.ranks.tabs])
+        self.box = w.VBox([header, self.alerts_view, self.charts, self.stacks_view, self.ranks.tabs])
         self.box.add_class("air-magic-panel")
         self._widgets: list[Any] = [
             self.box,

@@ -94,3 +94,32 @@ def test_the_gpu_a_rank_holds_memory_on_is_in_its_usage_and_in_get(tmp_path, mon
     watch.look()
     (used,) = command_ranks({0: tmp_path})
     assert used["gpus"] == {"1": 3 << 30}, used
+
+
+def test_the_watch_hands_its_ranks_step_times_and_usage_to_its_sink_as_mlflow_metrics(tmp_path):
+    """Each look past `log_every`, and the stop, hand the sink the function runs' names: each rank's step times
+    (rank 1's compute the longer, rank 0's wait in the collective) and its usage; a sink that fails is said once in
+    the node's log and not called again."""
+    for rank, (compute, collective) in {0: (0.01, 0.2), 1: (0.2, 0.01)}.items():
+        _rank(tmp_path, rank, compute, collective)
+    sent: list[tuple[dict[str, float], int]] = []
+    said: list[str] = []
+    alerts = NodeAlerts(tmp_path / "alerts.jsonl", attempt=0, node=0)
+    watch = CommandWatch(tmp_path, alerts, said.append, sink=lambda values, step: sent.append((values, step)))
+    watch.log_every = 0.0
+    watch.look()
+    ((values, step),) = sent
+    assert values["watch/rank_1/compute"] == 0.2 and values["watch/rank_0/collective_wait"] == 0.2, values
+    assert values["watch/rank_1/straggler_lag"] > 0 and step >= 0
+    assert values["system/rank_0/memory_mib"] > 1 and "system/rank_0/cpu_percent" in values, values
+    assert "system/rank_0/gpu_memory_mib" not in values  # no GPU held (none on this machine's NVML, or no NVML)
+
+    def broken(values, step):
+        raise OSError("the tracking server is gone")
+
+    watch.sink = broken
+    watch.look()
+    watch.stop()
+    assert [line for line in said if "MLflow" in line] == [
+        "air-magic: the watch's metrics are not logged to MLflow: OSError: the tracking server is gone"
+    ]

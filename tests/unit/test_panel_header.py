@@ -68,7 +68,8 @@ def test_every_header_button_comes_from_the_factory_and_does_its_one_thing(tmp_p
 
 def test_the_profile_button_asks_the_ranks_and_shows_what_it_found(tmp_path):
     """A click leaves the request the ranks' watch reads (request 1, 5 steps, from step 0); a call that ended before
-    any rank profiled shows why in the profile view, and the button is free again."""
+    any rank profiled shows why in the Profile tab (added after the ranks' tabs, and selected), and the button is
+    free again; a second answer goes to the same tab."""
     import time
 
     from air_magic.launch.files import profile_windows
@@ -84,5 +85,11 @@ def test_the_profile_button_asks_the_ranks_and_shows_what_it_found(tmp_path):
     assert profile_windows.read_request(RunDir(tmp_path).profile_request) == (1, 5, 2)
     panel.poll()
     assert "profile failed: no rank profiled a step before the call ended" in panel.profile_view.value
-    assert panel.profile_view.layout.display is None
+    tabs = panel.ranks.tabs
+    assert tabs.children[-1] is panel.profile_view and tabs.titles[-1] == "Profile"
+    assert tabs.selected_index == len(tabs.children) - 1 == len(panel.ranks.pages)
     assert not panel.profile_button.disabled
+    tabs.selected_index = 0
+    panel.profiling._html = "again"
+    panel.poll()
+    assert len(tabs.children) == len(panel.ranks.pages) + 1 and tabs.selected_index == len(panel.ranks.pages)
