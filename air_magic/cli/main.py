@@ -142,7 +142,11 @@ def parser() -> argparse.ArgumentParser:
         "--wait", type=float, default=5.0, metavar="S", help="Wait up to S seconds for the dumps (default 5)."
     )
     stacks.set_defaults(func=cmd_stacks)
-    attach = add("attach", "Follow a run's output live from its first line; exit 0 on SUCCESS, else 1.")
+    attach = add(
+        "attach",
+        "Follow a run's output live from its first line, answering a rank stopped at breakpoint() from standard "
+        "input; exit 0 on SUCCESS, else 1.",
+    )
     attach.add_argument("id", metavar="ID", help="The run's id (a unique prefix is enough).")
     attach.set_defaults(func=cmd_attach)
     ui = add(

@@ -24,6 +24,7 @@ from .command_watch import alert_kind
 from .files import WorkloadDir
 from .mlflow_ui import follow_link
 from .output import state
+from .prompts import RunPrompts
 
 #: Seconds between two looks at the logs and the record.
 LOOK = 0.2
@@ -56,10 +57,13 @@ def status_line(record: dict[str, Any], path: Path | None = None) -> str:
 
 
 def follow(
-    path: Path, out: TextIO | None = None, ending: Callable[[dict[str, Any]], list[str]] | None = None
+    path: Path,
+    out: TextIO | None = None,
+    ending: Callable[[dict[str, Any]], list[str]] | None = None,
+    prompts: bool = False,
 ) -> dict[str, Any]:
     """Print the call's output live until it ends, then `ending(record)`'s lines and the status line; its final
-    record."""
+    record. With `prompts`, a rank waiting at a debugger prompt is answered from standard input (cli/prompts.py)."""
     out = out or sys.stdout
     record = call_record.load(path) or {}
     reader = LogReader(path, int(record.get("world_size", 1)))
@@ -89,6 +93,7 @@ def follow(
         if kind is not None:
             emit(f"air-magic: ALERT {kind} on {label} {unit}: {text.strip()}")
 
+    answering = RunPrompts(path, int(record.get("world_size", 1))) if prompts else None
     said = ""
     linked = False
     cancelled = False
@@ -104,6 +109,9 @@ def follow(
                 for rank, text in sorted(reader.read().items()):
                     for line in lines.feed(rank, text):
                         emit_line(rank, line)
+                answered = answering is not None and answering.serve(pause=live.stop if live is not None else None)
+                if answered and live is not None:
+                    live.start()  # the status line again, once the prompts are answered
                 if live is not None:
                     live.update(status_line(record, path))
                 elif record.get("status") != said and record.get("status") in call_record.LIVE:
