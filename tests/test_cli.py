@@ -68,8 +68,11 @@ command: |
 FUNCTIONS = """\
 import os
 
-def train(lr, steps=1):
+def train(lr, steps=1, stop=False):
     print("training with", lr, steps, flush=True)
+    if stop and os.environ["RANK"] == "1":
+        x = lr * 10
+        breakpoint()
     return {"rank": int(os.environ["RANK"]), "lr": lr, "steps": steps}
 """
 
@@ -214,6 +217,25 @@ def test_a_function_workload_returns_each_ranks_value(cli):
     assert "training with 0.1 3" in cli("logs", started["run_id"], "--rank", "1").stdout
     listed = _data(cli("list", "--all-status", "--filter", "status=success", "-o", "json"))["runs"]
     assert started["run_id"] in [r["run_id"] for r in listed]
+
+
+def test_a_function_ranks_breakpoint_is_answered_by_attach(cli):
+    """Rank 1 of a function workload stops at breakpoint(); `attach` shows its prompt, answers `p x` and `c` from
+    standard input, and exits 0 when the run ends SUCCESS."""
+    started = _data(cli("run", "-f", "fjob.yaml", "-o", "json", "--override", "kwargs.stop=true"))
+    attached = subprocess.run(
+        [sys.executable, "-m", "air_magic.cli", "attach", started["run_id"]],
+        cwd=cli.root,
+        env=cli.env,
+        input="p x\nc\n",
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "(Pdb rank 1) p x\n1.0\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
+    assert _data(cli("get", started["run_id"], "--json"))["status"] == "SUCCESS"
 
 
 def test_a_repeat_run_with_the_same_token_starts_nothing_and_cancel_ends_it(cli):

@@ -161,7 +161,7 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
             check=False,
         )
         assert attached.returncode == 0, attached.stdout + attached.stderr
-        assert "(Pdb rank 1) " in attached.stdout and "\n41\n" in attached.stdout, attached.stdout
+        assert "(Pdb rank 1) p x\n41\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
         assert "after the breakpoint 42" in attached.stdout
         assert _data_of(cli("get", run_id, "-o", "json"))["status"] == "SUCCESS"
         assert "rank 1 stopped" in cli("logs", run_id, "--rank", "1").stdout

@@ -13,6 +13,7 @@ asked. Not for: a kernel's debugging (`%distributed_debug`), the rank's side.
 from __future__ import annotations
 
 import builtins
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,10 @@ class RunPrompts:
         if self.ended:
             return "c"
         try:
-            return builtins.input(prompt)
+            line = builtins.input(prompt)
+            if not sys.stdin.isatty():
+                print(line, flush=True)  # a terminal shows what was typed; a pipe's answers are shown here
+            return line
         except EOFError:
             self.ended = True
             print("\nair-magic: standard input ended: the rank continues (c)", flush=True)
