@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from helpers import ROOT
+from helpers import ROOT, mlflow_store
 
 DEMOS = ROOT / "demo_notebooks"
 PROBE = "PROBE-JSON:"
@@ -33,7 +33,7 @@ demo_run = _load_run_py()
 def _env(workdir: Path) -> dict[str, str]:
     return {
         "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
+        "MLFLOW_TRACKING_URI": mlflow_store(workdir),
     }
 
 

@@ -3,13 +3,17 @@ processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -114,9 +118,32 @@ def kernel_env(workdir: Path, **extra: str) -> dict[str, str]:
     return {
         "AIR_MAGIC_RUNS_DIR": str(workdir / "runs"),
         "AIR_MAGIC_DISPLAY": "text",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
+        "MLFLOW_TRACKING_URI": mlflow_store(workdir),
         **extra,
     }
+
+
+_empty_store: list[Path] = []
+
+
+def mlflow_store(workdir: Path) -> str:
+    """The URI of a private sqlite MLflow store in `workdir` (`mlflow.db`), made as a copy of an empty store that this
+    pytest process made once: a new store runs MLflow's schema migrations in the first process that opens it (about
+    1 CPU-second more than opening a copy, in each of the suite's many stores). The copy's Default experiment keeps
+    its artifacts under `workdir/mlruns`, where a store made there would."""
+    db = workdir / "mlflow.db"
+    if not db.exists() and workdir.is_dir():
+        if not _empty_store:
+            template = Path(tempfile.mkdtemp(prefix="air_magic-test-store-")) / "mlflow.db"
+            code = "import mlflow, sys; mlflow.MlflowClient(sys.argv[1]).search_experiments()"
+            subprocess.run([sys.executable, "-c", code, f"sqlite:///{template}"], check=True, capture_output=True)
+            _empty_store.append(template)
+        shutil.copyfile(_empty_store[0], db)
+        with contextlib.closing(sqlite3.connect(db)) as store, store:
+            store.execute(
+                "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (f"{workdir}/mlruns/0",)
+            )
+    return f"sqlite:///{db}"
 
 
 def run_id_of(stdout: str) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from demos_common import DEMOS, PROBE, demo_run
+from helpers import mlflow_store
 
 #: Real kernels and processes: seconds each.
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def test_data_resume_notebook_resumes_model_optimizer_and_data_on_another_number
         workdir=tmp_path,
         output=tmp_path / "data_resume.ipynb",
         timeout=900,
-        env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
+        env={"AIR_MAGIC_RUNS_DIR": str(tmp_path / "runs"), "MLFLOW_TRACKING_URI": mlflow_store(tmp_path)},
         append=[f"import json as _json\nprint({PROBE!r} + _json.dumps({probe}))"],
     )
     logs = "\n".join(

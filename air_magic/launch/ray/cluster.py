@@ -154,12 +154,14 @@ def prestart_workers() -> None:
     A node starts its first worker for a notebook (a Ray job) slowly; done right after `ray_init`, the
     first call finds workers started on every node instead of waiting for them (and a call made before
     this is over waits for it rather than have the nodes start more workers at once). AIR_MAGIC_WARM=0
-    turns it off, as for the local launcher.
+    turns it off, as for the local launcher. Where Ray keeps no idle worker (`RAY_num_workers_soft_limit=0` in
+    this process's environment: a node then ends a worker one second after its task), nothing is warmed: the
+    worker would be gone before the first call.
     """
     global _warming
     from ..boot import warm_default
 
-    if _warming is not None or not warm_default():
+    if _warming is not None or not warm_default() or os.environ.get("RAY_num_workers_soft_limit", "").strip() == "0":
         return
     _warming = threading.Thread(target=_boot_nodes, name="air_magic-ray-warm-up", daemon=True)
     _warming.start()
