@@ -163,6 +163,7 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
         assert attached.returncode == 0, attached.stdout + attached.stderr
         assert "(Pdb rank 1) p x\n41\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
         assert "after the breakpoint 42" in attached.stdout
+        assert not list(_rank_log(cli, run_id, 1).parent.glob("debug-*"))  # the node removed the prompt's files
         assert _data_of(cli("get", run_id, "-o", "json"))["status"] == "SUCCESS"
         assert "rank 1 stopped" in cli("logs", run_id, "--rank", "1").stdout
     finally:

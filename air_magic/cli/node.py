@@ -30,6 +30,7 @@ from typing import Any
 
 from .. import envvars
 from ..envvars import INTERNAL_RUN_DIR
+from ..launch.files import debug_channel
 from ..watching.fatal_lines import kind_of
 from ..watching.listener import hang_after
 from .command_rank import TimeIndex
@@ -285,6 +286,7 @@ def run_node(node: dict[str, Any]) -> int:
             code = proc.wait()
     reader.join(5.0)
     watch.stop()
+    debug_channel.clean(rank_dir, max(watch.ranks(), default=-1) + 1)  # a prompt no one answered leaves no FIFO
     if not reader.is_alive():  # else a process the script left holds its output: the reader keeps copying
         log.close()
         index.close()
