@@ -130,6 +130,15 @@ def _fills_the_disk() -> None:
     rank = int(os.environ["RANK"])
     print(f"rank {rank} before the disk fills", flush=True)
     if rank == 0:
+        # the disk fills once rank 1's line is in its log (a line printed after it is full has nowhere to go)
+        log = os.path.join(os.environ["AIR_MAGIC_INTERNAL_RUN_DIR"], "rank-1.log")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(log):
+                with open(log, "rb") as f:
+                    if b"before the disk fills" in f.read():
+                        break
+            time.sleep(0.05)
         for i in range(100_000):
             print(f"{i:06d} " + "z" * 90)
     time.sleep(300)
