@@ -23,7 +23,10 @@ launcher itself has no RANK) calls `hook()` here, which makes it a rank of the r
 Its children (DataLoader workers, a subprocess) inherit `envvars.RANK_HOOKED` and are not ranks of their own.
 The hook never breaks the process: any failure is silent (`AIR_MAGIC_RANK_HOOK=debug` says it on stderr).
 This module imports nothing heavy (no torch, no IPython, no MLflow, not the air_magic package until torch is in):
-the hook loads it from its file, with envvars.py. Not for: reading the files back (cli/show.py, cli/stacks.py).
+the hook loads it from its file, with envvars.py. Over 300 lines because all that a process gets from the hook
+before its own code runs (the tee and its time index, stacks, the info file, the step recorder's and the
+debugger's hooks) must load from this one file, without the package. Not for: reading the files back
+(cli/show.py, cli/stacks.py).
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ from ..launch.files import debug_channel
 from ..watching.fatal_lines import kind_of
 from ..watching.listener import hang_after
 from .command_rank import TimeIndex
-from .command_watch import TAGGED, CommandWatch, NodeAlerts
+from .command_watch import CommandWatch, NodeAlerts
 from .files import WorkloadDir
+from .node_mlflow import attempt_run, metrics_sink, tag_alerts
 
 #: Seconds between SIGTERM and SIGKILL when an attempt's time is up.
 KILL_GRACE = 10.0
@@ -111,60 +112,6 @@ def node_env(
     return env
 
 
-def _attempt_run(env: dict[str, str], name: str, attempt: int) -> Any:
-    """A new MLflow run for attempt `attempt` (> 0) in the call's experiment, as the runtime makes one per
-    attempt; None if there is no run to follow."""
-    if attempt == 0 or not env.get("MLFLOW_RUN_ID") or not env.get("MLFLOW_EXPERIMENT_ID"):
-        return None
-    try:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient()
-        run = client.create_run(
-            env["MLFLOW_EXPERIMENT_ID"],
-            run_name=name,
-            tags={"air_magic.attempt": str(attempt), "air_magic.first_attempt_run": env["MLFLOW_RUN_ID"]},
-        )
-        return client, run.info.run_id
-    except Exception as exc:  # noqa: BLE001 - the attempt runs on; its metrics go to the first attempt's run
-        print(f"air-magic: attempt {attempt} logs to the first attempt's MLflow run: {exc}", flush=True)
-        return None
-
-
-def _metrics_sink(env: dict[str, str]) -> Any:
-    """What logs the watch's metrics of this node's ranks to the attempt's MLflow run; None without a run."""
-    if not env.get("MLFLOW_RUN_ID"):
-        return None
-    run_id = env["MLFLOW_RUN_ID"]
-    client: list[Any] = []
-
-    def log(values: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
-        if not client:
-            client.append(MlflowClient(env.get("MLFLOW_TRACKING_URI")))
-        now = int(time.time() * 1000)
-        client[0].log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()], synchronous=True)
-
-    return log
-
-
-def _tag_alerts(env: dict[str, str], raised: list[dict[str, Any]]) -> None:
-    """The attempt's alerts as tags of its MLflow run (`air_magic.alert_<i>`: kind, node and line), best effort."""
-    if not env.get("MLFLOW_RUN_ID"):
-        return
-    try:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient()
-        for i, alert in enumerate(raised[:TAGGED]):
-            text = f"{alert['kind']} on node {alert['node']}: {alert['line']}"[:5000]
-            client.set_tag(env["MLFLOW_RUN_ID"], f"air_magic.alert_{i}", text)
-    except Exception as exc:  # noqa: BLE001 - the alerts stay in the run directory; MLflow is a copy
-        print(f"air-magic: the alerts were not tagged on the MLflow run: {exc}", flush=True)
-
-
 def _materialize(files: WorkloadDir, shipped: dict[str, Any]) -> None:
     """On a node whose rank has a directory of its own (another machine's), the files `run` wrote: command.sh,
     the hyperparameters and the code snapshot, from the call's payload."""
@@ -222,7 +169,7 @@ def run_node(node: dict[str, Any]) -> int:
     rank_dir = files.rank_dir(attempt, node["node_rank"])
     rank_dir.mkdir(parents=True, exist_ok=True)
     env = node_env(dict(os.environ), node, files, cwd, rank_dir)
-    mlflow_run = _attempt_run(env, node["run_name"], attempt)
+    mlflow_run = attempt_run(env, node["run_name"], attempt)
     if mlflow_run is not None:
         env["MLFLOW_RUN_ID"] = mlflow_run[1]
     log_path = files.node_log(attempt, node["node_rank"])
@@ -269,7 +216,7 @@ def run_node(node: dict[str, Any]) -> int:
     def watch_line(line: str) -> None:
         write((line + "\n").encode())
 
-    watch = CommandWatch(rank_dir, alerts, watch_line, hang, sink=_metrics_sink(env)).start()
+    watch = CommandWatch(rank_dir, alerts, watch_line, hang, sink=metrics_sink(env)).start()
     reader = threading.Thread(target=copy, name="air_magic-node-log", daemon=True)
     reader.start()
     limit = node.get("timeout_minutes")
@@ -302,7 +249,7 @@ def run_node(node: dict[str, Any]) -> int:
         except Exception:  # noqa: BLE001, S110 - the run's end is best effort; the attempt's outcome stands
             pass
     if alerts.raised:
-        _tag_alerts(env, alerts.raised)
+        tag_alerts(env, alerts.raised)
     files.node_end(attempt, node["node_rank"]).write_text(json.dumps(end))
 
     def say(text: str) -> None:  # in the rank's log and the attempt's, as the launch script's own lines

@@ -90,8 +90,10 @@ def test_the_gpu_a_rank_holds_memory_on_is_in_its_usage_and_in_get(tmp_path, mon
     monkeypatch.setitem(sys.modules, "pynvml", _ProcessesNvml())
     monkeypatch.setattr("air_magic.launch.nvml._state", [])
     _rank(tmp_path, 0, 0.01, 0.01)
-    watch = CommandWatch(tmp_path, NodeAlerts(tmp_path / "alerts.jsonl", attempt=0, node=0), lambda line: None)
+    alerts = NodeAlerts(tmp_path / "alerts.jsonl", attempt=0, node=0)
+    watch = CommandWatch(tmp_path, alerts, lambda line: None)
     watch.look()
+    alerts.close()
     (used,) = command_ranks({0: tmp_path})
     assert used["gpus"] == {"1": 3 << 30}, used
 
@@ -120,6 +122,7 @@ def test_the_watch_hands_its_ranks_step_times_and_usage_to_its_sink_as_mlflow_me
     watch.sink = broken
     watch.look()
     watch.stop()
+    alerts.close()
     assert [line for line in said if "MLflow" in line] == [
         "air-magic: the watch's metrics are not logged to MLflow: OSError: the tracking server is gone"
     ]
