@@ -3,6 +3,8 @@ Skipped on machines without GPUs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import REAL_NODE, gpu_count
 
@@ -44,9 +46,12 @@ def test_a_second_background_call_waits_for_the_first_ones_gpus_and_then_runs(ke
     flag = workdir / "go"
     kernel.execute(f"first = hold.spawn({str(flag)!r})\nuntil(lambda: 'holding' in first.logs(0))").check()
     kernel.execute(f"second = hold.spawn({str(flag)!r})").check()
-    out = kernel.execute("print('REPORT', json.dumps([first.status, second.status, second.waiting_for]))").check()
-    statuses = out.stdout.split("REPORT ", 1)[1]
-    assert '"running", "waiting"' in statuses and "GPU(s)" in statuses and "held by call 1" in statuses
+    out = kernel.execute(
+        "print('REPORT', json.dumps([first.status, second.status, second.waiting_for, first.id]))"
+    ).check()
+    first_status, second_status, waiting_for, first_id = json.loads(out.stdout.split("REPORT ", 1)[1])
+    assert (first_status, second_status) == ("running", "waiting"), out.stdout
+    assert "GPU(s)" in waiting_for and f"held by call {first_id} (hold)" in waiting_for, waiting_for  # by its id
     flag.touch()
     out = kernel.execute("print('REPORT', json.dumps([first.result(), second.result(), second.status]))", timeout=300)
     first, second, status = __import__("json").loads(out.check().stdout.split("REPORT ", 1)[1])

@@ -85,7 +85,7 @@ class Job:
 
     @property
     def num_nodes(self) -> int:
-        return self.nodes.nodes if self.nodes is not None else int((self.data["compute"] or {}).get("num_nodes", 1))
+        return self.nodes.nodes if self.nodes is not None else int((self.data.get("compute") or {}).get("num_nodes", 1))
 
     @property
     def root(self) -> Path:

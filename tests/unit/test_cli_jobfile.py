@@ -133,3 +133,14 @@ def test_output_flags_come_anywhere_and_the_docs_forms_are_aliases():
         ["run", "-f", "j.yaml", "--override", "command=echo -o json"],
         False,
     )
+
+
+def test_a_function_file_without_compute_passes_dry_run(tmp_path, capsys, monkeypatch):
+    """`compute` is optional for a function workload (every GPU of this machine, or its CPU slots, as
+    @distributed's default): --dry-run says so, and the file is one node (it was a KeyError traceback)."""
+    (tmp_path / "hold.py").write_text("def main():\n    return 1\n")
+    path = _write(tmp_path, "experiment_name: e\nfunction: hold:main\nmax_retries: 0\n")
+    monkeypatch.chdir(tmp_path)
+    assert load(path).num_nodes == 1
+    assert main(["run", "-f", str(path), "--dry-run", "-o", "json"]) == 0, capsys.readouterr()
+    assert '"status": "DRY_RUN_OK"' in capsys.readouterr().out
