@@ -71,6 +71,11 @@ class Lab:
         full_env["JUPYTERLAB_SETTINGS_DIR"] = str(root / ".lab-settings")
         full_env["JUPYTERLAB_WORKSPACES_DIR"] = str(root / ".lab-workspaces")
         full_env["JUPYTER_RUNTIME_DIR"] = str(root / ".runtime")
+        # A file that vanishes while the server lists its directory (sqlite's journal beside a test kernel's MLflow
+        # store, written and removed in a moment) makes the whole listing a 404 (jupyter_server's _dir_model), and
+        # the page then shows a "Directory not found" dialog over the notebook: such files are not listed.
+        hidden = ["__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*~", "*.so", "*.dylib", "*-journal", "*-wal", "*-shm"]
+        (root / ".lab-server.json").write_text(json.dumps({"ContentsManager": {"hide_globs": hidden}}))
         self.log = open(root / "jupyterlab.log", "wb")  # noqa: SIM115 - open as long as the server runs
         self.proc = subprocess.Popen(
             [
@@ -83,6 +88,7 @@ class Lab:
                 "--ServerApp.port_retries=0",
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={root}",
+                f"--config={root / '.lab-server.json'}",
                 "--allow-root",
             ],
             cwd=root,

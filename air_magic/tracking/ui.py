@@ -14,7 +14,8 @@ the link's port on 127.0.0.1 itself and hands the listening socket to a small
 watchdog process (`watchdog_main`, in its own session), so the link is right
 from the start and costs nothing until it is opened. At the first connection
 (a click on the link, a health check) the watchdog starts `mlflow server` on a
-private port and relays that connection and every later one to it: a first
+private port (again on another, should it exit before it answered: `_Server`) and relays that connection and every
+later one to it: a first
 call, with ranks importing torch and mlflow, does not share the CPU with an
 MLflow UI nobody has opened yet (about 7 CPU-seconds), and the first click
 waits for the UI's start instead (a few seconds; the page then opens).
@@ -185,22 +186,57 @@ atexit.register(shutdown)
 
 
 # -- the watchdog process ---------------------------------------------------
+#: Times the watchdog starts the UI when it exits before it ever answered (its private port was taken meanwhile).
+STARTS = 3
+
+
+class _Server:
+    """The `mlflow server` behind the watchdog and its private port. A port is picked free, but the server binds it
+    seconds later (it imports mlflow first): on a busy machine an outgoing connection may take it meanwhile, and the
+    server exits with "address already in use". One that exits before any connection reached it is started again
+    on a new port, at most STARTS times in all; relays wait for it (`port`, `lost()`)."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.cmd = cmd
+        self.child: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.starts = 0
+        self.served = False
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        self.port = _free_port()
+        self.child = subprocess.Popen(
+            [*self.cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdin=subprocess.DEVNULL
+        )
+        self.starts += 1
+
+    def lost(self) -> bool:
+        """Whether the server exited for good (after it served, or with no start left); one that exited before it
+        served, with starts left, is started again here."""
+        with self.lock:
+            if self.child is None or self.child.poll() is None:
+                return False
+            if self.served or self.starts >= STARTS:
+                return True
+            self.start()
+            return False
+
+
 def watchdog_main() -> None:
     """Serve the port whose listening socket is fd argv[2]: at its first connection start the UI command given
     as JSON in argv[1] (on a private port), relay every connection to it; until stdin closes, the parent goes
     or the UI exits, then end it all."""
     from ..launch.stopper import become_subreaper
 
-    cmd = json.loads(sys.argv[1])
+    server = _Server(json.loads(sys.argv[1]))
     listener = socket.socket(fileno=int(sys.argv[2]))
     parent = os.getppid()
     become_subreaper()  # orphans of the UI (uvicorn under a dead `mlflow server`) are re-parented here
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the pipe or the parent's exit ends us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    child: subprocess.Popen[bytes] | None = None
-    port = 0
     try:
-        while os.getppid() == parent and (child is None or child.poll() is None):
+        while os.getppid() == parent and not server.lost():
             ready, _, _ = select.select([0, listener.fileno()], [], [], 1.0)
             if 0 in ready and not os.read(0, 4096):
                 break
@@ -210,27 +246,28 @@ def watchdog_main() -> None:
                 conn, _ = listener.accept()
             except OSError:
                 continue
-            if child is None:
-                port = _free_port()
-                child = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdin=subprocess.DEVNULL)
-            threading.Thread(target=_relay, args=(conn, port, child), daemon=True).start()
+            with server.lock:
+                if server.child is None:
+                    server.start()
+            threading.Thread(target=_relay, args=(conn, server), daemon=True).start()
     finally:
         listener.close()
         _end_all()
 
 
-def _relay(client: socket.socket, port: int, child: subprocess.Popen[bytes], patience: float = 180.0) -> None:
-    """Copy bytes both ways between `client` and the UI on `port`, once the UI accepts (it may still be starting)."""
+def _relay(client: socket.socket, server: _Server, patience: float = 180.0) -> None:
+    """Copy bytes both ways between `client` and the UI, once the UI accepts (it may still be starting)."""
     deadline = time.monotonic() + patience
     upstream = None
     while upstream is None:
         try:
-            upstream = socket.create_connection(("127.0.0.1", port), timeout=5)
+            upstream = socket.create_connection(("127.0.0.1", server.port), timeout=5)
         except OSError:
-            if child.poll() is not None or time.monotonic() > deadline:
+            if server.lost() or time.monotonic() > deadline:
                 client.close()
                 return
             time.sleep(0.1)
+    server.served = True
     upstream.settimeout(None)
     back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
     back.start()
