@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from air_magic.tracking import ui
+
+pytestmark = pytest.mark.slow
 
 #: A stand-in for `mlflow server --host H --port P`: exits 1 at its first start (as when its port was taken), then
 #: answers each connection with one line.
