@@ -169,8 +169,11 @@ def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def air_magic_cli(cwd: Path, env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """`air-magic ARGS` as a user runs it: a process in `cwd` with `env`, its output captured, its exit code kept."""
+def air_magic_cli(
+    cwd: Path, env: dict[str, str], *args: str, timeout: float = 600, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`air-magic ARGS` as a user runs it: a process in `cwd` with `env`, its output captured, its exit code kept;
+    `input` is what its standard input reads (else nothing: it is closed)."""
     return subprocess.run(
         [sys.executable, "-m", "air_magic.cli", *args],
         cwd=cwd,
@@ -179,6 +182,8 @@ def air_magic_cli(cwd: Path, env: dict[str, str], *args: str, timeout: float = 6
         text=True,
         check=False,
         timeout=timeout,
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
     )
 
 

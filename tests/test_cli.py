@@ -224,16 +224,7 @@ def test_a_function_ranks_breakpoint_is_answered_by_attach(cli):
     """Rank 1 of a function workload stops at breakpoint(); `attach` shows its prompt, answers `p x` and `c` from
     standard input, and exits 0 when the run ends SUCCESS."""
     started = _data(cli("run", "-f", "fjob.yaml", "-o", "json", "--override", "kwargs.stop=true"))
-    attached = subprocess.run(
-        [sys.executable, "-m", "air_magic.cli", "attach", started["run_id"]],
-        cwd=cli.root,
-        env=cli.env,
-        input="p x\nc\n",
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    attached = cli("attach", started["run_id"], input="p x\nc\n", timeout=180)
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert "(Pdb rank 1) p x\n1.0\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
     assert _data(cli("get", started["run_id"], "--json"))["status"] == "SUCCESS"

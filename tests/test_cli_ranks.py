@@ -150,16 +150,7 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
 
         assert cli("stop", run_id).returncode == 0
         # rank 1 then stops at breakpoint(): `attach` answers its prompt from standard input
-        attached = subprocess.run(
-            [sys.executable, "-m", "air_magic.cli", "attach", run_id],
-            cwd=cli.root,
-            env=cli.env,
-            input="p x\nc\n",
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
+        attached = cli("attach", run_id, input="p x\nc\n", timeout=180)
         assert attached.returncode == 0, attached.stdout + attached.stderr
         assert "(Pdb rank 1) p x\n41\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
         assert "after the breakpoint 42" in attached.stdout
