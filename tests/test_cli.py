@@ -140,7 +140,9 @@ def test_a_torchrun_command_runs_once_per_node_and_its_retry_starts_fresh(cli):
     assert attempt_run["mlflow_run_id"] != got["mlflow_run_id"]
     name, experiment, metrics, _ = _mlflow(cli, attempt_run["mlflow_run_id"])
     assert (name, experiment, metrics["loss"]) == ("ddp", "cli-tests", 0.25)
-    assert all(metrics[f"system/rank_{r}/memory_mib"] > 0 for r in (0, 1)), metrics  # the node's watch of its ranks
+    assert all(metrics[f"system/command_rank_{r}/memory_mib"] > 0 for r in (0, 1)), (
+        metrics
+    )  # the node's watch of its ranks
     _, _, metrics, tags = _mlflow(cli, got["mlflow_run_id"])  # the failed first attempt's run
     assert "loss" not in metrics
     # the fatal line as the node's output had it: two ranks' unbuffered prints may share a line of the node's log

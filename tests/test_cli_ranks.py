@@ -203,7 +203,7 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     ], tags
     assert metrics["watch/rank_1/compute"] > metrics["watch/rank_0/compute"] + 0.1, metrics  # it slept 0.15 s a step
     assert metrics["watch/rank_0/collective_wait"] > 0.1 and "watch/rank_1/straggler_lag" in metrics, metrics
-    assert all(metrics[f"system/rank_{r}/memory_mib"] > 50 for r in (0, 1)), metrics
+    assert all(metrics[f"system/command_rank_{r}/memory_mib"] > 50 for r in (0, 1)), metrics
 
 
 def _mlflow_run(cli, run_id: str) -> tuple[dict[str, str], dict[str, float]]:

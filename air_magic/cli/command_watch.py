@@ -12,7 +12,7 @@ live rank uses (its process and its children: CPU %, resident memory, the peak, 
 from NVML's list of processes: launch/nvml.py) into `rank_<R>.usage.json`,
 which `get` shows (`command_ranks`). Every `LOG_EVERY` seconds, and once at the end, what it read goes to `sink` as
 MLflow metrics, named as a function run's: `watch/rank_N/input_wait`, `compute`, `collective_wait`,
-`straggler_lag` and `system/rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the
+`straggler_lag` and `system/command_rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the
 attempt's run). Not for: the ranks' side, or a function run's watch (watching/listener.py).
 """
 
@@ -137,7 +137,7 @@ class CommandWatch:
         lags = {rank: lag.seconds for rank, lag in self.detector.lags.items()}
         values = step_metrics(self.detector.summary(), lags)
         for rank, used in sorted(self.used.items()):
-            key = f"system/rank_{rank}/"
+            key = f"system/command_rank_{rank}/"  # system/rank_N/ is the call's own: its units, a node each
             values[key + "cpu_percent"] = used["cpu_percent"]
             values[key + "memory_mib"] = round(used["memory"] / 2**20, 1)
             if used["gpus"]:

@@ -113,8 +113,8 @@ def test_the_watch_hands_its_ranks_step_times_and_usage_to_its_sink_as_mlflow_me
     ((values, step),) = sent
     assert values["watch/rank_1/compute"] == 0.2 and values["watch/rank_0/collective_wait"] == 0.2, values
     assert values["watch/rank_1/straggler_lag"] > 0 and step >= 0
-    assert values["system/rank_0/memory_mib"] > 1 and "system/rank_0/cpu_percent" in values, values
-    assert "system/rank_0/gpu_memory_mib" not in values  # no GPU held (none on this machine's NVML, or no NVML)
+    assert values["system/command_rank_0/memory_mib"] > 1 and "system/command_rank_0/cpu_percent" in values, values
+    assert "system/command_rank_0/gpu_memory_mib" not in values  # no GPU held (none on this machine's NVML, or no NVML)
 
     def broken(values, step):
         raise OSError("the tracking server is gone")
