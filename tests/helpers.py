@@ -146,6 +146,17 @@ def mlflow_store(workdir: Path) -> str:
     return f"sqlite:///{db}"
 
 
+def in_order(text: str, *parts: str) -> bool:
+    """Each of `parts` is in `text`, each after the one before it."""
+    at = 0
+    for part in parts:
+        found = text.find(part, at)
+        if found < 0:
+            return False
+        at = found + len(part)
+    return True
+
+
 def run_id_of(stdout: str) -> str:
     """The MLflow run id in a call's plain-text output (`MLflow run: <link>`, the link may end in a query)."""
     for line in stdout.splitlines():

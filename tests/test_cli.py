@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import in_order
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +229,7 @@ def test_a_function_ranks_breakpoint_is_answered_by_attach(cli):
     started = _data(cli("run", "-f", "fjob.yaml", "-o", "json", "--override", "kwargs.stop=true"))
     attached = cli("attach", started["run_id"], input="p x\nc\n", timeout=180)
     assert attached.returncode == 0, attached.stdout + attached.stderr
-    assert "(Pdb rank 1) p x\n1.0\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
+    assert in_order(attached.stdout, "(Pdb rank 1) p x\n", "1.0\n", "(Pdb rank 1) c\n"), attached.stdout
     assert _data(cli("get", started["run_id"], "--json"))["status"] == "SUCCESS"
 
 

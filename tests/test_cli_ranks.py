@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import in_order, wait_until
 
 from air_magic import envvars
 from air_magic.cli.node import RANK_HOOK_DIR
@@ -152,7 +152,7 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
         # rank 1 then stops at breakpoint(): `attach` answers its prompt from standard input
         attached = cli("attach", run_id, input="p x\nc\n", timeout=180)
         assert attached.returncode == 0, attached.stdout + attached.stderr
-        assert "(Pdb rank 1) p x\n41\n(Pdb rank 1) c\n" in attached.stdout, attached.stdout
+        assert in_order(attached.stdout, "(Pdb rank 1) p x\n", "41\n", "(Pdb rank 1) c\n"), attached.stdout
         assert "after the breakpoint 42" in attached.stdout
         assert not list(_rank_log(cli, run_id, 1).parent.glob("debug-*"))  # the node removed the prompt's files
         assert _data_of(cli("get", run_id, "-o", "json"))["status"] == "SUCCESS"

@@ -5,21 +5,26 @@ A rank stopped at `breakpoint()` waits at a prompt in its run directory (a funct
 a command run's ranks: their node's directory of rank files, cli/command_rank.py), written and answered through
 launch/files/debug_channel.py. `RunPrompts.serve()`, called from the follow loop (cli/watch.py) on the main thread,
 shows what the rank's debugger printed and asks the terminal for each command, one rank at a time, with the calls'
-own server (calls/debugging.py `DebugServer`), so stepping a rank keeps its turn. While it asks, the run's output
-waits. Where standard input ends (closed, or a pipe that has no more lines) the rank is told `c` and nothing more is
-asked. Not for: a kernel's debugging (`%distributed_debug`), the rank's side.
+own server (calls/debugging.py `DebugServer`), so stepping a rank keeps its turn: after a command that brings the
+rank back to its prompt (`p x`, `n`), nothing else is printed until that prompt comes. While it asks, the run's
+output waits. Where standard input ends (closed, or a pipe that has no more lines) the rank is told `c` and nothing
+more is asked. Not for: a kernel's debugging (`%distributed_debug`), the rank's side.
 """
 
 from __future__ import annotations
 
 import builtins
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from ..calls.debugging import DebugServer
 from ..launch.files import debug_channel
 from .files import WorkloadDir
+
+#: Seconds between two looks for the next prompt of a rank being stepped.
+STEP_LOOK = 0.05
 
 
 class RunPrompts:
@@ -54,6 +59,11 @@ class RunPrompts:
                 if pause is not None:
                     pause()
             server.serve()
+            while server.focus is not None and time.monotonic() < server.focus[1]:
+                time.sleep(
+                    STEP_LOOK
+                )  # a rank being stepped comes back to its prompt: nothing else is printed meanwhile
+                server.serve()
         return waited
 
     def _ask(self, prompt: str) -> str:
