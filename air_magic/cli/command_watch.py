@@ -11,9 +11,10 @@ names is an alert of the attempt, as a fatal line is (`NodeAlerts`): a line in t
 live rank uses (its process and its children: CPU %, resident memory, the peak, and the memory they hold on each GPU,
 from NVML's list of processes: launch/nvml.py) into `rank_<R>.usage.json`,
 which `get` shows (`command_ranks`). Every `LOG_EVERY` seconds, and once at the end, what it read goes to `sink` as
-MLflow metrics, named as a function run's: `watch/rank_N/input_wait`, `compute`, `collective_wait`,
-`straggler_lag` and `system/command_rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the
-attempt's run). Not for: the ranks' side, or a function run's watch (watching/listener.py).
+MLflow metrics: `watch/rank_N/input_wait`, `compute`, `collective_wait`, `straggler_lag` (named as a function
+run's) and `system/command_rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the attempt's
+run; `system/rank_N/` is the call's own sampler's, of its units). Not for: the ranks' side, or a function run's
+watch (watching/listener.py).
 """
 
 from __future__ import annotations
