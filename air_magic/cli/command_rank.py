@@ -215,12 +215,13 @@ class _AfterImport:
 
 def _debugger(directory: Path, rank: int) -> None:
     """From here on `pdb.Pdb` is air_magic's rank debugger (launch/rank/debugger.py), whose prompts wait in the
-    node's rank directory for `air-magic attach` (or `run --watch`) to answer them (cli/prompts.py)."""
+    node's rank directory for `air-magic attach` (or `run --watch`) to answer them (cli/prompts.py). On a node of a
+    Ray cluster, whose files no follower here reads, it raises at once instead, saying so, as a function's rank
+    there does (the node's own rank has no `DEBUG_SERVED`, and the command inherits its environment)."""
     from air_magic.launch.files.rundir import RunDir
     from air_magic.launch.rank import debugger
 
-    debugger.install(RunDir(directory), rank)
-    debugger.state.served = True
+    debugger.install(RunDir(directory), rank)  # served where the node's launcher serves its own ranks (not on Ray)
     _debugging.append(rank)
 
 
