@@ -190,8 +190,9 @@ except Exception as exc:
     ).check()
     report = reported(out.stdout)
     assert report["type"] == "DistributedTimeoutError", report
-    assert "rank 0: in stuck_in_data_loading" in report["message"], report["message"]
-    assert "rank 1: in waiting_for_the_slow_rank" in report["message"], report["message"]
+    logs = [(_run_dir(report["message"]) / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert "rank 0: in stuck_in_data_loading" in report["message"], (report["message"], logs[0])
+    assert "rank 1: in waiting_for_the_slow_rank" in report["message"], (report["message"], logs[1])
     for r in (0, 1):
         log = (_run_dir(report["message"]) / f"rank-{r}.log").read_text()
         assert log.count("air_magic: stacks of pid") == 1, log  # the stop, not again as the stopped pool is released

@@ -150,3 +150,44 @@ def test_a_rank_that_asks_itself_is_let_go_by_a_py_spy_that_never_answers_and_st
         assert "in waiting_for_the_slow_rank" in dump.text(), text
         assert dump.native == [] and "py-spy did not answer within 1 s" in (dump.native_note or ""), text
     assert text.count("air_magic: end of the stacks of pid") == 2, text
+
+
+#: A process that answers STACKS_SIGNAL as faulthandler does, but is kept from running for 80 ms between its first
+#: thread and the thread running the call, as a busy machine's scheduler does.
+_PAUSED_MIDWAY = """
+import signal, sys, time
+def answer(*_):
+    sys.stderr.write('Thread 0x0000000000000001 (most recent call first):\\n'
+                     '  File "/x/prefetch.py", line 9 in fill\\n\\n')
+    sys.stderr.flush()
+    time.sleep(0.08)
+    sys.stderr.write('Current thread 0x0000000000000002 (most recent call first):\\n'
+                     '  File "/x/train.py", line 7 in waiting_for_the_slow_rank\\n')
+    sys.stderr.flush()
+signal.signal({sig}, answer)
+print("ready", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.skipif(stacks.STACKS_SIGNAL is None, reason="no real-time signals here")
+def test_on_a_busy_machine_a_dump_paused_midway_is_read_whole(tmp_path, monkeypatch):
+    """At a load of 6 a core, a rank's dump is waited for until its log has not grown for 6 x 15 ms: a dump whose
+    writer lost 80 ms to the scheduler between two threads is read whole, its call's thread included."""
+    log = tmp_path / "rank-0.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    code = _PAUSED_MIDWAY.format(sig=int(stacks.STACKS_SIGNAL))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=fd, stderr=fd, start_new_session=True)
+    os.close(fd)
+    monkeypatch.setattr(stacks, "patience", lambda: 6.0)
+    monkeypatch.setattr(stacks, "native_stacks", lambda pids: {})
+    try:
+        wait_until(lambda: "ready" in log.read_text() or proc.poll() is not None, 30, "the child never got ready")
+        assert stacks.request([proc.pid], why=STOPPING) == 1
+        [dump] = parse(log.read_text())
+        frame = dump.user_frame()
+        assert frame is not None and frame.function == "waiting_for_the_slow_rank", log.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -42,7 +42,10 @@ STACKS_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") e
 #: aside). A healthy rank answers in milliseconds; with every core busy, a process waits to be scheduled, the longer
 #: the more processes want each core: the limits here are stretched by `load.patience()`.
 REQUEST_LIMIT = 2.0
-#: A process's dump is complete when its log has not grown for this long, in seconds.
+#: A process's dump is complete when its log has not grown for this long, in seconds, stretched by the load: the
+#: signal's thread writes every thread's stack in one go, but on a busy machine it can wait to be scheduled between
+#: two of them (at a load of 12 on 2 cores, a rank's dump was cut after the first threads and its call's thread,
+#: written after the trailer, was not read).
 _SETTLED = 0.015
 #: One process gets at most this long to write its dump, in seconds.
 _ONE_LIMIT = 1.0
@@ -211,7 +214,8 @@ def request(
             waited = time.monotonic()
             turn = _take_turns(turn, time.monotonic() + (longest_dump() if why == STOPPING else REQUEST_LIMIT))
             deadline += time.monotonic() - waited  # another asker's dump in the same log is not this one's time
-            done, native_s = _dump_round(turn, why, min(deadline, time.monotonic() + _ONE_LIMIT * stretch))
+            until = min(deadline, time.monotonic() + _ONE_LIMIT * stretch)
+            done, native_s = _dump_round(turn, why, until, _SETTLED * stretch)
             asked += done
             deadline += native_s  # py-spy's time is not taken from the processes still to answer (a rank's children)
     finally:
@@ -271,9 +275,9 @@ def _take_turns(turn: list[_Target], deadline: float) -> list[_Target]:
     return held
 
 
-def _dump_round(turn: list[_Target], why: str, deadline: float) -> tuple[int, float]:
-    """Header and signal to each target (each writes to a different log), then wait until every log settles; the
-    number asked, and the seconds py-spy took to read the ranks' native frames."""
+def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float = _SETTLED) -> tuple[int, float]:
+    """Header and signal to each target (each writes to a different log), then wait until every log has not grown
+    for `settled` s; the number asked, and the seconds py-spy took to read the ranks' native frames."""
     assert STACKS_SIGNAL is not None
     clock = time.strftime("%H:%M:%S")
     waiting: dict[int, tuple[int, float]] = {}  # fd -> (its size when last seen to change, when)
@@ -302,7 +306,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float) -> tuple[int, fl
             if current != size:
                 grown.add(fd)
                 waiting[fd] = (current, now)
-            elif fd in grown and now - since >= _SETTLED:
+            elif fd in grown and now - since >= settled:
                 del waiting[fd]
     native_start = time.monotonic()
     natives = native_stacks([t.pid for t in turn if t.fd is not None and t.role == RANK_ROLE])
