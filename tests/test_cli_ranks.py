@@ -153,12 +153,40 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
         attached = cli("attach", run_id, input="p x\nc\n", timeout=180)
         assert attached.returncode == 0, attached.stdout + attached.stderr
         assert in_order(attached.stdout, "(Pdb rank 1) p x\n", "41\n", "(Pdb rank 1) c\n"), attached.stdout
-        assert "after the breakpoint 42" in attached.stdout
+        assert "after the breakpoint 42" in attached.stdout, attached.stdout.replace("\n", " | ")
         assert not list(_rank_log(cli, run_id, 1).parent.glob("debug-*"))  # the node removed the prompt's files
         assert _data_of(cli("get", run_id, "-o", "json"))["status"] == "SUCCESS"
         assert "rank 1 stopped" in cli("logs", run_id, "--rank", "1").stdout
     finally:
         cli("cancel", run_id)
+    # the panel of the run attached from Python: a section per torchrun rank, each with that rank's own lines
+    record = subprocess.run(
+        [sys.executable, "-c", ATTACHED, run_id],
+        check=False,
+        env=cli.env,
+        cwd=cli.root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert record.returncode == 0, record.stdout + record.stderr
+    sections = dict(json.loads(record.stdout))
+    assert sorted(sections) == ["0", "1"], record.stdout
+    assert "only-rank-0-says-this" in sections["0"] and "only-rank-1" not in sections["0"], sections
+    assert "only-rank-1-says-this" in sections["1"] and "after the breakpoint 42" in sections["1"], sections
+    assert "only-rank-0" not in sections["1"], sections
+
+
+#: Attach to the run given, wait for its end, print each rank's part of its record: [[rank, html], ...].
+ATTACHED = """
+import json, re, sys
+import air_magic
+from air_magic.display.follow import record_of
+call = air_magic.attach(sys.argv[1], show=False)
+call.job(timeout=60)
+parts = re.split(r'<details class="air-magic-record-rank"', record_of(call)["text/html"])[1:]
+print(json.dumps([[re.search(r"rank (\\d+)", p).group(1), p] for p in parts]))
+"""
 
 
 def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_record_and_in_mlflow(cli):

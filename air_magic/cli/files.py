@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..launch.files import command_logs
 from ..launch.files.rundir import write_private
 
 
@@ -40,7 +41,7 @@ class WorkloadDir:
     @property
     def info(self) -> Path:
         """What `get` and `list` read: experiment, topology, max_retries, idempotency token."""
-        return self.path / "workload.json"
+        return self.path / command_logs.INFO
 
     @property
     def install_log(self) -> Path:
@@ -52,14 +53,14 @@ class WorkloadDir:
         return self.path / "alerts.jsonl"
 
     def attempt(self, attempt: int) -> Path:
-        return self.path / "attempts" / f"attempt_{attempt}"
+        return command_logs.attempt_dir(self.path, attempt)
 
     def node_log(self, attempt: int, node: int) -> Path:
         return self.attempt(attempt) / f"node_{node}.log"
 
     def rank_dir(self, attempt: int, node: int) -> Path:
         """The files of the ranks that node `node`'s command started in attempt `attempt` (cli/command_rank.py)."""
-        return self.attempt(attempt) / f"node_{node}"
+        return command_logs.node_dir(self.path, attempt, node)
 
     def rank_dirs(self, attempt: int) -> list[Path]:
         """Every node's directory of rank files of attempt `attempt` kept here."""
@@ -68,21 +69,14 @@ class WorkloadDir:
     def command_ranks(self, attempt: int) -> dict[int, Path]:
         """The ranks the command's launcher started in attempt `attempt`, kept here: global RANK -> its node's
         directory of rank files."""
-        found = {}
-        for directory in self.rank_dirs(attempt):
-            for log in directory.glob("rank_*.log"):
-                number = log.name.removeprefix("rank_").removesuffix(".log")
-                if number.isdigit():
-                    found[int(number)] = directory
-        return dict(sorted(found.items()))
+        return {rank: log.parent for rank, log in command_logs.rank_logs(self.path, attempt).items()}
 
     def node_end(self, attempt: int, node: int) -> Path:
         return self.attempt(attempt) / f"node_{node}.json"
 
     def attempts(self) -> list[int]:
         """The attempts that started, in order (0 the first)."""
-        found = [int(p.name.split("_", 1)[1]) for p in (self.path / "attempts").glob("attempt_*")]
-        return sorted(found)
+        return command_logs.attempts(self.path)
 
     @property
     def per_node(self) -> int:

@@ -11,9 +11,11 @@ far. Not for the first panel of a call (widgets.py, built by the runner's listen
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..job import RankState
+from ..launch.files import command_logs
 from ..launch.files.rank_files import LogTail
 from ..launch.files.rundir import RunDir
 from ..listeners import Listener
@@ -31,19 +33,53 @@ DistributedCall = Any
 
 
 class LogReader:
-    """Follows every rank's log of a run directory from its first byte: a LogTail per rank."""
+    """Follows every rank's log of a run directory from its first byte: a LogTail per rank.
 
-    def __init__(self, run_dir: Any, world_size: int) -> None:
+    With `command_ranks` (a panel's tabs), in a command run's directory (launch/files/command_logs.py) rank R's tab
+    follows the log of the rank R that the command's launcher started in the newest attempt that has one, and its
+    unit's log (its node's whole output, the launcher's lines included) until there is one; when a new attempt's
+    rank R starts, the tab says so and follows it. Without it (the command line, which names nodes), each unit's.
+    """
+
+    def __init__(self, run_dir: Any, world_size: int, command_ranks: bool = False) -> None:
+        self.run_dir = run_dir
         self.tails = [LogTail(path, from_start=True) for path in RunDir(run_dir).logs(world_size)]
+        self.command = command_ranks and command_logs.is_command_run(run_dir)
+        self.attempts: dict[int, int] = {}  # rank -> the attempt whose rank log its tab follows
+
+    @property
+    def paths(self) -> list[Path]:
+        """The log each rank's tab follows now."""
+        return [tail.path for tail in self.tails]
 
     def read(self, final: bool = False) -> dict[int, str]:
         """rank -> text appended since the last read, at most a chunk a rank (ranks with nothing new left out);
         `final`: the logs are complete (an unfinished UTF-8 sequence at the end is decoded as a replacement)."""
-        out: dict[int, str] = {}
+        out: dict[int, str] = self._follow_ranks(final) if self.command else {}
         for rank, tail in enumerate(self.tails):
             text = tail.read(final)
             if text:
-                out[rank] = text
+                out[rank] = out.get(rank, "") + text
+        return out
+
+    def _follow_ranks(self, final: bool) -> dict[int, str]:
+        """Point each tab at its rank's log of the newest attempt where it changed; what the old log still had,
+        and a line that says which attempt follows, per rank."""
+        out: dict[int, str] = {}
+        newest: dict[int, tuple[int, Path]] = {}  # rank -> the newest attempt with its log, and that log
+        for attempt in command_logs.attempts(self.run_dir):
+            newest.update((rank, (attempt, log)) for rank, log in command_logs.rank_logs(self.run_dir, attempt).items())
+        for rank, (attempt, log) in newest.items():
+            if rank >= len(self.tails) or self.attempts.get(rank) == attempt:
+                continue
+            before = self.attempts.get(rank)
+            rest = "".join(self.tails[rank].read_all(final=True)) if before is not None else ""
+            if before is not None:
+                rest += f"air_magic: attempt {attempt} of the run: rank {rank} starts again\n"
+            self.tails[rank] = LogTail(log, from_start=True)
+            self.attempts[rank] = attempt
+            if rest:
+                out[rank] = rest
         return out
 
 
@@ -53,7 +89,7 @@ class Follow(Listener):
     def __init__(self, call: DistributedCall, panel: Listener) -> None:
         self.call = call
         self.panel = panel
-        self.logs = LogReader(call.run_dir, call.spec.world_size)
+        self.logs = LogReader(call.run_dir, call.spec.world_size, command_ranks=True)
         self.ended = False
         self.lock = threading.Lock()
 
@@ -108,15 +144,14 @@ def record_of(call: DistributedCall) -> dict[str, str]:
     result = call.job()
     n = result.spec.world_size
     tails = [TailBuffer() for _ in range(n)]
-    reader = LogReader(result.run_dir, n)
+    reader = LogReader(result.run_dir, n, command_ranks=True)
     while texts := reader.read(final=True):  # a chunk at a time: a long log is not held whole
         for rank, text in texts.items():
             tails[rank].feed(text)
     metrics = MetricsTail(result.run_dir, n)
     metrics.poll()
     sampler = _sampler(call)
-    logs = RunDir(result.run_dir).logs(n)
-    return record_bundle(result, tails, logs, call.link, metrics, peaks=sampler.peaks() if sampler else None)
+    return record_bundle(result, tails, reader.paths, call.link, metrics, peaks=sampler.peaks() if sampler else None)
 
 
 def show(call: DistributedCall) -> None:
@@ -140,6 +175,6 @@ def show(call: DistributedCall) -> None:
 
         Follow(call, Panel(StartingLine(call.spec), resources=_sampler(call))).attach()
         return
-    for rank, text in LogReader(call.run_dir, call.spec.world_size).read().items():
+    for rank, text in LogReader(call.run_dir, call.spec.world_size, command_ranks=True).read().items():
         print("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()), end="")
     print(f"air_magic: call {call.short} ({call.spec.name}) is {call.status}; logs in {call.run_dir}")

@@ -7,6 +7,7 @@ stack_dumps.py     the stacks ranks write to their logs, read back
 debug_channel.py   a rank's debugger prompt out and the answer back
 flight_recorder.py NCCL's flight recorder dumps and what they say
 step_times.py      a watched rank's step times and what it does now
+command_logs.py    where a command run keeps its ranks' logs, per attempt and node
 
 These modules start nothing and import no other part of launch/ but protocol.py, the marks of stacks.py
 and each other.

@@ -1,0 +1,51 @@
+"""Where a command run keeps its ranks' logs in the call's run directory, and which attempt is the newest.
+
+A command run (`air-magic run` of a workload whose `command` starts the ranks itself, as torchrun does) keeps,
+per attempt A, a directory per node N, `attempts/attempt_A/node_N/`, in which each rank R that the command's
+launcher started writes `rank_R.log` (R is the rank's global RANK; cli/command_rank.py writes them). The run's
+`workload.json` says `"kind": "command"`. The call's own logs, `rank-U.log` per unit, hold each node's whole
+output (the launcher's lines and every local rank's, interleaved). Read by the panel of an attached command run
+(display/follow.py), which shows rank R's own log in tab R; the workload's other files are cli/files.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ATTEMPTS = "attempts"
+INFO = "workload.json"
+
+
+def attempt_dir(run_dir: Path, attempt: int) -> Path:
+    return Path(run_dir) / ATTEMPTS / f"attempt_{attempt}"
+
+
+def node_dir(run_dir: Path, attempt: int, node: int) -> Path:
+    """The files of the ranks that node `node`'s command started in attempt `attempt`."""
+    return attempt_dir(run_dir, attempt) / f"node_{node}"
+
+
+def attempts(run_dir: Path) -> list[int]:
+    """The attempts that started, in order (0 the first)."""
+    found = [p.name.removeprefix("attempt_") for p in (Path(run_dir) / ATTEMPTS).glob("attempt_*")]
+    return sorted(int(n) for n in found if n.isdigit())
+
+
+def is_command_run(run_dir: Path) -> bool:
+    """The run directory is a command run's (its `workload.json` says so)."""
+    try:
+        info = json.loads((Path(run_dir) / INFO).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("kind") == "command"
+
+
+def rank_logs(run_dir: Path, attempt: int) -> dict[int, Path]:
+    """Global RANK -> its log, for the ranks the command's launcher started in attempt `attempt` (on every node)."""
+    found = {}
+    for log in attempt_dir(run_dir, attempt).glob("node_*/rank_*.log"):
+        number = log.name.removeprefix("rank_").removesuffix(".log")
+        if number.isdigit():
+            found[int(number)] = log
+    return dict(sorted(found.items()))
