@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from jupyter_client.manager import KernelManager
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,15 @@ def gpu_count() -> int:
     from air_magic import accelerators
 
     return accelerators._visible(accelerators._nvml_devices()[0])
+
+
+def gpu_module_marks() -> list:
+    """`pytestmark` of a module of GPU tests: slow, marked `gpu`, and skipped where NVML sees no GPU."""
+    return [
+        pytest.mark.slow,
+        pytest.mark.gpu,
+        pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
+    ]
 
 
 def kernel_env(workdir: Path, **extra: str) -> dict[str, str]:

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import psutil
-import pytest
-from helpers import REAL_NODE, Kernel, gpu_count, wait_until
+from helpers import REAL_NODE, Kernel, gpu_count, gpu_module_marks, wait_until
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
-]
+pytestmark = gpu_module_marks()
 #: The kernel of this module sees the node's GPUs (the rest of the suite runs the CPU path).
 KERNEL_ENV = REAL_NODE
 

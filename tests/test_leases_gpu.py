@@ -7,14 +7,9 @@ import json
 import re
 from functools import partial
 
-import pytest
-from helpers import REAL_NODE, air_magic_cli, gpu_count, process_env
+from helpers import REAL_NODE, air_magic_cli, gpu_count, gpu_module_marks, process_env
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
-]
+pytestmark = gpu_module_marks()
 #: The kernel of this module sees the node's GPUs (the rest of the suite runs the CPU path).
 KERNEL_ENV = REAL_NODE
 

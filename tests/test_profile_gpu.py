@@ -8,14 +8,9 @@ import ast
 import json
 from pathlib import Path
 
-import pytest
-from helpers import REAL_NODE, gpu_count
+from helpers import REAL_NODE, gpu_module_marks
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
-]
+pytestmark = gpu_module_marks()
 #: The kernel of this module sees the node's GPUs (the rest of the suite runs the CPU path).
 KERNEL_ENV = REAL_NODE
 

@@ -8,7 +8,7 @@ import os
 
 import cloudpickle
 import pytest
-from helpers import REAL_NODE, gpu_count
+from helpers import REAL_NODE, gpu_count, gpu_module_marks
 
 from air_magic import distributed
 from air_magic.job import JobResult
@@ -16,11 +16,7 @@ from air_magic.launch.files import step_times
 from air_magic.launch.files.rundir import RunDir
 from air_magic.owner import owner
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() < 1, reason="needs an NVIDIA GPU"),
-]
+pytestmark = gpu_module_marks()
 
 #: Seconds each batch waits in the DataLoader's dataset.
 SLOW_INPUT = 0.03
