@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,6 +189,65 @@ def test_on_a_busy_machine_a_dump_paused_midway_is_read_whole(tmp_path, monkeypa
         [dump] = parse(log.read_text())
         frame = dump.user_frame()
         assert frame is not None and frame.function == "waiting_for_the_slow_rank", log.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+#: A process whose handler of STACKS_SIGNAL is C code installed as faulthandler installs its own (no SA_NODEFER),
+#: and that stops for 300 ms between its first thread and the thread running the call: a rank's dump on a machine
+#: whose scheduler keeps the signal's thread waiting longer than any quiet time the asker could wait for.
+_C_HANDLER = r"""
+#include <signal.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+static void put(const char *s) { (void)!write(2, s, strlen(s)); }
+static void answer(int sig) {
+    struct timespec paused = {0, 300000000};
+    (void)sig;
+    put("Thread 0x0000000000000001 (most recent call first):\n  File \"/x/prefetch.py\", line 9 in fill\n\n");
+    nanosleep(&paused, NULL);
+    put("Current thread 0x0000000000000002 (most recent call first):\n"
+        "  File \"/x/train.py\", line 7 in waiting_for_the_slow_rank\n");
+}
+int main(void) {
+    struct sigaction act;
+    memset(&act, 0, sizeof act);
+    act.sa_handler = answer;
+    sigemptyset(&act.sa_mask);
+    act.sa_flags = SA_RESTART;
+    sigaction(SIGRTMIN + 6, &act, NULL);
+    put("ready\n");
+    for (;;) pause();
+}
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the handler's state is read from Linux's /proc")
+def test_a_dump_is_read_when_the_handler_has_returned_however_long_it_is_kept_from_running(tmp_path, monkeypatch):
+    """A dump whose writer is kept from running for 300 ms midway, 20 times the quiet time the asker waits for on an
+    idle machine, is read whole: the asker waits while the handler runs (the signal blocked in its thread)."""
+    compiler = next((c for c in ("cc", "gcc") if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no C compiler to build the process's handler")
+    assert stacks.STACKS_SIGNAL == signal.SIGRTMIN + 6  # the signal the C program answers
+    source, program = tmp_path / "answer.c", tmp_path / "answer"
+    source.write_text(_C_HANDLER)
+    subprocess.run([compiler, "-O1", "-o", str(program), str(source)], check=True, capture_output=True)
+    log = tmp_path / "rank-0.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    proc = subprocess.Popen([str(program)], stdout=fd, stderr=fd, start_new_session=True)
+    os.close(fd)
+    monkeypatch.setattr(stacks, "patience", lambda: 1.0)
+    monkeypatch.setattr(stacks, "native_stacks", lambda pids: {})
+    try:
+        wait_until(lambda: "ready" in log.read_text() or proc.poll() is not None, 30, "the child never got ready")
+        assert stacks.request([proc.pid], why=STOPPING) == 1
+        [dump] = parse(log.read_text())
+        frame = dump.user_frame()
+        assert frame is not None and frame.function == "waiting_for_the_slow_rank", log.read_text()
+        assert log.read_text().rstrip().endswith(f"air_magic: end of the stacks of pid {proc.pid}"), log.read_text()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

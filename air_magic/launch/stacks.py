@@ -42,10 +42,11 @@ STACKS_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") e
 #: aside). A healthy rank answers in milliseconds; with every core busy, a process waits to be scheduled, the longer
 #: the more processes want each core: the limits here are stretched by `load.patience()`.
 REQUEST_LIMIT = 2.0
-#: A process's dump is complete when its log has not grown for this long, in seconds, stretched by the load: the
-#: signal's thread writes every thread's stack in one go, but on a busy machine it can wait to be scheduled between
-#: two of them (at a load of 12 on 2 cores, a rank's dump was cut after the first threads and its call's thread,
-#: written after the trailer, was not read).
+#: A process's dump is complete when its handler has returned (Linux: see `_answering`) and its log has not grown
+#: for this long, in seconds, stretched by the load. Where /proc cannot say whether the handler still runs, the
+#: quiet log is all: on a busy machine the signal's thread can wait to be scheduled between two threads' stacks (at
+#: a load of 12 on 2 cores, a rank's dump was cut after the first threads and its call's thread, written after the
+#: trailer, was not read).
 _SETTLED = 0.015
 #: One process gets at most this long to write its dump, in seconds.
 _ONE_LIMIT = 1.0
@@ -275,16 +276,64 @@ def _take_turns(turn: list[_Target], deadline: float) -> list[_Target]:
     return held
 
 
+def _signal_state(pid: int, sig: int) -> tuple[bool, frozenset[int]] | None:
+    """Whether `sig` is pending for process `pid`, and which of its threads block it; None where /proc does not
+    say (the process has ended, or the platform has no /proc)."""
+    bit = 1 << (sig - 1)
+
+    def mask(path: str, field: str) -> int:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1], 16) & bit
+        raise ValueError(field)
+
+    try:
+        pending = bool(mask(f"/proc/{pid}/status", "ShdPnd:"))
+        blocking = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                pending = pending or bool(mask(f"/proc/{pid}/task/{tid}/status", "SigPnd:"))
+                if mask(f"/proc/{pid}/task/{tid}/status", "SigBlk:"):
+                    blocking.add(int(tid))
+            except (OSError, ValueError):
+                continue  # a thread that ended meanwhile
+    except (OSError, ValueError):
+        return None
+    return pending, frozenset(blocking)
+
+
+def _answering(pid: int, blocked_before: frozenset[int] | None) -> bool | None:
+    """True while process `pid` has still to write its dump: STACKS_SIGNAL is pending, or a thread runs its handler.
+
+    faulthandler's handler is installed without SA_NODEFER, so the kernel blocks the signal in the thread that runs
+    it until it returns: a thread that blocks the signal now but did not before it was sent (`blocked_before`) is
+    writing the dump, however long the scheduler keeps it from running. None where /proc cannot say.
+    """
+    assert STACKS_SIGNAL is not None
+    if blocked_before is None:
+        return None
+    state = _signal_state(pid, STACKS_SIGNAL)
+    if state is None:
+        return False  # it has ended: it writes nothing more
+    pending, blocking = state
+    return pending or bool(blocking - blocked_before)
+
+
 def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float = _SETTLED) -> tuple[int, float]:
-    """Header and signal to each target (each writes to a different log), then wait until every log has not grown
-    for `settled` s; the number asked, and the seconds py-spy took to read the ranks' native frames."""
+    """Header and signal to each target (each writes to a different log), then wait until every target's handler
+    has returned and its log has not grown for `settled` s; the number asked, and the seconds py-spy took to read
+    the ranks' native frames."""
     assert STACKS_SIGNAL is not None
     clock = time.strftime("%H:%M:%S")
     waiting: dict[int, tuple[int, float]] = {}  # fd -> (its size when last seen to change, when)
+    blocked_before: dict[int, frozenset[int] | None] = {}  # fd -> the threads of its process blocking the signal
+    pids: dict[int, int] = {}
     asked = 0
     for target in turn:
         assert target.fd is not None
         header = f"\n{_HEADER.format(pid=target.pid, role=target.role, why=why, clock=clock)}\n".encode()
+        state = _signal_state(target.pid, STACKS_SIGNAL)
         try:
             before = _size(target.fd)
             os.write(target.fd, header)
@@ -296,6 +345,8 @@ def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float =
         if why == STOPPING:
             _recent[target.pid] = time.monotonic()
         waiting[target.fd] = (before + len(header), time.monotonic())  # past this size, the dump has begun
+        blocked_before[target.fd] = state[1] if state is not None and not state[0] else None
+        pids[target.fd] = target.pid
         asked += 1
     grown: set[int] = set()
     while waiting and time.monotonic() < deadline:
@@ -306,7 +357,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float =
             if current != size:
                 grown.add(fd)
                 waiting[fd] = (current, now)
-            elif fd in grown and now - since >= settled:
+            elif fd in grown and now - since >= settled and not _answering(pids[fd], blocked_before[fd]):
                 del waiting[fd]
     native_start = time.monotonic()
     natives = native_stacks([t.pid for t in turn if t.fd is not None and t.role == RANK_ROLE])
