@@ -48,9 +48,11 @@ browser:
 demo: $(VENV)/.installed
 	$(PY) demo_notebooks/run.py demo_notebooks/quickstart.ipynb
 
-test: $(VENV)/.installed browser
-	@# lint, types, the docs and DeepSpeed's CPU op at once (each is one process, mostly waiting on one core: together
-	@# 41 s on two cores, against 73 s one after the other), then the suite
+test:
+	@# the virtual environment and the browser at once (uv and apt-get each wait mostly on the network and the disk),
+	@# then lint, types, the docs and DeepSpeed's CPU op at once (each is one process, mostly waiting on one core:
+	@# together 41 s on two cores, against 73 s one after the other), then the suite
+	$(MAKE) -j 2 $(VENV)/.installed browser VENV=$(VENV)
 	$(MAKE) -j 4 lint types docs $(VENV)/.deepspeed-op VENV=$(VENV)
 	@# No reruns: a test that passes only on a second try is a bug. -rs lists every skipped test and why.
 	$(PY) -m pytest -n 4 --dist loadfile --no-loadscope-reorder --durations=25 -rs
