@@ -176,12 +176,17 @@ while True:
 def test_on_a_busy_machine_a_dump_paused_midway_is_read_whole(tmp_path, monkeypatch):
     """At a load of 6 a core, a rank's dump is waited for until its log has not grown for 6 x 15 ms: a dump whose
     writer lost 80 ms to the scheduler between two threads is read whole, its call's thread included."""
-    log = tmp_path / "rank-0.log"
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     code = _PAUSED_MIDWAY.format(sig=int(stacks.STACKS_SIGNAL))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=fd, stderr=fd, start_new_session=True)
+    _read_whole([sys.executable, "-c", code], tmp_path / "rank-0.log", 6.0, monkeypatch)
+
+
+def _read_whole(command: list[str], log: Path, load: float, monkeypatch) -> None:
+    """Start `command` (its output into `log`), ask it for its stacks at a load of `load` a core, and check that the
+    dump read holds the call's thread, before the trailer."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    proc = subprocess.Popen(command, stdout=fd, stderr=fd, start_new_session=True)
     os.close(fd)
-    monkeypatch.setattr(stacks, "patience", lambda: 6.0)
+    monkeypatch.setattr(stacks, "patience", lambda: load)
     monkeypatch.setattr(stacks, "native_stacks", lambda pids: {})
     try:
         wait_until(lambda: "ready" in log.read_text() or proc.poll() is not None, 30, "the child never got ready")
@@ -189,6 +194,7 @@ def test_on_a_busy_machine_a_dump_paused_midway_is_read_whole(tmp_path, monkeypa
         [dump] = parse(log.read_text())
         frame = dump.user_frame()
         assert frame is not None and frame.function == "waiting_for_the_slow_rank", log.read_text()
+        assert log.read_text().rstrip().endswith(f"air_magic: end of the stacks of pid {proc.pid}"), log.read_text()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -235,19 +241,4 @@ def test_a_dump_is_read_when_the_handler_has_returned_however_long_it_is_kept_fr
     source, program = tmp_path / "answer.c", tmp_path / "answer"
     source.write_text(_C_HANDLER)
     subprocess.run([compiler, "-O1", "-o", str(program), str(source)], check=True, capture_output=True)
-    log = tmp_path / "rank-0.log"
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    proc = subprocess.Popen([str(program)], stdout=fd, stderr=fd, start_new_session=True)
-    os.close(fd)
-    monkeypatch.setattr(stacks, "patience", lambda: 1.0)
-    monkeypatch.setattr(stacks, "native_stacks", lambda pids: {})
-    try:
-        wait_until(lambda: "ready" in log.read_text() or proc.poll() is not None, 30, "the child never got ready")
-        assert stacks.request([proc.pid], why=STOPPING) == 1
-        [dump] = parse(log.read_text())
-        frame = dump.user_frame()
-        assert frame is not None and frame.function == "waiting_for_the_slow_rank", log.read_text()
-        assert log.read_text().rstrip().endswith(f"air_magic: end of the stacks of pid {proc.pid}"), log.read_text()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _read_whole([str(program)], tmp_path / "rank-0.log", 1.0, monkeypatch)
