@@ -276,48 +276,60 @@ def _take_turns(turn: list[_Target], deadline: float) -> list[_Target]:
     return held
 
 
-def _signal_state(pid: int, sig: int) -> tuple[bool, frozenset[int]] | None:
-    """Whether `sig` is pending for process `pid`, and which of its threads block it; None where /proc does not
-    say (the process has ended, or the platform has no /proc)."""
+@dataclass(frozen=True)
+class _SignalState:
+    """What /proc says of a process and one signal: pending for it, the threads blocking it, all its threads."""
+
+    pending: bool
+    blocking: frozenset[int]
+    threads: frozenset[int]
+
+
+def _signal_state(pid: int, sig: int) -> _SignalState | None:
+    """`sig` in process `pid` now; None where /proc does not say (the process has ended, or the platform has no
+    /proc)."""
     bit = 1 << (sig - 1)
 
-    def mask(path: str, field: str) -> int:
+    def masks(path: str) -> dict[str, bool]:
         with open(path) as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1], 16) & bit
-        raise ValueError(field)
+            return {
+                line[:6]: bool(int(line.split()[1], 16) & bit)
+                for line in f
+                if line.startswith(("ShdPnd", "SigPnd", "SigBlk"))
+            }
 
     try:
-        pending = bool(mask(f"/proc/{pid}/status", "ShdPnd:"))
-        blocking = set()
+        pending = masks(f"/proc/{pid}/status")["ShdPnd"]
+        blocking, threads = set(), set()
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                pending = pending or bool(mask(f"/proc/{pid}/task/{tid}/status", "SigPnd:"))
-                if mask(f"/proc/{pid}/task/{tid}/status", "SigBlk:"):
-                    blocking.add(int(tid))
-            except (OSError, ValueError):
+                seen = masks(f"/proc/{pid}/task/{tid}/status")
+            except OSError:
                 continue  # a thread that ended meanwhile
-    except (OSError, ValueError):
+            threads.add(int(tid))
+            pending = pending or seen.get("SigPnd", False)
+            if seen.get("SigBlk", False):
+                blocking.add(int(tid))
+    except (OSError, KeyError, ValueError, IndexError):
         return None
-    return pending, frozenset(blocking)
+    return _SignalState(pending, frozenset(blocking), frozenset(threads))
 
 
-def _answering(pid: int, blocked_before: frozenset[int] | None) -> bool | None:
+def _answering(pid: int, before: _SignalState | None) -> bool | None:
     """True while process `pid` has still to write its dump: STACKS_SIGNAL is pending, or a thread runs its handler.
 
     faulthandler's handler is installed without SA_NODEFER, so the kernel blocks the signal in the thread that runs
-    it until it returns: a thread that blocks the signal now but did not before it was sent (`blocked_before`) is
-    writing the dump, however long the scheduler keeps it from running. None where /proc cannot say.
+    it until it returns: a thread that was there and did not block the signal when it was sent (`before`), and
+    blocks it now, is writing the dump, however long the scheduler keeps it from running. None where /proc cannot
+    say.
     """
     assert STACKS_SIGNAL is not None
-    if blocked_before is None:
+    if before is None:
         return None
-    state = _signal_state(pid, STACKS_SIGNAL)
-    if state is None:
+    now = _signal_state(pid, STACKS_SIGNAL)
+    if now is None:
         return False  # it has ended: it writes nothing more
-    pending, blocking = state
-    return pending or bool(blocking - blocked_before)
+    return now.pending or bool((now.blocking - before.blocking) & before.threads)
 
 
 def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float = _SETTLED) -> tuple[int, float]:
@@ -327,7 +339,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float =
     assert STACKS_SIGNAL is not None
     clock = time.strftime("%H:%M:%S")
     waiting: dict[int, tuple[int, float]] = {}  # fd -> (its size when last seen to change, when)
-    blocked_before: dict[int, frozenset[int] | None] = {}  # fd -> the threads of its process blocking the signal
+    signalled: dict[int, _SignalState | None] = {}  # fd -> its process and the signal as it was sent
     pids: dict[int, int] = {}
     asked = 0
     for target in turn:
@@ -345,7 +357,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float =
         if why == STOPPING:
             _recent[target.pid] = time.monotonic()
         waiting[target.fd] = (before + len(header), time.monotonic())  # past this size, the dump has begun
-        blocked_before[target.fd] = state[1] if state is not None and not state[0] else None
+        signalled[target.fd] = state if state is not None and not state.pending else None
         pids[target.fd] = target.pid
         asked += 1
     grown: set[int] = set()
@@ -357,7 +369,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float =
             if current != size:
                 grown.add(fd)
                 waiting[fd] = (current, now)
-            elif fd in grown and now - since >= settled and not _answering(pids[fd], blocked_before[fd]):
+            elif fd in grown and now - since >= settled and not _answering(pids[fd], signalled[fd]):
                 del waiting[fd]
     native_start = time.monotonic()
     natives = native_stacks([t.pid for t in turn if t.fd is not None and t.role == RANK_ROLE])
