@@ -123,6 +123,35 @@ def gpu_module_marks() -> list:
     ]
 
 
+def mlflow_run(cli: Any, run_id: str) -> dict[str, Any]:
+    """An MLflow run as the `cli` fixture's processes see it (its environment, its directory), read in a process of
+    its own: `name`, `experiment`, `tags`, `metrics` (last values) and `highest` (each metric's highest value)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MLFLOW_RUN, run_id],
+        cwd=cli.root,
+        env=cli.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
+_MLFLOW_RUN = """
+import json, mlflow, sys
+client = mlflow.MlflowClient()
+run = client.get_run(sys.argv[1])
+metrics = run.data.metrics
+print(json.dumps({
+    "name": run.info.run_name,
+    "experiment": client.get_experiment(run.info.experiment_id).name,
+    "tags": run.data.tags,
+    "metrics": metrics,
+    "highest": {k: max(m.value for m in client.get_metric_history(sys.argv[1], k)) for k in metrics},
+}))
+"""
+
+
 def kernel_env(workdir: Path, **extra: str) -> dict[str, str]:
     """What a test kernel runs with: private run directories and MLflow store under `workdir`, plain-text display."""
     return {

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import in_order
+from helpers import in_order, mlflow_run
 
 pytestmark = pytest.mark.slow
 
@@ -108,15 +107,8 @@ def _data(done: subprocess.CompletedProcess[str]):
 
 
 def _mlflow(cli, run_id: str):
-    check = (
-        "import json, mlflow, sys; r = mlflow.get_run(sys.argv[1]); "
-        "print(json.dumps([r.info.run_name, mlflow.get_experiment(r.info.experiment_id).name, r.data.metrics, "
-        "r.data.tags]))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", check, run_id], cwd=cli.root, env=cli.env, capture_output=True, text=True, check=True
-    )
-    return json.loads(done.stdout)
+    run = mlflow_run(cli, run_id)
+    return run["name"], run["experiment"], run["metrics"], run["tags"]
 
 
 def test_a_torchrun_command_runs_once_per_node_and_its_retry_starts_fresh(cli):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import in_order, wait_until
+from helpers import in_order, mlflow_run, wait_until
 
 from air_magic import envvars
 from air_magic.cli.node import RANK_HOOK_DIR
@@ -224,7 +224,8 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     assert sorted(used) == [0, 1] and not any(r["running"] for r in used.values()), got["command_ranks"]
     assert all(r["node"] == 0 and r["peak_memory"] > 50 * 2**20 for r in used.values()), got["command_ranks"]  # torch
     assert "rank 1 (node 0, pid" in cli("get", run_id).stdout
-    tags, metrics, highest = _mlflow_run(cli, got["mlflow_run_id"])
+    run = mlflow_run(cli, got["mlflow_run_id"])
+    tags, metrics, highest = run["tags"], run["metrics"], run["highest"]
     assert sorted(v.split(":")[0] for k, v in tags.items() if k.startswith("air_magic.alert_")) == [
         "hang on node 0",
         "straggler on node 0",
@@ -233,29 +234,6 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     assert metrics["watch/rank_0/collective_wait"] > 0.1 and "watch/rank_1/straggler_lag" in metrics, metrics
     # what each rank held while it ran (the last sample can be of a rank freeing its memory as it exits)
     assert all(highest[f"system/command_rank_{r}/memory_mib"] > 50 for r in (0, 1)), highest
-
-
-def _mlflow_run(cli, run_id: str) -> tuple[dict[str, str], dict[str, float], dict[str, float]]:
-    """The MLflow run's tags, its metrics' last values, and their highest values."""
-    done = subprocess.run(
-        [sys.executable, "-c", _MLFLOW_RUN, run_id],
-        cwd=cli.root,
-        env=cli.env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    tags, metrics, highest = json.loads(done.stdout)
-    return tags, metrics, highest
-
-
-_MLFLOW_RUN = """
-import json, mlflow, sys
-client = mlflow.MlflowClient()
-d = client.get_run(sys.argv[1]).data
-highest = {k: max(m.value for m in client.get_metric_history(sys.argv[1], k)) for k in d.metrics}
-print(json.dumps([d.tags, d.metrics, highest]))
-"""
 
 
 def _python(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
