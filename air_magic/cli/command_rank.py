@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -298,6 +299,7 @@ def _become_rank(directory: Path, rank: int, local_rank: int) -> None:
         "rank": rank,
         "local_rank": local_rank,
         "node": int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0),
+        "host": socket.gethostname(),  # its pid means something on this machine only (command_watch.here)
         "world_size": int(os.environ.get("WORLD_SIZE") or 0),
         "started": time.time(),
         "argv": sys.argv[:8],

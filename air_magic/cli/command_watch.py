@@ -7,20 +7,22 @@ while the command runs and judges them with the watch's own rules (watching/dete
 names is an alert of the attempt, as a fatal line is (`NodeAlerts`): a line in the node's log (`air-magic: watch:
 <kind>: <message>`, which `--watch` and `-o json` turn into ALERT lines: `alert_kind`), a line of `alerts.jsonl`
 (`get`) and, at the attempt's end, a tag of its MLflow run. A hung rank is asked for its stacks (into its
-`rank_<R>.stacks`, what `air-magic stacks` prints). Each node judges its own ranks. Each look also samples what each
-live rank uses (its process and its children: CPU %, resident memory, the peak, and the memory they hold on each GPU,
-from NVML's list of processes: launch/nvml.py) into `rank_<R>.usage.json`,
-which `get` shows (`command_ranks`). Every `LOG_EVERY` seconds, and once at the end, what it read goes to `sink` as
-MLflow metrics: `watch/rank_N/input_wait`, `compute`, `collective_wait`, `straggler_lag` (named as a function
-run's) and `system/command_rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the attempt's
-run; `system/rank_N/` is the call's own sampler's, of its units). Not for: the ranks' side, or a function run's
-watch (watching/listener.py).
+`rank_<R>.stacks`, what `air-magic stacks` prints). On several nodes node 0 judges every node's ranks, which the
+others put in the store the nodes share (cli/watch_peers.py); alone, a node judges its own. Each look also samples
+what each live rank uses (its process and its children: CPU %, resident memory, the peak, and the memory they hold on
+each GPU, from NVML's list of processes: launch/nvml.py) into `rank_<R>.usage.json`, which `get` shows
+(`command_ranks`). Every `LOG_EVERY` seconds, and once at the end, what it read goes to `sink` as MLflow metrics:
+`watch/rank_N/input_wait`, `compute`, `collective_wait`, `straggler_lag` (named as a function run's; node 0's only, on
+several nodes) and `system/command_rank_N/cpu_percent`, `memory_mib`, `gpu_memory_mib` (the node logs them to the
+attempt's run; `system/rank_N/` is the call's own sampler's, of its units). Not for: the ranks' side, or a function
+run's watch (watching/listener.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,11 +37,14 @@ from ..watching.fatal_lines import kind_of
 from ..watching.listener import LOG_EVERY
 from ..watching.listener import metrics as step_metrics
 from .command_rank import STACKS_SIGNAL, rank_file
+from .watch_peers import RemoteRank, WatchPeers
 
 #: How a watch alert starts in the node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
 WATCH_PREFIX = "air-magic: watch: "
 #: Seconds between two readings of the ranks' files.
 PERIOD = 1.0
+#: Seconds within which a rank of another machine was last sampled by its node, if it still runs.
+FRESH = 5.0
 #: Alerts of one attempt that become tags of its MLflow run, at most.
 TAGGED = 20
 
@@ -53,10 +58,19 @@ def alert_kind(line: str) -> str | None:
     return kind_of(line)
 
 
+def here(info: dict[str, Any]) -> bool:
+    """The rank ran on this machine (a rank of another node of a cluster came back with its node's files)."""
+    host = info.get("host")
+    return host is None or host == socket.gethostname()
+
+
 def alive(info: dict[str, Any]) -> bool:
-    """The rank's process still runs: its pid is the same process (create time) and not a zombie."""
+    """The rank's process still runs: its pid is the same process (create time) and not a zombie; False for a rank
+    of another machine (its pid is not this machine's)."""
     import psutil
 
+    if not here(info):
+        return False
     try:
         proc = psutil.Process(int(info["pid"]))
         if info.get("create_time") is not None and abs(proc.create_time() - float(info["create_time"])) > 1.0:
@@ -106,8 +120,10 @@ class CommandWatch:
         period: float = PERIOD,
         sink: Callable[[dict[str, float], int], None] | None = None,
         log_every: float = LOG_EVERY,
+        peers: WatchPeers | None = None,
     ) -> None:
         self.rank_dir, self.alerts, self.say, self.period = rank_dir, alerts, say, period
+        self.peers = peers
         self.sink, self.log_every = sink, log_every
         self.started = self.last_sent = time.monotonic()
         self.used: dict[int, dict[str, Any]] = {}  # each rank's newest usage
@@ -136,7 +152,7 @@ class CommandWatch:
         if self.sink is None or self.sink_error is not None:
             return
         lags = {rank: lag.seconds for rank, lag in self.detector.lags.items()}
-        values = step_metrics(self.detector.summary(), lags)
+        values = step_metrics(self.detector.summary(), lags) if self.judging else {}  # node 0's, on several nodes
         for rank, used in sorted(self.used.items()):
             key = f"system/command_rank_{rank}/"  # system/rank_N/ is the call's own: its units, a node each
             values[key + "cpu_percent"] = used["cpu_percent"]
@@ -171,12 +187,18 @@ class CommandWatch:
                 continue
         return found
 
+    @property
+    def judging(self) -> bool:
+        """This node names stragglers and hangs: alone, node 0 of several, or a node that lost node 0's store."""
+        return self.peers is None or self.peers.judge or self.peers.broken
+
     def look(self) -> list[str]:
         """Read each rank's step file once, judge, and say what is new; the lines said."""
         now, wall = time.monotonic(), time.time()
         ranks = self.ranks()
-        for rank in ranks:
-            state = step_times.read(rank_file(self.rank_dir, rank, "steps.json"))
+        steps = {rank: step_times.read_bytes(rank_file(self.rank_dir, rank, "steps.json")) for rank in ranks}
+        for rank, data in steps.items():
+            state = step_times.decode(data) if data else None
             if state is not None:
                 self.detector.update(rank, state, now)
         running = {rank for rank, info in ranks.items() if alive(info)}
@@ -184,11 +206,15 @@ class CommandWatch:
             found = self.trees.sample(int(ranks[rank]["pid"]))
             if found is not None:
                 self._note_usage(rank, *found, nvml.gpu_memory_of(self.trees.last_tree))
+        remote = self._meet(steps, running, ranks, now)
         said = []
-        for alert in self.detector.check(now, wall, running):
+        for alert in self.detector.check(now, wall, running) if self.judging else []:
             message = alert.message
             if alert.kind == "hang":
-                message += self._ask_stacks(ranks[alert.rank])
+                if alert.rank in ranks:
+                    message += self._ask_stacks(ranks[alert.rank])
+                elif alert.rank in remote:
+                    message += self._ask_remote(alert.rank, remote[alert.rank].node)
             line = f"{WATCH_PREFIX}{alert.kind}: {message}"
             self.alerts.add(alert.kind, line, alert.rank)
             self.say(line)
@@ -196,6 +222,34 @@ class CommandWatch:
         if time.monotonic() - self.last_sent >= self.log_every:
             self.send()
         return said
+
+    def _meet(
+        self, steps: dict[int, bytes | None], running: set[int], ranks: dict[int, dict[str, Any]], now: float
+    ) -> dict[int, RemoteRank]:
+        """On several nodes: node 0 takes the other nodes' ranks into its judgement (and `running`), the others put
+        theirs in the store and answer node 0's requests for stacks; the other nodes' ranks."""
+        if self.peers is None:
+            return {}
+        if not self.peers.judge:
+            self.peers.publish(steps, running)
+            for rank in self.peers.stacks_asked(set(ranks)):
+                self._ask_stacks(ranks[rank])
+            return {}
+        remote = self.peers.others()
+        for rank, there in remote.items():
+            if there.state is not None:
+                self.detector.update(rank, there.state, now)
+            if there.running:
+                running.add(rank)
+        return remote
+
+    def _ask_remote(self, rank: int, node: int) -> str:
+        """Ask another node's hung rank for its stacks (through the store); where they will be."""
+        assert self.peers is not None
+        self.peers.ask_stacks(rank)
+        attempt = self.rank_dir.parent
+        where = f"{attempt.parent.name}/{attempt.name}/node_{node}/{rank_file(Path(), rank, 'stacks')}"
+        return f"; its threads' stacks are asked of node {node}, into {where} of the run's directory"
 
     def _note_usage(self, rank: int, cpu: float, memory: int, gpus: dict[int, int]) -> None:
         self.peaks[rank] = max(self.peaks.get(rank, 0), memory)
@@ -237,12 +291,16 @@ def command_ranks(directories: dict[int, Path]) -> list[dict[str, Any]]:
             usage = json.loads(rank_file(directory, rank, "usage.json").read_text())
         except (OSError, ValueError):
             usage = {}
+        if here(info):
+            running = bool(info) and alive(info)
+        else:  # its node samples it every second, and its usage comes back as often
+            running = time.time() - float(usage.get("time") or 0) < FRESH
         found.append(
             {
                 "rank": rank,
                 "node": info.get("node"),
                 "pid": info.get("pid"),
-                "running": bool(info) and alive(info),
+                "running": running,
                 **{key: usage.get(key) for key in ("cpu_percent", "memory", "peak_memory")},
                 "gpus": usage.get("gpus") or {},
             }

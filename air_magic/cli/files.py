@@ -50,7 +50,7 @@ class WorkloadDir:
 
     @property
     def alerts(self) -> Path:
-        return self.path / "alerts.jsonl"
+        return self.path / command_logs.ALERTS
 
     def attempt(self, attempt: int) -> Path:
         return command_logs.attempt_dir(self.path, attempt)

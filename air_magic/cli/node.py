@@ -8,7 +8,8 @@ the file's `env_variables` and `secrets`, and without the rank's own `RANK`/`LOC
 launcher (torchrun, accelerate, Ray) makes the ranks. Its output is the node's log (its first rank's log, and a copy
 per attempt); the node's other ranks end at once (the call keeps the node's units leased until it ends). On several
 nodes (a Ray cluster, where each rank has a directory of its own) the files travel in the call, and node 0 tells the
-others the command's MASTER_PORT through a store at the call's own address. Each attempt has `timeout_minutes`: past
+others the command's MASTER_PORT through a store at the call's own address, where their watches meet too
+(cli/watch_peers.py). Each attempt has `timeout_minutes`: past
 it the script's processes are stopped and the attempt ends TIMEDOUT. An attempt after the first gets an MLflow run
 of its own in the same experiment. The rank hook (cli/command_rank.py), first on the script's PYTHONPATH, makes the
 Python processes that its launcher starts (RANK and LOCAL_RANK set) ranks of the run, with their files in the
@@ -37,6 +38,7 @@ from .command_rank import TimeIndex
 from .command_watch import CommandWatch, NodeAlerts
 from .files import WorkloadDir
 from .node_mlflow import attempt_run, metrics_sink, tag_alerts
+from .watch_peers import WatchPeers
 
 #: Seconds between SIGTERM and SIGKILL when an attempt's time is up.
 KILL_GRACE = 10.0
@@ -216,7 +218,8 @@ def run_node(node: dict[str, Any]) -> int:
     def watch_line(line: str) -> None:
         write((line + "\n").encode())
 
-    watch = CommandWatch(rank_dir, alerts, watch_line, hang, sink=metrics_sink(env)).start()
+    peers = WatchPeers(store, node["node_rank"], num_nodes, attempt) if store is not None else None
+    watch = CommandWatch(rank_dir, alerts, watch_line, hang, sink=metrics_sink(env), peers=peers).start()
     reader = threading.Thread(target=copy, name="air_magic-node-log", daemon=True)
     reader.start()
     limit = node.get("timeout_minutes")

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..calls import record as call_record
 from .command_rank import STACKS_SIGNAL, rank_file
-from .command_watch import alive
+from .command_watch import alive, here
 from .files import WorkloadDir
 from .output import envelope, state
 from .reading import UsageError, find
@@ -58,6 +58,9 @@ def _ask(ranks: list[dict[str, Any]], wait: float) -> None:
     deadline = time.monotonic() + wait
     try:
         for rank in ranks:
+            if not here(rank):
+                rank["state"] = f"on another machine ({rank['host']}): its stacks are asked by the watch when it hangs"
+                continue
             if not rank.get("pid") or not alive(rank):
                 rank["state"] = "ended"
                 continue

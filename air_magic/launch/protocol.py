@@ -371,3 +371,5 @@ class RankReport:
     usage: tuple[float, int] | None = None
     #: The rank's step-times file (launch/files/step_times.py) whole, when it changed since the last poll.
     steps: bytes | None = None
+    #: What a command run's node wrote in its run directory since the last poll (launch/files/node_mirror.py).
+    node_files: tuple[Any, ...] = ()

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
+from air_magic.cli.command_rank import STACKS_SIGNAL
 from air_magic.cli.command_watch import WATCH_PREFIX, CommandWatch, NodeAlerts, alert_kind, command_ranks
 from air_magic.launch.files import step_times
 from air_magic.launch.files.step_times import Collective, RankSteps, Step
@@ -126,3 +128,78 @@ def test_the_watch_hands_its_ranks_step_times_and_usage_to_its_sink_as_mlflow_me
     assert [line for line in said if "MLflow" in line] == [
         "air-magic: the watch's metrics are not logged to MLflow: OSError: the tracking server is gone"
     ]
+
+
+def _node_dir(root: Path, node: int) -> Path:
+    directory = root / "attempts" / "attempt_0" / f"node_{node}"
+    directory.mkdir(parents=True)
+    return directory
+
+
+def test_on_two_nodes_node_0_judges_the_other_node_s_rank_and_has_it_asked_for_its_stacks(tmp_path, monkeypatch):
+    """One rank on each node (each node alone sees no straggler): node 1 puts its rank's steps in the nodes' store,
+    node 0 names rank 1 the straggler; then rank 1 stops while rank 0 waits in an all-reduce it never reached: node
+    0 names the hang, asks node 1 for rank 1's stacks through the store, node 1 answers once; node 1 says nothing
+    itself and logs no watch metrics, node 0 logs both ranks'."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from air_magic.cli.watch_peers import WatchPeers
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+    dirs = [_node_dir(tmp_path, node) for node in (0, 1)]
+    _rank(dirs[0], 0, 0.01, 0.2)
+    _rank(dirs[1], 1, 0.2, 0.01)
+    said: list[list[str]] = [[], []]
+    sent: list[list[dict[str, float]]] = [[], []]
+    watches = []
+    for node, node_store in ((0, store), (1, client)):
+        peers = WatchPeers(node_store, node, num_nodes=2, attempt=0)
+        alerts = NodeAlerts(tmp_path / f"alerts-{node}.jsonl", attempt=0, node=node)
+        watch = CommandWatch(dirs[node], alerts, said[node].append, hang_after=1.0, peers=peers)
+        watch.sink, watch.log_every = (lambda values, step, node=node: sent[node].append(values)), 0.0
+        watches.append(watch)
+
+    watches[1].look()
+    watches[0].look()
+    assert len(said[0]) == 1 and said[0][0].startswith(f"{WATCH_PREFIX}straggler: rank 1 is a straggler"), said
+    assert "watch/rank_1/compute" in sent[0][-1] and "watch/rank_0/compute" in sent[0][-1]
+    assert not any(key.startswith("watch/") for values in sent[1] for key in values)
+
+    now = time.time()
+    stalled = RankSteps(
+        1, os.getpid(), now, 30, now - 5, 30, recent=step_times.read(dirs[1] / "rank_1.steps.json").recent
+    )
+    step_times.write(dirs[1] / "rank_1.steps.json", stalled)
+    _rank(dirs[0], 0, 0.01, 0.2)  # rank 0 waits in all_reduce #31, which rank 1 (30 calls) never reached
+    watches[1].look()
+    (hang,) = watches[0].look()
+    assert hang.startswith(f"{WATCH_PREFIX}hang: rank 1 hangs") and "asked of node 1" in hang, hang
+    assert "attempts/attempt_0/node_1/rank_1.stacks" in hang
+    info = json.loads((dirs[1] / "rank_1.json").read_text())
+    (dirs[1] / "rank_1.json").write_text(json.dumps({**info, "stacks_signal": STACKS_SIGNAL}))
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+    watches[1].look()
+    watches[1].look()
+    assert signalled == [(os.getpid(), STACKS_SIGNAL)]  # node 1 sent rank 1 the stacks signal, once
+    assert said[1] == []
+    for watch in watches:
+        watch.alerts.close()
+
+
+def test_a_rank_of_another_machine_is_running_while_its_node_samples_it_and_is_never_signalled_here(tmp_path):
+    """A rank whose files came back from another machine's node: its pid is not this machine's (never looked up
+    or signalled here); `get` calls it running while its node's samples keep coming."""
+    from air_magic.cli.command_watch import FRESH, alive
+
+    info = {"pid": os.getpid(), "create_time": None, "rank": 3, "node": 1, "host": "another-machine"}
+    (tmp_path / "rank_3.json").write_text(json.dumps(info))
+    assert not alive(info) and alive({**info, "host": socket.gethostname()})
+    usage = {"cpu_percent": 100.0, "memory": 1 << 30, "peak_memory": 1 << 30, "gpus": {}, "time": time.time()}
+    (tmp_path / "rank_3.usage.json").write_text(json.dumps(usage))
+    assert command_ranks({3: tmp_path})[0]["running"]
+    (tmp_path / "rank_3.usage.json").write_text(json.dumps({**usage, "time": time.time() - FRESH - 1}))
+    assert not command_ranks({3: tmp_path})[0]["running"]

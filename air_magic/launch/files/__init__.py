@@ -8,6 +8,7 @@ debug_channel.py   a rank's debugger prompt out and the answer back
 flight_recorder.py NCCL's flight recorder dumps and what they say
 step_times.py      a watched rank's step times and what it does now
 command_logs.py    where a command run keeps its ranks' logs, per attempt and node
+node_mirror.py     a command run's node files, sent back from a node of another machine as they change
 
 These modules start nothing and import no other part of launch/ but protocol.py, the marks of stacks.py
 and each other.

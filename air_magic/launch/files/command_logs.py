@@ -5,7 +5,8 @@ per attempt A, a directory per node N, `attempts/attempt_A/node_N/`, in which ea
 launcher started writes `rank_R.log` (R is the rank's global RANK; cli/command_rank.py writes them). The run's
 `workload.json` says `"kind": "command"`. The call's own logs, `rank-U.log` per unit, hold each node's whole
 output (the launcher's lines and every local rank's, interleaved). Read by the panel of an attached command run
-(display/follow.py), which shows rank R's own log in tab R; the workload's other files are cli/files.py's.
+(display/follow.py), which shows rank R's own log in tab R; the workload's other files are cli/files.py's. What a
+node of another machine writes there comes back as it is written (node_mirror.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from pathlib import Path
 
 ATTEMPTS = "attempts"
 INFO = "workload.json"
+#: The alerts every node of the run raised, a line each (cli/command_watch.py NodeAlerts).
+ALERTS = "alerts.jsonl"
+#: What a node writes in the run directory while its command runs, which a node of another machine sends back
+#: (node_mirror.py): every attempt's directory, and its alerts.
+TRAVELLING = (ATTEMPTS, ALERTS)
 
 
 def attempt_dir(run_dir: Path, attempt: int) -> Path:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from air_magic.launch.files.node_mirror import Mirror
     from air_magic.launch.files.rundir import RunDir
     from air_magic.launch.protocol import ActorPlace, RankCall, RankFiles, RankReport
 
@@ -90,6 +91,8 @@ class RankActor:
         self.trees = TreeUsage()
         self.sampled = 0.0
         self.steps_seen = 0  # the modification time of the step-times file last sent
+        self.mirror: Mirror | None = None  # a command run's node files, sent back as they change
+        self.mirrored = 0.0
         self.preloading = threading.Thread(target=_preload, args=(preload,), name="air_magic-preload", daemon=True)
         self.preloading.start()
 
@@ -129,6 +132,9 @@ class RankActor:
         self.rank, self.code, self.kept, self.calls = call.rank, None, False, self.calls + 1
         self.done.clear()
         scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{call.rank}")
+        from air_magic.launch.files.node_mirror import Mirror
+
+        self.mirror = Mirror(scratch.path)
         write_private(scratch.payload, payload)
         here = [p for p in self.node_path if p not in job.sys_path]
         cwd = job.cwd if os.path.isdir(job.cwd) else str(scratch.path)
@@ -219,9 +225,13 @@ class RankActor:
             finished = self.done.is_set()
             data, metrics, charts = (_read(path, at) for path, at in zip(files, offsets))
             if finished and max(len(data), len(metrics), len(charts)) < _CHUNK:
-                return RankReport(data, metrics, self.outcome(), charts=charts, steps=self.steps())
+                node_files = self.node_files(final=True)
+                if self.mirror is None or not self.mirror.more:
+                    return RankReport(data, metrics, self.outcome(), charts, steps=self.steps(), node_files=node_files)
+                return RankReport(data, metrics, charts=charts, node_files=node_files)
             if data or metrics or charts or time.monotonic() >= deadline:
-                return RankReport(data, metrics, charts=charts, usage=self.usage(), steps=self.steps())
+                usage, steps, node_files = self.usage(), self.steps(), self.node_files()
+                return RankReport(data, metrics, charts=charts, usage=usage, steps=steps, node_files=node_files)
             self.done.wait(_OUTPUT_EVERY)  # the end of the call wakes this at once
 
     def steps(self) -> bytes | None:
@@ -235,6 +245,14 @@ class RankActor:
             return None
         self.steps_seen = changed
         return _read_all(self.scratch.steps(self.rank))
+
+    def node_files(self, final: bool = False) -> tuple[Any, ...]:
+        """What a command run's node wrote in its run directory since it was last sent, at most once a second
+        until the call ends (launch/files/node_mirror.py)."""
+        if self.mirror is None or (not final and time.monotonic() - self.mirrored < _SAMPLE_EVERY):
+            return ()
+        self.mirrored = time.monotonic()
+        return tuple(self.mirror.changes())
 
     def usage(self) -> tuple[float, int] | None:
         """CPU % and resident bytes of this rank (its process and every child), at most once a second."""

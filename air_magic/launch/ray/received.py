@@ -4,8 +4,10 @@ Each actor's poll answers with the bytes its rank wrote since the offsets
 asked: its output (appended to `rank-N.log`, then read back into text by the
 same `LogTail` the local launcher uses), the MLflow lines its relay wrote (for
 the notebook's MLflow listener), its chart lines (for the live charts and
-the record) and its step-times file (for the watch). At the end it sends its result and error files, which are
-written here and read into the rank's outcome as a local rank's are
+the record), its step-times file (for the watch) and what a command run's node
+wrote in its run directory (files/node_mirror.py: its ranks' logs, step times,
+usage and stacks, its alerts). At the end it sends its result and error files,
+which are written here and read into the rank's outcome as a local rank's are
 (rank_files.outcome). This module asks Ray for nothing; the pump does.
 """
 
@@ -15,7 +17,7 @@ import os
 from pathlib import Path
 
 from .. import protocol as p
-from ..files import step_times
+from ..files import node_mirror, step_times
 from ..files.rank_files import LogTail, outcome, write_usage
 from ..files.rundir import RunDir, write_private
 
@@ -49,6 +51,8 @@ class Received:
             write_usage(rd.usage(rank), report.usage)
         if report.steps is not None:
             step_times.write_bytes(rd.steps(rank), report.steps)
+        if report.node_files:
+            node_mirror.apply(rd.path, report.node_files)
         return self.tails[rank].read_all() if report.output else []
 
     def rest(self, rank: int) -> list[str]:
