@@ -27,35 +27,22 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..launch import nvml
 from ..launch.files import step_times
 from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
-from ..watching.fatal_lines import kind_of
 from ..watching.listener import LOG_EVERY
 from ..watching.listener import metrics as step_metrics
 from .command_rank import STACKS_SIGNAL, rank_file
+from .node_alerts import WATCH_PREFIX, NodeAlerts
 from .watch_peers import RemoteRank, WatchPeers
 
-#: How a watch alert starts in the node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
-WATCH_PREFIX = "air-magic: watch: "
 #: Seconds between two readings of the ranks' files.
 PERIOD = 1.0
 #: Seconds within which a rank of another machine was last sampled by its node, if it still runs.
 FRESH = 5.0
-#: Alerts of one attempt that become tags of its MLflow run, at most.
-TAGGED = 20
-
-
-def alert_kind(line: str) -> str | None:
-    """The alert a line of a node's log raises: a watch alert's kind (straggler, hang), a fatal line's, or None."""
-    if line.startswith(WATCH_PREFIX):
-        kind, sep, _ = line[len(WATCH_PREFIX) :].partition(": ")
-        if sep and kind.isidentifier():
-            return kind
-    return kind_of(line)
 
 
 def here(info: dict[str, Any]) -> bool:
@@ -78,33 +65,6 @@ def alive(info: dict[str, Any]) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
-
-
-class NodeAlerts:
-    """The alerts of one node's attempt: each a line of `alerts.jsonl`, kept for the MLflow run's tags (`raised`)."""
-
-    def __init__(self, path: Path, attempt: int, node: int) -> None:
-        self.path, self.attempt, self.node = path, attempt, node
-        self.raised: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self._file: BinaryIO | None = None
-
-    def add(self, kind: str, line: str, rank: int | None = None) -> None:
-        alert: dict[str, Any] = {"attempt": self.attempt, "node": self.node, "kind": kind, "line": line}
-        if rank is not None:
-            alert["rank"] = rank
-        with self._lock:
-            self.raised.append(alert)
-            if self._file is None:
-                self._file = open(self.path, "ab")  # noqa: SIM115 - kept open for the attempt; close() ends it
-            self._file.write((json.dumps({**alert, "time": time.time()}) + "\n").encode())
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
 
 
 class CommandWatch:

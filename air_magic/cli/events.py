@@ -16,8 +16,8 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
-from .command_watch import alert_kind
 from .files import WorkloadDir
+from .node_alerts import alert_kind
 from .output import envelope, event, run_fields, state
 from .watch import LOOK, Lines
 

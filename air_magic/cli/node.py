@@ -35,8 +35,9 @@ from ..launch.files import debug_channel
 from ..watching.fatal_lines import kind_of
 from ..watching.listener import hang_after
 from .command_rank import TimeIndex
-from .command_watch import CommandWatch, NodeAlerts
+from .command_watch import CommandWatch
 from .files import WorkloadDir
+from .node_alerts import NodeAlerts
 from .node_mlflow import attempt_run, metrics_sink, tag_alerts
 from .watch_peers import WatchPeers
 

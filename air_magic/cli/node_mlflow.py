@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .command_watch import TAGGED
+from .node_alerts import TAGGED
 
 
 def attempt_run(env: dict[str, str], name: str, attempt: int) -> Any:

@@ -20,9 +20,9 @@ from typing import Any, TextIO
 
 from ..calls import record as call_record
 from ..display.follow import LogReader
-from .command_watch import alert_kind
 from .files import WorkloadDir
 from .mlflow_ui import follow_link
+from .node_alerts import alert_kind
 from .output import state
 from .prompts import RunPrompts
 

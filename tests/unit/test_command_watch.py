@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from air_magic.cli.command_rank import STACKS_SIGNAL
-from air_magic.cli.command_watch import WATCH_PREFIX, CommandWatch, NodeAlerts, alert_kind, command_ranks
+from air_magic.cli.command_watch import CommandWatch, command_ranks
+from air_magic.cli.node_alerts import WATCH_PREFIX, NodeAlerts, alert_kind
 from air_magic.launch.files import step_times
 from air_magic.launch.files.step_times import Collective, RankSteps, Step
 

@@ -1,6 +1,7 @@
 """The run directory's formats: one module per kind of file a call leaves, used by every reader and writer.
 
 rundir.py          every path in a run directory, and its privacy (0700 / 0600)
+scratch.py         a Ray rank's scratch directory on its node, held while its process lives
 rank_files.py      a rank's log, usage and metric files, read the same way by every launcher
 errorfile.py       a rank's exception as files
 stack_dumps.py     the stacks ranks write to their logs, read back

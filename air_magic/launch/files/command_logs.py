@@ -16,7 +16,7 @@ from pathlib import Path
 
 ATTEMPTS = "attempts"
 INFO = "workload.json"
-#: The alerts every node of the run raised, a line each (cli/command_watch.py NodeAlerts).
+#: The alerts every node of the run raised, a line each (cli/node_alerts.py).
 ALERTS = "alerts.jsonl"
 #: What a node writes in the run directory while its command runs, which a node of another machine sends back
 #: (node_mirror.py): every attempt's directory, and its alerts.

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ...envvars import RUNS_DIR
 from ...errors import AirMagicError, ConfigurationError
+from . import scratch
 
 #: Bytes set aside per rank for its error record: room for a long traceback.
 ERROR_RESERVE = 64 << 10
@@ -103,10 +104,8 @@ class RunDir:
 
     @classmethod
     def scratch(cls, name: str) -> RunDir:
-        """A private working directory in this machine's temporary directory, for a rank placed here by
-        another machine's launcher (the Ray launcher); the record itself is kept on the notebook's machine."""
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
-        return cls(Path(tempfile.mkdtemp(prefix=f"air_magic-{safe}-")))
+        """A Ray rank's private directory in this machine's temporary one, held till `remove()` (scratch.py)."""
+        return cls(scratch.make(name))
 
     def write_failed(self, exc: OSError) -> AirMagicError:
         return AirMagicError(
@@ -116,6 +115,7 @@ class RunDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        scratch.release(self.path)
 
     def log(self, rank: int) -> Path:
         return self.path / f"rank-{rank}.log"

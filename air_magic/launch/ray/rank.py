@@ -12,7 +12,9 @@ files. `dump_stacks` has the rank write where it is to its log; `interrupt`
 raises KeyboardInterrupt in a session call's thread (a signal cannot reach it:
 it is not the main thread), at the next Python line it runs.
 `terminate` ends every process the rank started and removes the scratch
-directory; the launcher then kills the actor itself.
+directory; the launcher then kills the actor itself. The first call of an
+actor removes the scratch directories that ranks killed with their node left
+on this machine (launch/files/scratch.py).
 
 A hot actor (`RankCall.hot`) serves one call after another of the same
 world in the loop a local hot rank runs (launch/rank/hot.py), the actor
@@ -42,7 +44,6 @@ import contextlib
 import importlib
 import os
 import queue
-import shutil
 import socket
 import sys
 import threading
@@ -118,12 +119,15 @@ class RankActor:
         import dataclasses
 
         from air_magic.envvars import INTERNAL_RUN_DIR
+        from air_magic.launch.files import scratch as scratch_dirs
         from air_magic.launch.files.rundir import RunDir, write_private
 
         if not self.done.is_set() and self.calls:
             raise RuntimeError("this rank's actor is still running a call")
         if self.scratch is not None:
-            shutil.rmtree(self.scratch.path, ignore_errors=True)  # the last call's, already reported
+            self.scratch.remove()  # the last call's, already reported
+        elif not self.calls:
+            scratch_dirs.sweep()  # what ranks of this machine left when they were killed with their node
         job = call.job
         if job.session is not None:
             from air_magic.launch.rank import interrupts
@@ -307,7 +311,7 @@ class RankActor:
 
         gone = stop_tree(lambda: psutil.Process().children(recursive=True), grace=grace, limit=5.0)
         if self.scratch is not None:
-            shutil.rmtree(self.scratch.path, ignore_errors=True)
+            self.scratch.remove()
         return gone
 
 
