@@ -31,6 +31,7 @@ from typing import Any
 
 from ..launch import nvml
 from ..launch.files import step_times
+from ..launch.files.rundir import write_private
 from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
 from ..watching.listener import LOG_EVERY
@@ -223,7 +224,7 @@ class CommandWatch:
         self.used[rank] = usage
         path = rank_file(self.rank_dir, rank, "usage.json")
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(usage))
+        write_private(tmp, json.dumps(usage).encode(), exclusive=False)  # 0600, as every file of a run
         os.replace(tmp, path)
 
     def _ask_stacks(self, info: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ directory, so edits made after `run` returns change neither the run nor its retr
 - with `git.branch`, that branch's local head through `git archive` (a tree with uncommitted changes is
   refused, as the runtime refuses it); with `git.commit`, that commit, which must exist locally;
 - `include_paths`: only those paths of the root, each of which must exist.
+The runs directory (`AIR_MAGIC_RUNS_DIR`), where the copy goes, is never copied when it lies inside the root.
 Not for: the fields' form (cli/schema.py).
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..launch.files.rundir import runs_root
 from .schema import JobFileError
 
 
@@ -165,6 +167,7 @@ class Snapshot:
                 tar.extractall(target, filter="data")
             return target
         rules = _ignore_rules(self.root)
+        own = {runs_root().resolve(), target.resolve()}  # air_magic's runs, this one's copy among them: never code
         starts = [self.root / p for p in self.include_paths] or [self.root]
         for start in starts:
             if start.is_file():
@@ -173,7 +176,11 @@ class Snapshot:
                 continue
             for folder, dirs, files in os.walk(start):
                 rel_dir = Path(folder).relative_to(self.root)
-                dirs[:] = [d for d in dirs if not _ignored((rel_dir / d).as_posix(), True, rules)]
+                dirs[:] = [
+                    d
+                    for d in dirs
+                    if not _ignored((rel_dir / d).as_posix(), True, rules) and (Path(folder) / d).resolve() not in own
+                ]
                 (target / rel_dir).mkdir(parents=True, exist_ok=True)
                 for name in files:
                     rel = (rel_dir / name).as_posix()

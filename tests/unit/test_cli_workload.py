@@ -39,6 +39,18 @@ def test_a_snapshot_leaves_out_git_and_what_gitignore_names(tmp_path):
     assert (copy / "train.py").read_text() == "train.py"
 
 
+def test_a_runs_directory_inside_the_root_is_not_copied_into_its_own_run(tmp_path, monkeypatch):
+    """`root_path: .` with AIR_MAGIC_RUNS_DIR under it: the snapshot, taken into a run directory there, leaves the
+    runs out (it copied itself into itself until the path was too long, and every earlier run with it)."""
+    src = tmp_path / "proj"
+    (src / "runs" / "20261207-old-run").mkdir(parents=True)
+    (src / "runs" / "20261207-old-run" / "rank-0.log").write_text("an earlier run")
+    (src / "train.py").write_text("train")
+    monkeypatch.setenv("AIR_MAGIC_RUNS_DIR", str(src / "runs"))
+    copy = Snapshot(src).take(src / "runs" / "20261207-new-run" / "code_source")
+    assert _tree(copy) == ["train.py"]
+
+
 def test_include_paths_copy_only_those_and_must_exist(tmp_path):
     (tmp_path / "p" / "src").mkdir(parents=True)
     (tmp_path / "p" / "src" / "a.py").write_text("a")

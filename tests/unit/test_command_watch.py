@@ -99,6 +99,7 @@ def test_the_gpu_a_rank_holds_memory_on_is_in_its_usage_and_in_get(tmp_path, mon
     alerts.close()
     (used,) = command_ranks({0: tmp_path})
     assert used["gpus"] == {"1": 3 << 30}, used
+    assert (tmp_path / "rank_0.usage.json").stat().st_mode & 0o777 == 0o600  # private, as every file of a run
 
 
 def test_the_watch_hands_its_ranks_step_times_and_usage_to_its_sink_as_mlflow_metrics(tmp_path):
