@@ -234,6 +234,33 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     assert metrics["watch/rank_0/collective_wait"] > 0.1 and "watch/rank_1/straggler_lag" in metrics, metrics
     # what each rank held while it ran (the last sample can be of a rank freeing its memory as it exits)
     assert all(highest[f"system/command_rank_{r}/memory_mib"] > 50 for r in (0, 1)), highest
+    # the run attached from Python: its handle's alerts, each under the rank named, and its record shows them
+    attached = subprocess.run(
+        [sys.executable, "-c", ATTACHED_ALERTS, run_id],
+        check=False,
+        env=cli.env,
+        cwd=cli.root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    alerts, shown = json.loads(attached.stdout)
+    assert alerts == [["straggler", 1, "compute"], ["hang", 1, "no progress"]], attached.stdout
+    assert shown, attached.stdout
+
+
+#: Attach to the ended run given: its handle's alerts [[kind, rank, cause], ...], and whether its record shows them.
+ATTACHED_ALERTS = """
+import json, sys
+import air_magic
+from air_magic.display.follow import record_of
+call = air_magic.attach(sys.argv[1], show=False)
+call.job(timeout=60)
+html = record_of(call)["text/html"]
+shown = all(a.message.split(":")[0] in html for a in call.alerts)
+print(json.dumps([[[a.kind, a.rank, a.cause] for a in call.alerts], shown]))
+"""
 
 
 def _python(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:

@@ -1,12 +1,13 @@
 """A call of another process, reached through its run directory: `air_magic.attach(ID)` and `%distributed_attach`.
 
 `AttachedCall` is a `DistributedCall` that reads the call's record and files instead of running it: its
-status follows the live record (record.py), `result()` waits for the final one and reads each rank's
-value or error from the run directory, `cancel()` leaves the cancel request the owner polls, `stop()` the
-Stop flag, and `show()` draws the live panel with every line the ranks wrote so far (display/follow.py),
-fed by a thread that follows the files. Any kernel of the same user may attach: the call's owner may be a
-detached call's process, a command-line run or another kernel. `machine_table()` is
-`%distributed_calls --all`: every call of this user on the machine. Not for: running a call (detached.py).
+status follows the live record (record.py), a command run's alerts its nodes' `alerts.jsonl` (`command_alerts`),
+`result()` waits for the final record and reads each rank's value or error from the run directory, `cancel()`
+leaves the cancel request the owner polls, `stop()` the Stop flag, and `show()` draws the live panel with every
+line the ranks wrote so far (display/follow.py), fed by a thread that follows the files. Any kernel of the same
+user may attach: the call's owner may be a detached call's process, a command-line run or another kernel.
+`machine_table()` is `%distributed_calls --all`: every call of this user on the machine. Not for: running a call
+(detached.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..job import RankState
+from ..job import Alert, RankState
+from ..launch.files import command_logs
 from ..launch.files.rundir import RunDir
 from ..listeners import RunContext
 from . import record as call_record
@@ -47,6 +49,7 @@ class AttachedCall(DistributedCall):
         for rank in range(spec.world_size):
             self.watch.states[rank] = RankState.RUNNING if self.status == call_record.RUNNING else RankState.PENDING
         self._cancel_sent = False
+        self._command = command_logs.is_command_run(path)  # its alerts are its nodes' (`command_alerts`)
         has_run_dir = getattr(self, "_has_run_dir", None)  # the run directory exists: nothing to wait for
         if has_run_dir is not None:
             has_run_dir.set()
@@ -68,9 +71,14 @@ class AttachedCall(DistributedCall):
             link = self.owner.link_of(record)  # this kernel's UI over the call's store: the owner's ends with it
             if link:
                 self.ctx.links["mlflow"] = link
+        alerts = command_alerts(self.run_dir) if self._command else []
+        if self.ctx is not None and len(alerts) > len(self.ctx.alerts):
+            self.ctx.alerts[:] = alerts  # the panel shows them at its next poll
         if self.status in call_record.LIVE:
             return False
         ended = rebuild(DistributedCall, self.run_dir)
+        if self._command:
+            ended.result_.alerts = alerts
         self.result_, self.error, self.ended = ended.result_, ended.error, record.get("ended") or time.time()
         return True
 
@@ -106,6 +114,24 @@ class AttachedCall(DistributedCall):
 
     def __repr__(self) -> str:
         return f"<DistributedCall {self.id} {self.spec.name}: {self.status}>"
+
+
+def command_alerts(path: Path) -> list[Alert]:
+    """A command run's alerts as its nodes raised them (launch/files/command_logs.py): the watch's of the ranks its
+    command started, under that rank, and the fatal lines of a node's output, under the node's first rank."""
+    per_node = int(command_logs.info(path).get("per_node") or 1)
+    found = []
+    for entry in command_logs.alerts(path):
+        kind, line, node = str(entry.get("kind")), str(entry.get("line") or ""), int(entry.get("node") or 0)
+        rank = entry.get("rank")
+        if line.startswith(command_logs.WATCH_PREFIX):
+            message = line[len(command_logs.WATCH_PREFIX) :].partition(": ")[2]
+            cause = "no progress" if kind == "hang" else "input" if "its input" in message else "compute"
+        else:
+            message, cause = f"node {node}: {kind}: {line.strip()[:300]}", "output"
+        at = rank if isinstance(rank, int) else node * per_node
+        found.append(Alert(kind, at, cause, message, float(entry.get("time") or 0.0)))
+    return found
 
 
 def shown(call: AttachedCall) -> AttachedCall:

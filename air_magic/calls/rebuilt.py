@@ -1,6 +1,6 @@
 """A call's handle rebuilt from its record (`DistributedCall.from_run_dir`, an attached call's end): its status,
-logs, exit codes, and the values or the error its ranks left. It reads `call.json` through record.py, the format's
-one owner, and writes nothing. Not for: a live call (handle.py) or following one (attached.py).
+logs, exit codes, alerts, and the values or the error its ranks left. It reads `call.json` through record.py, the
+format's one owner, and writes nothing. Not for: a live call (handle.py) or following one (attached.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AirMagicError, JobCancelledError, RankFailedError
-from ..job import JobResult, JobSpec, JobStatus, RankResult, RankState
+from ..job import Alert, JobResult, JobSpec, JobStatus, RankResult, RankState
 from ..launch.files.rank_files import outcome
 from ..launch.files.rundir import RunDir
 from .record import RECORD, load
@@ -58,6 +58,7 @@ def rebuild(cls: Any, path: Path) -> Any:
     finished = record["status"] == "finished"
     status = JobStatus.FINISHED if finished else JobStatus.FAILED if record["status"] == "failed" else JobStatus.KILLED
     result = JobResult(spec, path, ranks, status=status, elapsed=record.get("elapsed") or 0.0)
+    result.alerts = [Alert(**a) for a in record.get("alerts") or () if isinstance(a, dict)]
     if record["status"] == "cancelled":
         result.error = JobCancelledError(f"{spec.name} was cancelled. Logs of every rank are in {path}.")
     elif not finished:

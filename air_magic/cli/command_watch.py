@@ -31,13 +31,14 @@ from typing import Any
 
 from ..launch import nvml
 from ..launch.files import step_times
+from ..launch.files.command_logs import WATCH_PREFIX
 from ..launch.files.rundir import write_private
 from ..launch.tree_usage import TreeUsage
 from ..watching.detector import HANG_AFTER, Detector
 from ..watching.listener import LOG_EVERY
 from ..watching.listener import metrics as step_metrics
 from .command_rank import STACKS_SIGNAL, rank_file
-from .node_alerts import WATCH_PREFIX, NodeAlerts
+from .node_alerts import NodeAlerts
 from .watch_peers import RemoteRank, WatchPeers
 
 #: Seconds between two readings of the ranks' files.

@@ -109,14 +109,4 @@ class WorkloadDir:
         return value if isinstance(value, dict) else {}
 
     def read_alerts(self) -> list[dict[str, Any]]:
-        try:
-            lines = self.alerts.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        found = []
-        for line in lines:
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-        return found
+        return command_logs.alerts(self.path)

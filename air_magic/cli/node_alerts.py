@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..launch.files.command_logs import WATCH_PREFIX
 from ..watching.fatal_lines import kind_of
 
-#: How a watch alert starts in the node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
-WATCH_PREFIX = "air-magic: watch: "
 #: Alerts of one attempt that become tags of its MLflow run, at most.
 TAGGED = 20
 

@@ -141,6 +141,8 @@ class RankTabs:
                 self.titled(rank, tab_title(rank, state, quiet, rank in at_prompt))
 
     def badge(self, rank: int, word: str, at_prompt: set[int]) -> None:
+        if not 0 <= rank < len(self.states):
+            return  # a command's rank beyond the run's units has no tab (docs/cli.md)
         self.badges[rank] = word
         self.titled(rank, tab_title(rank, self.states[rank], self.quiet[rank], rank in at_prompt))
 

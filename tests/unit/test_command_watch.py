@@ -11,8 +11,9 @@ from pathlib import Path
 
 from air_magic.cli.command_rank import STACKS_SIGNAL
 from air_magic.cli.command_watch import CommandWatch, command_ranks
-from air_magic.cli.node_alerts import WATCH_PREFIX, NodeAlerts, alert_kind
+from air_magic.cli.node_alerts import NodeAlerts, alert_kind
 from air_magic.launch.files import step_times
+from air_magic.launch.files.command_logs import WATCH_PREFIX
 from air_magic.launch.files.step_times import Collective, RankSteps, Step
 
 
@@ -205,3 +206,23 @@ def test_a_rank_of_another_machine_is_running_while_its_node_samples_it_and_is_n
     assert command_ranks({3: tmp_path})[0]["running"]
     (tmp_path / "rank_3.usage.json").write_text(json.dumps({**usage, "time": time.time() - FRESH - 1}))
     assert not command_ranks({3: tmp_path})[0]["running"]
+
+
+def test_a_command_runs_alerts_are_its_handles_alerts_each_under_its_rank(tmp_path):
+    """`air_magic.attach(ID).alerts` of a command run (and its panel's badges) are what its nodes raised: the watch's
+    under the rank it named, with its cause; a node's fatal line under the node's first rank."""
+    from air_magic.calls.attached import command_alerts
+
+    (tmp_path / "workload.json").write_text(json.dumps({"kind": "command", "per_node": 2}))
+    node0, node1 = NodeAlerts(tmp_path / "alerts.jsonl", 0, 0), NodeAlerts(tmp_path / "alerts.jsonl", 0, 1)
+    node0.add("straggler", f"{WATCH_PREFIX}straggler: rank 1 is a straggler: 0.15 s per step, slower in its compute", 1)
+    node1.add("oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    node0.add("hang", f"{WATCH_PREFIX}hang: rank 3 hangs: no progress for 31 s", 3)
+    node0.close()
+    node1.close()
+    found = [(a.kind, a.rank, a.cause, a.message) for a in command_alerts(tmp_path)]
+    assert found == [
+        ("straggler", 1, "compute", "rank 1 is a straggler: 0.15 s per step, slower in its compute"),
+        ("oom", 2, "output", "node 1: oom: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        ("hang", 3, "no progress", "rank 3 hangs: no progress for 31 s"),
+    ]

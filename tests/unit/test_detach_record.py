@@ -64,3 +64,20 @@ def test_the_final_record_is_written_once_and_lets_the_owner_lock_go(tmp_path):
     assert call_record.read(run) == first
     loaded = call_record.load(run)
     assert loaded is not None and loaded["status"] == "failed" and not loaded.get("orphaned")
+
+
+def test_a_call_rebuilt_from_its_record_has_the_alerts_its_watch_raised(tmp_path):
+    """`DistributedCall.from_run_dir` (and an attached call's end) gives back the alerts the record keeps: a call of
+    another process named a straggler, and `attach(ID).alerts` said nothing."""
+    from air_magic.calls.handle import DistributedCall
+    from air_magic.job import Alert, JobResult, JobStatus, RankResult, RankState
+
+    run = tmp_path / "20260101-000000-train-abcdefgh"
+    run.mkdir()
+    record = call_record.CallRecord(run)
+    record.begin(_spec(), call_record.RUNNING)
+    straggler = Alert("straggler", 1, "compute", "rank 1 is a straggler: 0.15 s per step behind", 1.0e9, 0.15)
+    ranks = [RankResult(r, RankState.DONE, returncode=0, log_path=run / f"rank-{r}.log") for r in (0, 1)]
+    result = JobResult(_spec(), run, ranks, status=JobStatus.FINISHED, alerts=[straggler])
+    record.end(result, None)
+    assert DistributedCall.from_run_dir(run).alerts == [straggler]

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 ATTEMPTS = "attempts"
 INFO = "workload.json"
+#: How the line of a watch alert starts in a node's log: `air-magic: watch: straggler: rank 1 is a straggler: ...`.
+WATCH_PREFIX = "air-magic: watch: "
 #: The alerts every node of the run raised, a line each (cli/node_alerts.py).
 ALERTS = "alerts.jsonl"
 #: What a node writes in the run directory while its command runs, which a node of another machine sends back
@@ -38,13 +41,18 @@ def attempts(run_dir: Path) -> list[int]:
     return sorted(int(n) for n in found if n.isdigit())
 
 
+def info(run_dir: Path) -> dict[str, Any]:
+    """What `run` wrote of the workload (`workload.json`: its kind, ranks per node, ...); {} for another call."""
+    try:
+        value = json.loads((Path(run_dir) / INFO).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def is_command_run(run_dir: Path) -> bool:
     """The run directory is a command run's (its `workload.json` says so)."""
-    try:
-        info = json.loads((Path(run_dir) / INFO).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and info.get("kind") == "command"
+    return info(run_dir).get("kind") == "command"
 
 
 def rank_logs(run_dir: Path, attempt: int) -> dict[int, Path]:
@@ -55,3 +63,21 @@ def rank_logs(run_dir: Path, attempt: int) -> dict[int, Path]:
         if number.isdigit():
             found[int(number)] = log
     return dict(sorted(found.items()))
+
+
+def alerts(run_dir: Path) -> list[dict[str, Any]]:
+    """The alerts every node of the run raised so far, oldest first: `{"attempt", "node", "kind", "line", "time"}`,
+    with `rank` for a rank's (a line of `alerts.jsonl` each; one half written is left for the next read)."""
+    try:
+        lines = (Path(run_dir) / ALERTS).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            found.append(entry)
+    return found
