@@ -253,7 +253,8 @@ class Job:
             out["per_node"] = f"{self.nodes.per_node} x {self.nodes.accelerator_type}"
             out["command"] = self.data["command"]
             variables = ["NUM_NODES", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MLFLOW_RUN_ID"]
-            variables += ["MLFLOW_TRACKING_URI"] + (["CODE_SOURCE_PATH"] if self.code is not None else [])
+            variables += ["MLFLOW_TRACKING_URI", "POD_RANK", "IS_HOST", "LOCAL_ADDR"]  # cli/node.py node_env
+            variables += ["CODE_SOURCE_PATH"] if self.code is not None else []
             variables += ["HYPERPARAMETERS_PATH"] if self.data.get("parameters") else []
             out["variables"] = variables + list(self.data.get("env_variables") or {})
             from . import secrets

@@ -75,6 +75,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _address_towards(addr: str) -> str:
+    """This node's address on the way to `addr` (node 0): the interface a packet to it would leave from."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((addr, 9))  # a datagram socket's connect sends nothing
+            return str(sock.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
 #: The rank hook's directory (only a sitecustomize.py): first on the command's PYTHONPATH (cli/command_rank.py).
 RANK_HOOK_DIR = Path(__file__).resolve().parent / "rank_hook"
 
@@ -94,6 +104,10 @@ def node_env(
             "LOCAL_WORLD_SIZE": str(node["local_world_size"]),
             "MASTER_ADDR": node["master_addr"],
             "MASTER_PORT": str(node["master_port"]),
+            # the names the runtime's older docs also give: its node rank again, node 0 or not, its own address
+            "POD_RANK": str(node["node_rank"]),
+            "IS_HOST": "1" if int(node["node_rank"]) == 0 else "0",
+            "LOCAL_ADDR": _address_towards(node["master_addr"]),
             "MLFLOW_ENABLE_ASYNC_LOGGING": "false",  # a script's last metrics are written before it exits
         }
     )

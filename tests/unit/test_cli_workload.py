@@ -141,6 +141,9 @@ def test_a_nodes_command_gets_the_runtimes_variables_and_not_the_ranks(tmp_path)
     }
     assert env["CODE_SOURCE_PATH"] == str(tmp_path / "code_source" / "repo")
     assert env["HYPERPARAMETERS_PATH"] == str(files.hyperparameters) and env["HOME"] == "/h"
+    assert (env["POD_RANK"], env["IS_HOST"], env["LOCAL_ADDR"]) == ("0", "1", "127.0.0.1")  # the older docs' names
+    other = node_env(base, {**node, "node_rank": 1}, files, tmp_path / "code_source" / "repo")
+    assert (other["POD_RANK"], other["IS_HOST"]) == ("1", "0")
 
 
 @pytest.mark.parametrize(
