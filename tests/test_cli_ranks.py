@@ -160,8 +160,19 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
     finally:
         cli("cancel", run_id)
     # the panel of the run attached from Python: a section per torchrun rank, each with that rank's own lines
-    record = subprocess.run(
-        [sys.executable, "-c", ATTACHED, run_id],
+    record = _attached(cli, ATTACHED, run_id)
+    assert record.returncode == 0, record.stdout + record.stderr
+    sections = dict(json.loads(record.stdout))
+    assert sorted(sections) == ["0", "1"], record.stdout
+    assert "only-rank-0-says-this" in sections["0"] and "only-rank-1" not in sections["0"], sections
+    assert "only-rank-1-says-this" in sections["1"] and "after the breakpoint 42" in sections["1"], sections
+    assert "only-rank-0" not in sections["1"], sections
+
+
+def _attached(cli, script: str, run_id: str) -> subprocess.CompletedProcess[str]:
+    """`script` run by Python in the CLI's environment, with the run's id as its argument (it attaches to the run)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, run_id],
         check=False,
         env=cli.env,
         cwd=cli.root,
@@ -169,12 +180,6 @@ def test_a_torchrun_commands_ranks_have_their_logs_stacks_stop_and_breakpoint(cl
         text=True,
         timeout=120,
     )
-    assert record.returncode == 0, record.stdout + record.stderr
-    sections = dict(json.loads(record.stdout))
-    assert sorted(sections) == ["0", "1"], record.stdout
-    assert "only-rank-0-says-this" in sections["0"] and "only-rank-1" not in sections["0"], sections
-    assert "only-rank-1-says-this" in sections["1"] and "after the breakpoint 42" in sections["1"], sections
-    assert "only-rank-0" not in sections["1"], sections
 
 
 #: Attach to the run given, wait for its end, print each rank's part of its record: [[rank, html], ...].
@@ -235,15 +240,7 @@ def test_the_watch_names_a_torchrun_rank_that_straggles_then_hangs_live_in_the_r
     # what each rank held while it ran (the last sample can be of a rank freeing its memory as it exits)
     assert all(highest[f"system/command_rank_{r}/memory_mib"] > 50 for r in (0, 1)), highest
     # the run attached from Python: its handle's alerts, each under the rank named, and its record shows them
-    attached = subprocess.run(
-        [sys.executable, "-c", ATTACHED_ALERTS, run_id],
-        check=False,
-        env=cli.env,
-        cwd=cli.root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    attached = _attached(cli, ATTACHED_ALERTS, run_id)
     assert attached.returncode == 0, attached.stdout + attached.stderr
     alerts, shown = json.loads(attached.stdout)
     assert alerts == [["straggler", 1, "compute"], ["hang", 1, "no progress"]], attached.stdout
