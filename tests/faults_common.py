@@ -40,7 +40,12 @@ def assert_nothing_lost(run_dir: Path, printed: dict[int, list[str]], shown: str
     for rank, lines in printed.items():
         log = RunDir(run_dir).log(rank).read_bytes().decode("utf-8", errors="replace")
         missing = [line for line in lines if line not in log]
-        assert not missing, f"rank {rank}'s log {run_dir} lacks {missing[:3]}"
+        if missing:  # what the run directory held then, for whoever reads the failure
+            held = sorted((p.name, p.stat().st_size) for p in Path(run_dir).iterdir() if p.is_file())
+            raise AssertionError(
+                f"rank {rank}'s log {run_dir} lacks {missing[:3]}; it holds {len(log)} characters, starting "
+                f"{log[:200]!r}; the run directory holds {held}"
+            )
         if shown is not None:
             absent = [line for line in lines if f"[rank {rank}] {line}" not in shown]
             assert not absent, f"the display did not show rank {rank}'s {absent[:3]}"
