@@ -106,13 +106,18 @@ def test_a_200_mb_flood_from_one_rank_reaches_the_log_and_the_listeners_in_full(
 # -- 13. disk full ---------------------------------------------------------------------------------
 
 
+#: The small disk's size. Room for two calls' payloads: a call carries the code of every module its process imported
+#: from outside installed packages (payload.py), which in a pytest worker of the whole suite is about 1 MiB.
+TINY_MIB = 16
+
+
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A 2 MiB tmpfs to hold the run directories (skipped where mounting is not allowed)."""
+    """A TINY_MIB tmpfs to hold the run directories (skipped where mounting is not allowed)."""
     mount = tmp_path / "tiny"
     mount.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)],
+        ["mount", "-t", "tmpfs", "-o", f"size={TINY_MIB}m,mode=0700", "tmpfs", str(mount)],
         capture_output=True,
         check=False,
         text=True,
@@ -139,14 +144,14 @@ def _fills_the_disk() -> None:
                     if b"before the disk fills" in f.read():
                         break
             time.sleep(0.05)
-        for i in range(100_000):
+        for i in range(TINY_MIB * 12_000):  # 98 bytes a line: more than the disk holds
             print(f"{i:06d} " + "z" * 90)
     time.sleep(300)
 
 
 def _returns_too_much() -> bytes:
 
-    return b"r" * (3 << 20) if os.environ["RANK"] == "1" else b""
+    return b"r" * ((TINY_MIB + 1) << 20) if os.environ["RANK"] == "1" else b""
 
 
 def _fills_the_disk_then_raises(where: str) -> None:
@@ -205,7 +210,7 @@ def test_an_error_record_too_long_for_its_reserve_keeps_the_end_of_its_traceback
 def test_a_run_that_succeeds_gives_back_the_room_set_aside_for_errors(here_runs):
     """The space reserved for error records is released when ranks return: a finished run holds no reservation."""
     result = run_here(_returns_too_much)  # a small result on every rank but 1; enough room here for rank 1's
-    assert [len(r.value) for r in result.ranks] == [0, 3 << 20]
+    assert [len(r.value) for r in result.ranks] == [0, (TINY_MIB + 1) << 20]
     assert sorted(p.name for p in result.run_dir.glob("*.reserved")) == []
 
 
