@@ -11,13 +11,13 @@ from helpers import air_magic_cli, kernel_env, process_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # Ray workers register slowly on a busy machine
 
-#: Rank 1 (on node 1) computes 0.15 s longer than rank 0 (on node 0) in each of 60 steps.
+#: Rank 1 (on node 1) computes 0.15 s longer than rank 0 (on node 0) in each of 80 steps.
 TRAIN = """\
 import time
 import torch, torch.distributed as dist
 import air_magic
 dist.init_process_group("gloo")
-for step in range(60):
+for step in range(80):
     if dist.get_rank() == 1:
         time.sleep(0.15)
     dist.all_reduce(torch.ones(1))

@@ -101,10 +101,15 @@ class CommandWatch:
         return self
 
     def stop(self) -> None:
-        """End the watch; what it read last goes to the sink once more."""
+        """End the watch, once the command has ended: a last look judges the steps read last (stragglers only), and
+        what it read goes to the sink once more."""
         self._stop.set()
         if self._thread.ident is not None:
             self._thread.join(5.0)
+        try:
+            self.look(final=True)
+        except Exception:  # noqa: BLE001, S110 - a file half written at the end: what was judged before stands
+            pass
         self.send()
 
     def send(self) -> None:
@@ -154,8 +159,9 @@ class CommandWatch:
         """This node names stragglers and hangs: alone, node 0 of several, or a node that lost node 0's store."""
         return self.peers is None or self.peers.judge or self.peers.broken
 
-    def look(self) -> list[str]:
-        """Read each rank's step file once, judge, and say what is new; the lines said."""
+    def look(self, final: bool = False) -> list[str]:
+        """Read each rank's step file once, judge, and say what is new; the lines said. `final`: the ranks have
+        ended, every rank that left steps is judged, for stragglers only."""
         now, wall = time.monotonic(), time.time()
         ranks = self.ranks()
         steps = {rank: step_times.read_bytes(rank_file(self.rank_dir, rank, "steps.json")) for rank in ranks}
@@ -163,14 +169,15 @@ class CommandWatch:
             state = step_times.decode(data) if data else None
             if state is not None:
                 self.detector.update(rank, state, now)
-        running = {rank for rank, info in ranks.items() if alive(info)}
-        for rank in running:
+        running = set(ranks) if final else {rank for rank, info in ranks.items() if alive(info)}
+        for rank in running if not final else ():
             found = self.trees.sample(int(ranks[rank]["pid"]))
             if found is not None:
                 self._note_usage(rank, *found, nvml.gpu_memory_of(self.trees.last_tree))
         remote = self._meet(steps, running, ranks, now)
+        judged = self.detector.final(wall) if final else self.detector.check(now, wall, running)
         said = []
-        for alert in self.detector.check(now, wall, running) if self.judging else []:
+        for alert in judged if self.judging else []:
             message = alert.message
             if alert.kind == "hang":
                 if alert.rank in ranks:

@@ -152,6 +152,11 @@ class Detector:
         alerts += self._hangs(ranks, now, wall)
         return alerts
 
+    def final(self, wall: float) -> list[Alert]:
+        """Once the ranks have ended: new straggler alerts among every rank that left steps (no hang: they all
+        stopped), so that steps read last, or a run shorter than the readings' lag, are judged too."""
+        return self._stragglers(set(self.states), wall)
+
     def _stragglers(self, ranks: set[int], wall: float) -> list[Alert]:
         self.lags = {}
         alerts = []

@@ -226,3 +226,20 @@ def test_a_command_runs_alerts_are_its_handles_alerts_each_under_its_rank(tmp_pa
         ("oom", 2, "output", "node 1: oom: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
         ("hang", 3, "no progress", "rank 3 hangs: no progress for 31 s"),
     ]
+
+
+def test_a_straggler_seen_only_in_the_last_steps_read_is_named_when_the_watch_ends(tmp_path):
+    """The ranks ended before a look judged them (a run shorter than the readings' lag, on a busy machine): no look
+    names anything while no rank runs, and the watch's end judges the steps read last, stragglers only (a rank's
+    last state inside a collective is no hang once every rank has stopped)."""
+    for rank, (compute, collective) in {0: (0.01, 0.2), 1: (0.2, 0.01)}.items():
+        _rank(tmp_path, rank, compute, collective)
+        info = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        (tmp_path / f"rank_{rank}.json").write_text(json.dumps({**info, "pid": 2**22 + 4321}))  # no such process
+    said: list[str] = []
+    alerts = NodeAlerts(tmp_path / "alerts.jsonl", attempt=0, node=0)
+    watch = CommandWatch(tmp_path, alerts, said.append, hang_after=0.0)
+    assert watch.look() == []
+    watch.stop()
+    alerts.close()
+    assert len(said) == 1 and said[0].startswith(f"{WATCH_PREFIX}straggler: rank 1 is a straggler"), said
