@@ -120,6 +120,7 @@ class RankActor:
 
         from air_magic.envvars import INTERNAL_RUN_DIR
         from air_magic.launch.files import scratch as scratch_dirs
+        from air_magic.launch.files.node_mirror import Mirror
         from air_magic.launch.files.rundir import RunDir, write_private
 
         if not self.done.is_set() and self.calls:
@@ -136,8 +137,6 @@ class RankActor:
         self.rank, self.code, self.kept, self.calls = call.rank, None, False, self.calls + 1
         self.done.clear()
         scratch = self.scratch = RunDir.scratch(f"{job.name}-rank{call.rank}")
-        from air_magic.launch.files.node_mirror import Mirror
-
         self.mirror = Mirror(scratch.path)
         write_private(scratch.payload, payload)
         here = [p for p in self.node_path if p not in job.sys_path]
