@@ -50,9 +50,10 @@ REQUEST_LIMIT = 2.0
 _SETTLED = 0.015
 #: One process gets at most this long to write its dump, in seconds.
 _ONE_LIMIT = 1.0
-#: Stop dumps of one process closer together than this are one stop heard twice (a stop that also releases the
-#: hot ranks it stops).
-_AGAIN_AFTER = 2.0
+#: Stop dumps of one process (the same process: its start time) closer together than this, stretched by the load,
+#: are one stop heard twice (a stop that also releases the hot ranks it stops: 3 s apart on a busy machine, where
+#: the second dump, of a rank already ending, was empty and was read as where it stopped).
+_AGAIN_AFTER = 30.0
 _POLL = 0.003
 
 # The lines written around each dump, and how stack_dumps.py recognizes them.
@@ -68,7 +69,7 @@ _DUMP_SLACK = 2.0
 RANK_ROLE = "the rank"
 #: Why a dump was asked for, as the header says, when its process is about to be stopped.
 STOPPING = "before stopping it"
-_recent: dict[int, float] = {}  # pid -> when it was asked for its stacks before a stop
+_recent: dict[int, tuple[str, float]] = {}  # pid -> its start, and when it was asked for its stacks before a stop
 _installed = False
 
 
@@ -142,6 +143,15 @@ def catches(pid: int, sig: int | None = STACKS_SIGNAL) -> bool:
     return False
 
 
+def _started(pid: int) -> str:
+    """When process `pid` started, as /proc says (its `stat`'s 22nd field); "" where it cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _parent(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -194,9 +204,9 @@ def request(
     now = time.monotonic()
     stretch = patience()
     limit *= stretch
-    for pid, at in list(_recent.items()):
-        if now - at > _AGAIN_AFTER:
-            del _recent[pid]
+    for pid, (start, at) in list(_recent.items()):
+        if now - at > _AGAIN_AFTER * stretch or _started(pid) != start:
+            del _recent[pid]  # long ago, or another process under the same pid
     rank_pids = list(dict.fromkeys(ranks))
     other_pids = [p for p in dict.fromkeys(others) if p not in rank_pids]
     queues: dict[tuple[int, int], list[_Target]] = {}
@@ -355,7 +365,7 @@ def _dump_round(turn: list[_Target], why: str, deadline: float, settled: float =
             target.fd = None
             continue
         if why == STOPPING:
-            _recent[target.pid] = time.monotonic()
+            _recent[target.pid] = (_started(target.pid), time.monotonic())
         waiting[target.fd] = (before + len(header), time.monotonic())  # past this size, the dump has begun
         signalled[target.fd] = state if state is not None and not state.pending else None
         pids[target.fd] = target.pid
