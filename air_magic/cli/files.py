@@ -92,11 +92,7 @@ class WorkloadDir:
         return rank // per_node if rank % per_node == 0 else None
 
     def read_info(self) -> dict[str, Any] | None:
-        try:
-            value = json.loads(self.info.read_text())
-        except (OSError, ValueError):
-            return None
-        return value if isinstance(value, dict) else None
+        return command_logs.info(self.path) or None
 
     def write_info(self, info: dict[str, Any]) -> None:
         write_private(self.info, json.dumps(info).encode())
